@@ -1,0 +1,97 @@
+"""What both clients share: how each call maps to HTTP and how answers are decoded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from metaserver.models import (
+    Binding,
+    BindingSpec,
+    BindingState,
+    EventDetail,
+    EventIn,
+    Instance,
+    InstanceSpec,
+    Stats,
+)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    method: str
+    path: str
+    params: dict[str, str] | None = None
+    body: bytes | None = None
+    extra_timeout: float = 0.0  # long-polls stay open this much longer than the call timeout
+
+
+def put_binding(transfer_id: str, spec: BindingSpec) -> Call:
+    return Call("PUT", f"/v1/bindings/{transfer_id}", body=spec.model_dump_json().encode())
+
+
+def get_binding(transfer_id: str, wait: float | None, state: BindingState | None) -> Call:
+    params: dict[str, str] = {}
+    if wait is not None:
+        params["wait"] = repr(float(wait))
+    if state is not None:
+        params["state"] = state.value
+    return Call("GET", f"/v1/bindings/{transfer_id}", params or None, None, wait or 0.0)
+
+
+def delete_binding(transfer_id: str) -> Call:
+    return Call("DELETE", f"/v1/bindings/{transfer_id}")
+
+
+def list_bindings(state: BindingState | None, instance: str | None, limit: int) -> Call:
+    params = {"limit": str(limit)}
+    if state is not None:
+        params["state"] = state.value
+    if instance is not None:
+        params["instance"] = instance
+    return Call("GET", "/v1/bindings", params)
+
+
+def post_event(
+    transfer_id: str, state: BindingState, actor: str, detail: EventDetail | None
+) -> Call:
+    body = EventIn(state=state, actor=actor, detail=detail).model_dump_json(exclude_none=True)
+    return Call("POST", f"/v1/bindings/{transfer_id}/events", body=body.encode())
+
+
+def put_instance(instance_id: str, spec: InstanceSpec) -> Call:
+    return Call("PUT", f"/v1/instances/{instance_id}", body=spec.model_dump_json().encode())
+
+
+def get_instance(instance_id: str) -> Call:
+    return Call("GET", f"/v1/instances/{instance_id}")
+
+
+def list_instances(role: str | None) -> Call:
+    return Call("GET", "/v1/instances", None if role is None else {"role": role})
+
+
+def delete_instance(instance_id: str) -> Call:
+    return Call("DELETE", f"/v1/instances/{instance_id}")
+
+
+STATS = Call("GET", "/v1/stats")
+READY = Call("GET", "/ready")
+
+
+def decode(model: type[M], body: bytes) -> M:
+    return model.model_validate_json(body)
+
+
+def decode_list(model: type[M], key: str, body: bytes) -> list[M]:
+    import json
+
+    items: list[Any] = json.loads(body)[key]
+    return [model.model_validate(item) for item in items]
+
+
+__all__ = ["Binding", "Call", "Instance", "Stats", "decode", "decode_list"]

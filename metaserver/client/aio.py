@@ -1,0 +1,154 @@
+"""Async metaserver client (aiohttp: it sits on the proxy's data path).
+
+One pooled ``aiohttp.ClientSession`` per client; pass your own to share a pool. Every call has a
+timeout; connection errors, timeouts and 5xx are retried with backoff + jitter; 4xx raise the
+typed errors of ``metaserver.client.errors`` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import TracebackType
+
+import aiohttp
+
+from metaserver.client import _protocol as P
+from metaserver.client.errors import MetaserverUnavailable, NotFoundError, error_for_status
+from metaserver.client.retry import RetryPolicy
+from metaserver.models import (
+    Binding,
+    BindingSpec,
+    BindingState,
+    EventDetail,
+    Instance,
+    InstanceSpec,
+    Stats,
+)
+
+
+class AsyncMetaserverClient:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 5.0,
+        retry: RetryPolicy | None = None,
+        session: aiohttp.ClientSession | None = None,
+        max_connections: int = 256,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._timeout = timeout_s
+        self._retry = retry or RetryPolicy()
+        self._headers = {"content-type": "application/json"}
+        if token:
+            self._headers["authorization"] = f"Bearer {token}"
+        self._own_session = session is None
+        self._session = session
+        self._max_connections = max_connections
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self._max_connections, ttl_dns_cache=300)
+            self._session = aiohttp.ClientSession(connector=connector)
+        return self._session
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> AsyncMetaserverClient:
+        return self
+
+    async def __aexit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def send(self, call: P.Call) -> bytes:
+        """Perform one call with retries; return the body of a 2xx answer."""
+        session = self._get_session()
+        url = self.base_url + call.path
+        timeout = aiohttp.ClientTimeout(total=self._timeout + call.extra_timeout)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                async with session.request(
+                    call.method,
+                    url,
+                    params=call.params,
+                    data=call.body,
+                    headers=self._headers,
+                    timeout=timeout,
+                ) as resp:
+                    body = await resp.read()
+                    status = resp.status
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                if attempt > self._retry.retries:
+                    raise MetaserverUnavailable(
+                        f"{call.method} {url} failed after {attempt} attempts: {exc!r}"
+                    ) from exc
+            else:
+                if status < 400:
+                    return body
+                if not self._retry.retryable_status(status) or attempt > self._retry.retries:
+                    raise error_for_status(status, body, call.method, call.path)
+            await asyncio.sleep(self._retry.backoff.compute(attempt))
+
+    # ---- bindings -------------------------------------------------------------------------
+    async def put_binding(self, transfer_id: str, spec: BindingSpec) -> Binding:
+        return P.decode(Binding, await self.send(P.put_binding(transfer_id, spec)))
+
+    async def get_binding(
+        self, transfer_id: str, *, wait: float | None = None, state: BindingState | None = None
+    ) -> Binding:
+        """Read a binding. With ``wait``, long-poll until it exists (or reaches ``state``);
+        raises ``NotFoundError`` if it still does not exist; on a wait that timed out with the
+        binding present, returns it as it is (check ``.state``)."""
+        return P.decode(Binding, await self.send(P.get_binding(transfer_id, wait, state)))
+
+    async def find_binding(self, transfer_id: str) -> Binding | None:
+        try:
+            return await self.get_binding(transfer_id)
+        except NotFoundError:
+            return None
+
+    async def delete_binding(self, transfer_id: str) -> None:
+        await self.send(P.delete_binding(transfer_id))
+
+    async def list_bindings(
+        self, *, state: BindingState | None = None, instance: str | None = None, limit: int = 100
+    ) -> list[Binding]:
+        body = await self.send(P.list_bindings(state, instance, limit))
+        return P.decode_list(Binding, "bindings", body)
+
+    async def post_event(
+        self, transfer_id: str, state: BindingState, actor: str, detail: EventDetail | None = None
+    ) -> Binding:
+        return P.decode(Binding, await self.send(P.post_event(transfer_id, state, actor, detail)))
+
+    # ---- instances ------------------------------------------------------------------------
+    async def put_instance(self, instance_id: str, spec: InstanceSpec) -> Instance:
+        return P.decode(Instance, await self.send(P.put_instance(instance_id, spec)))
+
+    async def get_instance(self, instance_id: str) -> Instance:
+        return P.decode(Instance, await self.send(P.get_instance(instance_id)))
+
+    async def list_instances(self, role: str | None = None) -> list[Instance]:
+        return P.decode_list(Instance, "instances", await self.send(P.list_instances(role)))
+
+    async def delete_instance(self, instance_id: str) -> None:
+        await self.send(P.delete_instance(instance_id))
+
+    # ---- operations -----------------------------------------------------------------------
+    async def stats(self) -> Stats:
+        return P.decode(Stats, await self.send(P.STATS))
+
+    async def ready(self) -> bool:
+        try:
+            await self.send(P.READY)
+        except (MetaserverUnavailable, Exception):
+            return False
+        return True

@@ -1,0 +1,34 @@
+"""Metaserver settings (``PD_METASERVER_*`` environment variables, YAML file, CLI flags)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, SecretStr
+from pydantic_settings import SettingsConfigDict
+
+from metaserver.settings import LayeredSettings, redact_url
+
+
+class MetaserverSettings(LayeredSettings):
+    model_config = SettingsConfigDict(env_prefix="PD_METASERVER_", extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8300, ge=0, le=65535)
+    store: str = Field("memory", description="'memory' or a redis:// URL")
+    namespace: str = Field(
+        "pdgate", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Redis key prefix"
+    )
+    token: SecretStr | None = Field(None, description="bearer token required for writes")
+    protect_reads: bool = Field(False, description="require the token for reads too")
+    binding_ttl_s: float = Field(600.0, gt=0, description="lifetime of an unfinished binding")
+    retain_s: float = Field(900.0, gt=0, description="how long done/failed/aborted bindings stay")
+    instance_ttl_s: float = Field(30.0, gt=0, description="default heartbeat TTL of instances")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="request bodies above this get 413")
+    max_wait_s: float = Field(120.0, gt=0, le=3600, description="cap of ?wait= on long-polls")
+    stats_scan_limit: int = Field(10_000, ge=1, description="bindings scanned by /v1/stats")
+    log_level: str = Field("info", pattern=r"^(debug|info|warning|error)$")
+
+    def __repr_args__(self) -> Any:
+        for key, value in super().__repr_args__():
+            yield key, (redact_url(value) if key == "store" else value)

@@ -1,0 +1,39 @@
+"""What every route needs, held on ``app.state.ctx``: settings, store, metrics, clock."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from metaserver.config import MetaserverSettings
+from metaserver.errors import Unauthorized
+from metaserver.metrics import Metrics
+from metaserver.store import Store
+
+
+@dataclass
+class Context:
+    settings: MetaserverSettings
+    store: Store
+    metrics: Metrics
+    clock: Callable[[], float]
+
+    def __post_init__(self) -> None:
+        token = self.settings.token
+        self._expected = None if token is None else f"Bearer {token.get_secret_value()}".encode()
+
+    def authorize(self, request: Request, *, write: bool) -> None:
+        """Writes need the token whenever one is configured; reads only with protect_reads."""
+        if self._expected is None or (not write and not self.settings.protect_reads):
+            return
+        got = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(got, self._expected):
+            raise Unauthorized("missing or wrong bearer token")
+
+
+def ctx(request: Request) -> Context:
+    context: Context = request.app.state.ctx
+    return context

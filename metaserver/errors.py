@@ -1,0 +1,44 @@
+"""The metaserver's exception tree; ``app.install_error_handlers`` maps it to HTTP status once.
+
+MetaserverError
+├── NotFound              404
+├── Conflict              409  (different content for an existing id, illegal state change)
+├── Unprocessable         422  (valid JSON, unacceptable meaning: unknown decode instance …)
+├── Unauthorized          401
+├── PayloadTooLarge       413
+└── StoreUnavailable      503  (Redis down or too slow; retry later)
+"""
+
+from __future__ import annotations
+
+
+class MetaserverError(Exception):
+    status_code = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class NotFound(MetaserverError):
+    status_code = 404
+
+
+class Conflict(MetaserverError):
+    status_code = 409
+
+
+class Unprocessable(MetaserverError):
+    status_code = 422
+
+
+class Unauthorized(MetaserverError):
+    status_code = 401
+
+
+class PayloadTooLarge(MetaserverError):
+    status_code = 413
+
+
+class StoreUnavailable(MetaserverError):
+    status_code = 503

@@ -1,0 +1,163 @@
+"""Wire models of the metaserver's HTTP API (validated once, at the edge).
+
+A *binding* says where the prefill instance must push the KV of one transfer: which decode
+instance, its KV endpoint and the block ids it allocated. An *instance* is a vLLM server that
+registered itself (and keeps heartbeating) so that bindings may point at it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TRANSFER_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+INSTANCE_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+
+MAX_KV_GROUPS = 16
+MAX_BLOCKS_PER_GROUP = 65_536
+MAX_TP_SIZE = 1024
+
+Name = Annotated[str, Field(min_length=1, max_length=256)]
+Host = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._:\[\]-]+$")]
+Port = Annotated[int, Field(ge=1, le=65535)]
+BlockId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BindingState(enum.StrEnum):
+    BOUND = "bound"
+    PREFILL_STARTED = "prefill_started"
+    PUSHING = "pushing"
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+    @property
+    def rank(self) -> int:
+        return _RANK[self]
+
+    @property
+    def terminal(self) -> bool:
+        return _RANK[self] == 3
+
+
+_RANK = {
+    BindingState.BOUND: 0,
+    BindingState.PREFILL_STARTED: 1,
+    BindingState.PUSHING: 2,
+    BindingState.DONE: 3,
+    BindingState.FAILED: 3,
+    BindingState.ABORTED: 3,
+}
+
+
+class KVEndpoint(_Strict):
+    """Where a decode instance's KV side channel listens (rank r uses ``port + r``)."""
+
+    host: Host
+    port: Port
+
+
+class BindingSpec(_Strict):
+    """What the decode instance writes when it has allocated blocks for a transfer."""
+
+    request_id: Name = Field(description="vLLM request id on the decode instance")
+    decode_instance_id: Annotated[str, Field(pattern=INSTANCE_ID_PATTERN)]
+    engine_id: Name
+    kv_endpoint: KVEndpoint
+    tp_size: Annotated[int, Field(ge=1, le=MAX_TP_SIZE)] = 1
+    tp_rank_offset: Annotated[int, Field(ge=0, le=MAX_TP_SIZE * 64)] = Field(
+        default=0, description="first global rank of this instance's TP group (dp_rank * tp_size)"
+    )
+    num_kv_heads: Annotated[int, Field(ge=1, le=4096)] | None = None
+    use_mla: bool = False
+    block_size: Annotated[int, Field(ge=1, le=4096)]
+    block_ids: Annotated[
+        list[Annotated[list[BlockId], Field(max_length=MAX_BLOCKS_PER_GROUP)]],
+        Field(min_length=1, max_length=MAX_KV_GROUPS),
+    ] = Field(description="block ids allocated on D, one list per KV cache group")
+    num_cached_tokens: Annotated[int, Field(ge=0)] = Field(
+        default=0, description="prompt tokens D already holds (prefix cache); P skips them"
+    )
+    num_prompt_tokens: Annotated[int, Field(ge=1, le=2**24)]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BindingSpec:
+        if self.num_cached_tokens > self.num_prompt_tokens:
+            raise ValueError("num_cached_tokens cannot exceed num_prompt_tokens")
+        needed = -(-self.num_prompt_tokens // self.block_size)
+        for group in self.block_ids:
+            if len(group) > needed:
+                raise ValueError(
+                    f"{len(group)} block ids for {self.num_prompt_tokens} tokens "
+                    f"at block_size {self.block_size} (at most {needed})"
+                )
+        return self
+
+
+class EventDetail(_Strict):
+    bytes_pushed: Annotated[int, Field(ge=0)] | None = None
+    blocks_pushed: Annotated[int, Field(ge=0)] | None = None
+    error: Annotated[str, Field(max_length=4096)] | None = None
+    message: Annotated[str, Field(max_length=1024)] | None = None
+
+
+class EventIn(_Strict):
+    state: BindingState
+    actor: Annotated[str, Field(min_length=1, max_length=128)]
+    detail: EventDetail | None = None
+
+
+class Event(_Strict):
+    state: BindingState
+    actor: str
+    at: float
+    detail: EventDetail | None = None
+
+
+class Binding(BindingSpec):
+    """A binding as the metaserver returns it."""
+
+    transfer_id: str
+    state: BindingState
+    created_at: float
+    updated_at: float
+    events: list[Event]
+
+
+class InstanceRole(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+
+class InstanceSpec(_Strict):
+    role: InstanceRole
+    url: Annotated[str, Field(min_length=1, max_length=512, pattern=r"^https?://[^\s]+$")]
+    kv_endpoint: KVEndpoint | None = None
+    model: Annotated[str, Field(max_length=512)] | None = None
+    tp_size: Annotated[int, Field(ge=1, le=MAX_TP_SIZE)] = 1
+    version: Annotated[str, Field(max_length=128)] | None = None
+    ttl_s: Annotated[float, Field(gt=0, le=86_400)] | None = Field(
+        default=None, description="heartbeat TTL; the server default when omitted"
+    )
+
+
+class Instance(InstanceSpec):
+    instance_id: str
+    registered_at: float
+    last_heartbeat: float
+    expires_at: float
+
+
+class Stats(BaseModel):
+    bindings_by_state: dict[str, int]
+    bindings_scanned: int
+    bound_to_done_ms: dict[str, float | None]
+    bound_to_done_samples: int
+    instances_by_role: dict[str, int]

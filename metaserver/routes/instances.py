@@ -1,0 +1,75 @@
+"""``/v1/instances``: vLLM servers that registered (and heartbeat) so bindings may name them."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request, Response
+
+from metaserver.context import ctx
+from metaserver.errors import NotFound
+from metaserver.models import INSTANCE_ID_PATTERN, Instance, InstanceRole, InstanceSpec
+from metaserver.responses import json_bytes, json_list
+from metaserver.store.base import PutOutcome
+from metaserver.validation import parse_body
+
+router = APIRouter(prefix="/v1/instances", tags=["instances"])
+InstanceId = Annotated[str, Path(pattern=INSTANCE_ID_PATTERN)]
+_SPEC = {"$ref": "#/components/schemas/InstanceSpec"}
+
+
+@router.put(
+    "/{instance_id}",
+    status_code=201,
+    responses={
+        200: {"model": Instance, "description": "heartbeat of a known instance"},
+        201: {"model": Instance},
+    },
+    openapi_extra={
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _SPEC}}},
+        "security": [{"bearer": []}],
+    },
+    summary="Register an instance, or heartbeat it (same call); expires after its TTL",
+)
+async def put_instance(request: Request, instance_id: InstanceId) -> Response:
+    c = ctx(request)
+    c.authorize(request, write=True)
+    spec = parse_body(InstanceSpec, await request.body())
+    kv = None if spec.kv_endpoint is None else (spec.kv_endpoint.host, spec.kv_endpoint.port)
+    ttl = spec.ttl_s if spec.ttl_s is not None else c.settings.instance_ttl_s
+    outcome, record = await c.store.put_instance(
+        instance_id, spec.model_dump_json().encode(), spec.role.value, kv, ttl, c.clock()
+    )
+    return json_bytes(record.to_json(), 201 if outcome is PutOutcome.CREATED else 200)
+
+
+@router.get("/{instance_id}", responses={200: {"model": Instance}, 404: {}})
+async def get_instance(request: Request, instance_id: InstanceId) -> Response:
+    c = ctx(request)
+    c.authorize(request, write=False)
+    record = await c.store.get_instance(instance_id)
+    if record is None:
+        raise NotFound(f"instance {instance_id} not registered")
+    return json_bytes(record.to_json())
+
+
+@router.get("", summary="Live instances (TTL not lapsed)")
+async def list_instances(request: Request, role: InstanceRole | None = None) -> Response:
+    c = ctx(request)
+    c.authorize(request, write=False)
+    records = await c.store.list_instances(None if role is None else role.value)
+    return json_list("instances", (r.to_json() for r in records))
+
+
+@router.delete(
+    "/{instance_id}",
+    status_code=204,
+    responses={404: {}},
+    openapi_extra={"security": [{"bearer": []}]},
+)
+async def delete_instance(request: Request, instance_id: InstanceId) -> Response:
+    c = ctx(request)
+    c.authorize(request, write=True)
+    if not await c.store.delete_instance(instance_id):
+        raise NotFound(f"instance {instance_id} not registered")
+    return Response(status_code=204)

@@ -1,0 +1,56 @@
+"""Operations: ``/health``, ``/ready``, ``/metrics``, ``/v1/stats``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from metaserver.context import ctx
+from metaserver.models import BindingState, Stats
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/health", summary="The process is up (does not touch the store)")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/ready", summary="The store answers; 503 otherwise", responses={503: {}})
+async def ready(request: Request) -> dict[str, str]:
+    c = ctx(request)
+    await c.store.ping()
+    return {"status": "ready", "store": c.store.description}
+
+
+@router.get("/metrics", summary="Prometheus metrics")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(ctx(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    k = (len(sorted_values) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+
+
+@router.get("/v1/stats", response_model=Stats, summary="Bindings by state, bound→done latency")
+async def stats(request: Request) -> Stats:
+    c = ctx(request)
+    c.authorize(request, write=False)
+    raw = await c.store.stats(c.settings.stats_scan_limit)
+    lat = sorted(x * 1000 for x in raw.done_latencies_s)
+    pct: dict[str, float | None] = {}
+    for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+        value = percentile(lat, q)
+        pct[name] = None if value is None else round(value, 3)
+    return Stats(
+        bindings_by_state={s.value: raw.by_state.get(s.value, 0) for s in BindingState},
+        bindings_scanned=raw.scanned,
+        bound_to_done_ms=pct,
+        bound_to_done_samples=len(lat),
+        instances_by_role=raw.instances_by_role,
+    )

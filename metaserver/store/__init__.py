@@ -1,0 +1,20 @@
+"""Stores behind one interface: ``create_store("memory")`` or ``create_store("redis://…")``."""
+
+from __future__ import annotations
+
+from metaserver.store.base import Store, StoredBinding, StoredInstance
+from metaserver.store.memory import MemoryStore
+
+__all__ = ["MemoryStore", "Store", "StoredBinding", "StoredInstance", "create_store"]
+
+
+def create_store(
+    url: str, *, namespace: str = "pdgate", binding_ttl_s: float = 600.0, retain_s: float = 900.0
+) -> Store:
+    if url in ("memory", "memory://"):
+        return MemoryStore(binding_ttl_s=binding_ttl_s, retain_s=retain_s)
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from metaserver.store.redis import RedisStore
+
+        return RedisStore(url, namespace=namespace, binding_ttl_s=binding_ttl_s, retain_s=retain_s)
+    raise ValueError(f"unknown store {url!r}: use 'memory' or a redis:// URL")

@@ -1,0 +1,254 @@
+"""The ``Store`` interface: everything the HTTP layer needs from persistence.
+
+Records are kept as pre-serialised JSON pieces so a read never re-encodes: a binding is its
+canonical spec JSON (as validated at the edge) plus state, times and an event list.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+import json
+from dataclasses import dataclass
+
+from metaserver.models import BindingState
+
+# Past this many events, consecutive ``pushing`` events are folded into the last one.
+MAX_EVENTS = 64
+
+
+class PutOutcome(enum.Enum):
+    CREATED = "created"
+    SAME = "same"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBinding:
+    transfer_id: str
+    spec_json: bytes
+    state: BindingState
+    decode_instance_id: str
+    created_at: float
+    updated_at: float
+    events: tuple[bytes, ...]
+
+    def to_json(self) -> bytes:
+        head = (
+            f'{{"transfer_id":"{self.transfer_id}","state":"{self.state.value}",'
+            f'"created_at":{self.created_at!r},"updated_at":{self.updated_at!r},'
+        ).encode()
+        return head + self.spec_json[1:-1] + b',"events":[' + b",".join(self.events) + b"]}"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredInstance:
+    instance_id: str
+    spec_json: bytes
+    role: str
+    registered_at: float
+    last_heartbeat: float
+    expires_at: float
+
+    def to_json(self) -> bytes:
+        head = (
+            f'{{"instance_id":"{self.instance_id}","registered_at":{self.registered_at!r},'
+            f'"last_heartbeat":{self.last_heartbeat!r},"expires_at":{self.expires_at!r},'
+        ).encode()
+        return head + self.spec_json[1:-1] + b"}"
+
+
+@dataclass(frozen=True, slots=True)
+class BindingPut:
+    """A validated PUT, with the fields the store must check atomically."""
+
+    transfer_id: str
+    spec_json: bytes
+    decode_instance_id: str
+    kv_host: str
+    kv_port: int
+    event_json: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    by_state: dict[str, int]
+    scanned: int
+    done_latencies_s: list[float]
+    instances_by_role: dict[str, int]
+
+
+def event_json(state: BindingState, actor: str, at: float, detail_json: bytes | None) -> bytes:
+    body = f'{{"state":"{state.value}","actor":{json.dumps(actor)},"at":{at!r},"detail":'
+    return body.encode() + (detail_json or b"null") + b"}"
+
+
+def check_transition(current: BindingState, new: BindingState) -> str:
+    """Return ``"apply"``, ``"duplicate"`` or ``"conflict"`` for a state change.
+
+    States only move forward (bound → prefill_started → pushing → done|failed|aborted, steps may
+    be skipped); ``pushing`` may repeat to report progress; re-sending the current state is an
+    idempotent duplicate; nothing leaves a terminal state.
+    """
+    if current.terminal:
+        return "duplicate" if new is current else "conflict"
+    if new is current:
+        return "apply" if new is BindingState.PUSHING else "duplicate"
+    return "apply" if new.rank > current.rank else "conflict"
+
+
+class Store(abc.ABC):
+    """Persistence for bindings and instances. Implementations raise ``StoreUnavailable``
+    when their backend cannot be reached, ``Conflict``/``Unprocessable``/``NotFound`` for
+    requests that are wrong whatever the backend's health."""
+
+    description: str = "store"
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Open connections and background tasks."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release everything ``start`` opened."""
+
+    @abc.abstractmethod
+    async def ping(self) -> None: ...
+
+    # bindings
+    @abc.abstractmethod
+    async def put_binding(
+        self, put: BindingPut, now: float
+    ) -> tuple[PutOutcome, StoredBinding]: ...
+
+    @abc.abstractmethod
+    async def get_binding(self, transfer_id: str) -> StoredBinding | None: ...
+
+    @abc.abstractmethod
+    async def delete_binding(self, transfer_id: str) -> bool: ...
+
+    @abc.abstractmethod
+    async def list_bindings(
+        self, *, state: BindingState | None, instance_id: str | None, limit: int
+    ) -> list[StoredBinding]: ...
+
+    @abc.abstractmethod
+    async def add_event(
+        self, transfer_id: str, state: BindingState, event_json: bytes, now: float
+    ) -> StoredBinding: ...
+
+    # instances
+    @abc.abstractmethod
+    async def put_instance(
+        self,
+        instance_id: str,
+        spec_json: bytes,
+        role: str,
+        kv: tuple[str, int] | None,
+        ttl_s: float,
+        now: float,
+    ) -> tuple[PutOutcome, StoredInstance]: ...
+
+    @abc.abstractmethod
+    async def get_instance(self, instance_id: str) -> StoredInstance | None: ...
+
+    @abc.abstractmethod
+    async def list_instances(self, role: str | None) -> list[StoredInstance]: ...
+
+    @abc.abstractmethod
+    async def delete_instance(self, instance_id: str) -> bool: ...
+
+    @abc.abstractmethod
+    async def stats(self, scan_limit: int) -> StoreStats: ...
+
+    # change notification (long-poll)
+    @abc.abstractmethod
+    def changes(self, transfer_id: str) -> ChangeSubscription: ...
+
+
+class ChangeSubscription(abc.ABC):
+    """Wakes a waiter when a binding may have changed. Use as an async context manager, then
+    ``await sub.wait(timeout_s)`` (returns False on timeout). Wakeups may be spurious: always
+    re-read the record."""
+
+    async def __aenter__(self) -> ChangeSubscription:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    @abc.abstractmethod
+    async def wait(self, timeout_s: float) -> bool: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class LocalWaiters:
+    """transfer_id → events of the waiters in this process; fed by the store's notifications."""
+
+    def __init__(self) -> None:
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+
+    def subscribe(self, transfer_id: str) -> _LocalSubscription:
+        return _LocalSubscription(self, transfer_id)
+
+    def notify(self, transfer_id: str) -> None:
+        for event in self._waiters.get(transfer_id, ()):
+            event.set()
+
+    def notify_all(self) -> None:
+        for events in self._waiters.values():
+            for event in events:
+                event.set()
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._waiters.values())
+
+    def _add(self, transfer_id: str, event: asyncio.Event) -> None:
+        self._waiters.setdefault(transfer_id, set()).add(event)
+
+    def _remove(self, transfer_id: str, event: asyncio.Event) -> None:
+        events = self._waiters.get(transfer_id)
+        if events is not None:
+            events.discard(event)
+            if not events:
+                del self._waiters[transfer_id]
+
+
+class _LocalSubscription(ChangeSubscription):
+    def __init__(self, registry: LocalWaiters, transfer_id: str) -> None:
+        self._registry = registry
+        self._transfer_id = transfer_id
+        self._event = asyncio.Event()
+        registry._add(transfer_id, self._event)
+
+    async def wait(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._event.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        self._event.clear()
+        return True
+
+    def close(self) -> None:
+        self._registry._remove(self._transfer_id, self._event)
+
+
+def decode_instance_problem(
+    put: BindingPut, found: tuple[str, tuple[str, int] | None] | None
+) -> str | None:
+    """The one rule both stores enforce: a binding may only point at a live, registered decode
+    instance, at the KV endpoint that instance registered. This is what stops KV from being
+    pushed to an address chosen by whoever writes the binding."""
+    if found is None:
+        return f"decode instance {put.decode_instance_id!r} is not registered (or its TTL lapsed)"
+    role, kv = found
+    if role == "prefill":
+        return f"instance {put.decode_instance_id!r} is registered as prefill-only"
+    if kv is None:
+        return f"instance {put.decode_instance_id!r} registered no kv_endpoint"
+    if kv != (put.kv_host, put.kv_port):
+        return (
+            f"kv_endpoint {put.kv_host}:{put.kv_port} does not match the one instance "
+            f"{put.decode_instance_id!r} registered ({kv[0]}:{kv[1]})"
+        )
+    return None

@@ -1,0 +1,217 @@
+"""In-process store: the embedded default for a single metaserver process (and for tests).
+
+Expiry is lazy (checked on access) plus a sweep every few hundred writes, so memory stays bounded
+by the live records. Not shared between processes: use Redis for replicas.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from metaserver.errors import Conflict, NotFound, Unprocessable
+from metaserver.models import BindingState
+from metaserver.store.base import (
+    MAX_EVENTS,
+    BindingPut,
+    ChangeSubscription,
+    LocalWaiters,
+    PutOutcome,
+    Store,
+    StoredBinding,
+    StoredInstance,
+    StoreStats,
+    check_transition,
+    decode_instance_problem,
+)
+
+Clock = Callable[[], float]
+_SWEEP_EVERY = 512
+_LATENCY_SAMPLES = 1000
+
+
+@dataclass(slots=True)
+class _Instance:
+    record: StoredInstance
+    kv: tuple[str, int] | None
+    expires: float
+
+
+@dataclass(slots=True)
+class _Binding:
+    record: StoredBinding
+    expires: float
+    events: list[bytes] = field(default_factory=list)
+
+
+class MemoryStore(Store):
+    description = "memory"
+
+    def __init__(self, *, binding_ttl_s: float, retain_s: float, clock: Clock = time.time) -> None:
+        self._binding_ttl = binding_ttl_s
+        self._retain = retain_s
+        self._clock = clock
+        self._bindings: dict[str, _Binding] = {}
+        self._instances: dict[str, _Instance] = {}
+        self._latencies: deque[float] = deque(maxlen=_LATENCY_SAMPLES)
+        self._writes = 0
+        self._waiters = LocalWaiters()
+
+    async def ping(self) -> None:
+        return None
+
+    # ---- bindings -------------------------------------------------------------------------
+    def _live_binding(self, transfer_id: str) -> _Binding | None:
+        entry = self._bindings.get(transfer_id)
+        if entry is not None and entry.expires <= self._clock():
+            del self._bindings[transfer_id]
+            return None
+        return entry
+
+    def _live_instance(self, instance_id: str) -> _Instance | None:
+        entry = self._instances.get(instance_id)
+        if entry is not None and entry.expires <= self._clock():
+            del self._instances[instance_id]
+            return None
+        return entry
+
+    def _sweep(self) -> None:
+        self._writes += 1
+        if self._writes % _SWEEP_EVERY:
+            return
+        now = self._clock()
+        for key in [k for k, v in self._bindings.items() if v.expires <= now]:
+            del self._bindings[key]
+        for key in [k for k, v in self._instances.items() if v.expires <= now]:
+            del self._instances[key]
+
+    async def put_binding(self, put: BindingPut, now: float) -> tuple[PutOutcome, StoredBinding]:
+        existing = self._live_binding(put.transfer_id)
+        if existing is not None:
+            if existing.record.spec_json == put.spec_json:
+                return PutOutcome.SAME, existing.record
+            raise Conflict(f"binding {put.transfer_id} exists with different content")
+        instance = self._live_instance(put.decode_instance_id)
+        problem = decode_instance_problem(
+            put, None if instance is None else (instance.record.role, instance.kv)
+        )
+        if problem is not None:
+            raise Unprocessable(problem)
+        record = StoredBinding(
+            transfer_id=put.transfer_id,
+            spec_json=put.spec_json,
+            state=BindingState.BOUND,
+            decode_instance_id=put.decode_instance_id,
+            created_at=now,
+            updated_at=now,
+            events=(put.event_json,),
+        )
+        self._bindings[put.transfer_id] = _Binding(
+            record, self._clock() + self._binding_ttl, [put.event_json]
+        )
+        self._sweep()
+        self._waiters.notify(put.transfer_id)
+        return PutOutcome.CREATED, record
+
+    async def get_binding(self, transfer_id: str) -> StoredBinding | None:
+        entry = self._live_binding(transfer_id)
+        return None if entry is None else entry.record
+
+    async def delete_binding(self, transfer_id: str) -> bool:
+        found = self._live_binding(transfer_id) is not None
+        self._bindings.pop(transfer_id, None)
+        if found:
+            self._waiters.notify(transfer_id)
+        return found
+
+    async def list_bindings(
+        self, *, state: BindingState | None, instance_id: str | None, limit: int
+    ) -> list[StoredBinding]:
+        now = self._clock()
+        out: list[StoredBinding] = []
+        for entry in reversed(self._bindings.values()):
+            if entry.expires <= now:
+                continue
+            rec = entry.record
+            if state is not None and rec.state is not state:
+                continue
+            if instance_id is not None and rec.decode_instance_id != instance_id:
+                continue
+            out.append(rec)
+        out.sort(key=lambda r: r.created_at, reverse=True)
+        return out[:limit]
+
+    async def add_event(
+        self, transfer_id: str, state: BindingState, event_json: bytes, now: float
+    ) -> StoredBinding:
+        entry = self._live_binding(transfer_id)
+        if entry is None:
+            raise NotFound(f"binding {transfer_id} not found")
+        verdict = check_transition(entry.record.state, state)
+        if verdict == "conflict":
+            raise Conflict(
+                f"binding {transfer_id} is {entry.record.state.value}; cannot become {state.value}"
+            )
+        if verdict == "duplicate":
+            return entry.record
+        events = entry.events
+        if (
+            len(events) >= MAX_EVENTS
+            and state is BindingState.PUSHING
+            and (entry.record.state is BindingState.PUSHING)
+        ):
+            events[-1] = event_json
+        else:
+            events.append(event_json)
+        entry.record = replace(entry.record, state=state, updated_at=now, events=tuple(events))
+        ttl = self._retain if state.terminal else self._binding_ttl
+        entry.expires = self._clock() + ttl
+        if state is BindingState.DONE:
+            self._latencies.append(now - entry.record.created_at)
+        self._waiters.notify(transfer_id)
+        return entry.record
+
+    # ---- instances ------------------------------------------------------------------------
+    async def put_instance(
+        self,
+        instance_id: str,
+        spec_json: bytes,
+        role: str,
+        kv: tuple[str, int] | None,
+        ttl_s: float,
+        now: float,
+    ) -> tuple[PutOutcome, StoredInstance]:
+        existing = self._live_instance(instance_id)
+        registered = now if existing is None else existing.record.registered_at
+        record = StoredInstance(instance_id, spec_json, role, registered, now, now + ttl_s)
+        self._instances[instance_id] = _Instance(record, kv, self._clock() + ttl_s)
+        self._sweep()
+        return (PutOutcome.CREATED if existing is None else PutOutcome.SAME), record
+
+    async def get_instance(self, instance_id: str) -> StoredInstance | None:
+        entry = self._live_instance(instance_id)
+        return None if entry is None else entry.record
+
+    async def list_instances(self, role: str | None) -> list[StoredInstance]:
+        out = []
+        for key in list(self._instances):
+            entry = self._live_instance(key)
+            if entry is not None and (role is None or entry.record.role == role):
+                out.append(entry.record)
+        return sorted(out, key=lambda r: r.instance_id)
+
+    async def delete_instance(self, instance_id: str) -> bool:
+        found = self._live_instance(instance_id) is not None
+        self._instances.pop(instance_id, None)
+        return found
+
+    async def stats(self, scan_limit: int) -> StoreStats:
+        recent = await self.list_bindings(state=None, instance_id=None, limit=scan_limit)
+        by_state = Counter(r.state.value for r in recent)
+        roles = Counter(r.role for r in await self.list_instances(None))
+        return StoreStats(dict(by_state), len(recent), list(self._latencies), dict(roles))
+
+    def changes(self, transfer_id: str) -> ChangeSubscription:
+        return self._waiters.subscribe(transfer_id)

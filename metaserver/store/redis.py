@@ -1,0 +1,374 @@
+"""Redis store: shared state for any number of stateless metaserver replicas.
+
+* Keys live under one namespace (``<ns>:b:<id>`` binding hash, ``<ns>:e:<id>`` its events,
+  ``<ns>:bidx`` creation index, ``<ns>:i:<id>`` instances, ``<ns>:iidx``, ``<ns>:lat``).
+* TTLs are Redis's own (PEXPIRE), so records expire even when no metaserver runs.
+* Each write is one Lua script: check, change, publish — atomic across replicas.
+* Connection errors are retried with exponential backoff + jitter inside redis-py; if Redis stays
+  unreachable the call raises ``StoreUnavailable`` (HTTP 503) and later calls recover by
+  themselves once Redis is back.
+* Long-polls: one pub/sub connection per process listens on ``<ns>:changes`` and wakes local
+  waiters; after a reconnect every waiter is woken to re-read (no change is missed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from metaserver.errors import Conflict, NotFound, StoreUnavailable, Unprocessable
+from metaserver.models import BindingState
+from metaserver.store import redis_scripts as lua
+from metaserver.store.base import (
+    MAX_EVENTS,
+    BindingPut,
+    ChangeSubscription,
+    LocalWaiters,
+    PutOutcome,
+    Store,
+    StoredBinding,
+    StoredInstance,
+    StoreStats,
+    decode_instance_problem,
+)
+
+log = logging.getLogger("pdgate.metaserver.redis")
+_LATENCY_SAMPLES = 1000
+_LIST_PAGE = 256
+
+
+class RedisStore(Store):
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str,
+        binding_ttl_s: float,
+        retain_s: float,
+        max_connections: int = 64,
+        retries: int = 3,
+        socket_timeout_s: float = 2.0,
+    ) -> None:
+        self.description = f"redis ({_redact(url)}, namespace {namespace!r})"
+        self._ns = namespace
+        self._ttl_ms = str(int(binding_ttl_s * 1000))
+        self._retain_ms = str(int(retain_s * 1000))
+        self._max_age_s = binding_ttl_s + retain_s
+        self._channel = f"{namespace}:changes"
+        retry = Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.25), retries)
+        self._pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=socket_timeout_s,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            retry=retry,
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+            health_check_interval=10,
+        )
+        self._r = aioredis.Redis(connection_pool=self._pool)
+        self._put_binding = self._r.register_script(lua.PUT_BINDING)
+        self._add_event = self._r.register_script(lua.ADD_EVENT)
+        self._read_binding = self._r.register_script(lua.READ_BINDING)
+        self._delete_binding = self._r.register_script(lua.DELETE_BINDING)
+        self._put_instance = self._r.register_script(lua.PUT_INSTANCE)
+        self._waiters = LocalWaiters()
+        self._listener: asyncio.Task[None] | None = None
+        self.subscribed = asyncio.Event()
+
+    # ---- keys -----------------------------------------------------------------------------
+    def _bkey(self, transfer_id: str) -> str:
+        return f"{self._ns}:b:{transfer_id}"
+
+    def _ekey(self, transfer_id: str) -> str:
+        return f"{self._ns}:e:{transfer_id}"
+
+    def _ikey(self, instance_id: str) -> str:
+        return f"{self._ns}:i:{instance_id}"
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._listener = asyncio.create_task(self._listen(), name="metaserver-pubsub")
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
+        await self._r.aclose()
+        await self._pool.disconnect()
+
+    async def ping(self) -> None:
+        await self._call(self._r.ping)
+
+    async def _call(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(*args, **kwargs)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise StoreUnavailable(f"redis unreachable: {exc}") from exc
+        except RedisError as exc:
+            raise StoreUnavailable(f"redis error: {exc}") from exc
+
+    async def _listen(self) -> None:
+        """Feed local waiters from the change channel; reconnect forever with backoff."""
+        delay = 0.05
+        while True:
+            pubsub = self._r.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self._channel)
+                self.subscribed.set()
+                if delay > 0.05:
+                    log.info("change subscription restored")
+                delay = 0.05
+                self._waiters.notify_all()  # anything may have changed while we were away
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        self._waiters.notify(message["data"].decode())
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                raise
+            except (RedisError, OSError) as exc:
+                self.subscribed.clear()
+                log.warning("change subscription lost (%s); retrying in %.2fs", exc, delay)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+            self._waiters.notify_all()
+
+    # ---- bindings -------------------------------------------------------------------------
+    async def put_binding(self, put: BindingPut, now: float) -> tuple[PutOutcome, StoredBinding]:
+        tid = put.transfer_id
+        res = await self._call(
+            self._put_binding,
+            keys=[
+                self._bkey(tid),
+                self._ekey(tid),
+                f"{self._ns}:bidx",
+                self._ikey(put.decode_instance_id),
+            ],
+            args=[
+                tid,
+                put.spec_json,
+                put.decode_instance_id,
+                put.kv_host,
+                put.kv_port,
+                put.event_json,
+                repr(now),
+                self._ttl_ms,
+                self._channel,
+                repr(now - self._max_age_s),
+            ],
+        )
+        status = res[0].decode()
+        if status == "conflict":
+            raise Conflict(f"binding {tid} exists with different content")
+        if status in ("noinst", "prefill", "nokv", "kvmismatch"):
+            found: tuple[str, tuple[str, int] | None] | None
+            if status == "noinst":
+                found = None
+            elif status == "prefill":
+                found = ("prefill", None)
+            elif status == "nokv":
+                found = ("decode", None)
+            else:
+                found = ("decode", (res[1].decode(), int(res[2])))
+            raise Unprocessable(decode_instance_problem(put, found) or status)
+        outcome = PutOutcome.CREATED if status == "created" else PutOutcome.SAME
+        return outcome, _binding(tid, res)
+
+    async def get_binding(self, transfer_id: str) -> StoredBinding | None:
+        res = await self._call(
+            self._read_binding, keys=[self._bkey(transfer_id), self._ekey(transfer_id)]
+        )
+        return None if res[0] == b"notfound" else _binding(transfer_id, res)
+
+    async def delete_binding(self, transfer_id: str) -> bool:
+        n = await self._call(
+            self._delete_binding,
+            keys=[self._bkey(transfer_id), self._ekey(transfer_id)],
+            args=[self._channel, transfer_id],
+        )
+        return bool(n)
+
+    async def list_bindings(
+        self, *, state: BindingState | None, instance_id: str | None, limit: int
+    ) -> list[StoredBinding]:
+        out: list[StoredBinding] = []
+        start = 0
+        scanned = 0
+        while len(out) < limit and scanned < 50 * max(limit, _LIST_PAGE):
+            ids = await self._call(
+                self._r.zrevrange, f"{self._ns}:bidx", start, start + _LIST_PAGE - 1
+            )
+            if not ids:
+                break
+            start += len(ids)
+            scanned += len(ids)
+            async with self._r.pipeline(transaction=False) as pipe:
+                for raw in ids:
+                    tid = raw.decode()
+                    pipe.evalsha(self._read_binding.sha, 2, self._bkey(tid), self._ekey(tid))
+                results = await self._call(self._exec_with_script, pipe)
+            for raw, res in zip(ids, results, strict=True):
+                if res[0] == b"notfound":
+                    continue
+                rec = _binding(raw.decode(), res)
+                if state is not None and rec.state is not state:
+                    continue
+                if instance_id is not None and rec.decode_instance_id != instance_id:
+                    continue
+                out.append(rec)
+                if len(out) == limit:
+                    break
+        return out
+
+    async def _exec_with_script(self, pipe: Any) -> list[Any]:
+        await self._r.script_load(lua.READ_BINDING)  # pipelines cannot fall back on NOSCRIPT
+        result: list[Any] = await pipe.execute()
+        return result
+
+    async def add_event(
+        self, transfer_id: str, state: BindingState, event_json: bytes, now: float
+    ) -> StoredBinding:
+        res = await self._call(
+            self._add_event,
+            keys=[self._bkey(transfer_id), self._ekey(transfer_id), f"{self._ns}:lat"],
+            args=[
+                state.value,
+                event_json,
+                repr(now),
+                self._ttl_ms,
+                self._retain_ms,
+                self._channel,
+                transfer_id,
+                MAX_EVENTS,
+                _LATENCY_SAMPLES,
+            ],
+        )
+        status = res[0].decode()
+        if status == "notfound":
+            raise NotFound(f"binding {transfer_id} not found")
+        if status == "conflict":
+            raise Conflict(
+                f"binding {transfer_id} is {res[1].decode()}; cannot become {state.value}"
+            )
+        return _binding(transfer_id, res)
+
+    # ---- instances ------------------------------------------------------------------------
+    async def put_instance(
+        self,
+        instance_id: str,
+        spec_json: bytes,
+        role: str,
+        kv: tuple[str, int] | None,
+        ttl_s: float,
+        now: float,
+    ) -> tuple[PutOutcome, StoredInstance]:
+        expires = now + ttl_s
+        host, port = kv if kv is not None else ("", 0)
+        res = await self._call(
+            self._put_instance,
+            keys=[self._ikey(instance_id), f"{self._ns}:iidx"],
+            args=[
+                instance_id,
+                spec_json,
+                role,
+                host,
+                port,
+                repr(now),
+                int(ttl_s * 1000),
+                repr(expires),
+            ],
+        )
+        outcome = PutOutcome.CREATED if res[0] == b"created" else PutOutcome.SAME
+        return outcome, StoredInstance(instance_id, spec_json, role, float(res[1]), now, expires)
+
+    async def get_instance(self, instance_id: str) -> StoredInstance | None:
+        h = await self._call(
+            self._r.hmget, self._ikey(instance_id), ["spec", "role", "reg", "hb", "exp"]
+        )
+        return _instance(instance_id, h)
+
+    async def list_instances(self, role: str | None) -> list[StoredInstance]:
+
+        idx = f"{self._ns}:iidx"
+        await self._call(self._r.zremrangebyscore, idx, "-inf", repr(time.time()))
+        ids = await self._call(self._r.zrange, idx, 0, -1)
+        async with self._r.pipeline(transaction=False) as pipe:
+            for raw in ids:
+                pipe.hmget(self._ikey(raw.decode()), ["spec", "role", "reg", "hb", "exp"])
+            rows = await self._call(pipe.execute)
+        out = [
+            inst
+            for raw, h in zip(ids, rows, strict=True)
+            if (inst := _instance(raw.decode(), h)) is not None
+            and (role is None or inst.role == role)
+        ]
+        return sorted(out, key=lambda r: r.instance_id)
+
+    async def delete_instance(self, instance_id: str) -> bool:
+        n = await self._call(self._r.delete, self._ikey(instance_id))
+        await self._call(self._r.zrem, f"{self._ns}:iidx", instance_id)
+        return bool(n)
+
+    async def stats(self, scan_limit: int) -> StoreStats:
+        ids = await self._call(self._r.zrevrange, f"{self._ns}:bidx", 0, scan_limit - 1)
+        by_state: Counter[str] = Counter()
+        scanned = 0
+        for i in range(0, len(ids), 1000):
+            async with self._r.pipeline(transaction=False) as pipe:
+                for raw in ids[i : i + 1000]:
+                    pipe.hget(self._bkey(raw.decode()), "state")
+                states = await self._call(pipe.execute)
+            for s in states:
+                if s is not None:
+                    by_state[s.decode()] += 1
+                    scanned += 1
+        lat = await self._call(self._r.lrange, f"{self._ns}:lat", 0, -1)
+        roles = Counter(r.role for r in await self.list_instances(None))
+        return StoreStats(dict(by_state), scanned, [float(x) for x in lat], dict(roles))
+
+    def changes(self, transfer_id: str) -> ChangeSubscription:
+        return self._waiters.subscribe(transfer_id)
+
+
+def _binding(transfer_id: str, res: list[Any]) -> StoredBinding:
+    _, spec, state, inst, created, updated, *events = res
+    return StoredBinding(
+        transfer_id=transfer_id,
+        spec_json=spec,
+        state=BindingState(state.decode()),
+        decode_instance_id=inst.decode(),
+        created_at=float(created),
+        updated_at=float(updated),
+        events=tuple(events),
+    )
+
+
+def _instance(instance_id: str, h: list[Any]) -> StoredInstance | None:
+    spec, role, reg, hb, exp = h
+    if spec is None:
+        return None
+    return StoredInstance(instance_id, spec, role.decode(), float(reg), float(hb), float(exp))
+
+
+def _redact(url: str) -> str:
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.rpartition('@')[2]}"

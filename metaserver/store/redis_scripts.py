@@ -1,0 +1,105 @@
+"""Lua scripts that make each binding write one atomic Redis round trip.
+
+Every script that changes a binding also PUBLISHes its transfer id on the namespace's change
+channel, in the same atomic step, so long-polls on any metaserver replica wake up.
+Successful scripts return the record as ``{status, spec, state, instance, created, updated,
+event...}``.
+"""
+
+# KEYS: binding hash, event list, binding index, decode instance hash
+# ARGV: transfer_id, spec, instance_id, kv_host, kv_port, event, now, ttl_ms, channel, prune_before
+PUT_BINDING = """
+local spec = redis.call('HGET', KEYS[1], 'spec')
+if spec then
+  if spec ~= ARGV[2] then return {'conflict'} end
+  local h = redis.call('HMGET', KEYS[1], 'state', 'inst', 'created', 'updated')
+  local out = {'same', spec, h[1], h[2], h[3], h[4]}
+  for _, e in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do table.insert(out, e) end
+  return out
+end
+local inst = redis.call('HMGET', KEYS[4], 'role', 'kvh', 'kvp')
+if not inst[1] then return {'noinst'} end
+if inst[1] == 'prefill' then return {'prefill'} end
+if (not inst[2]) or inst[2] == '' then return {'nokv'} end
+if inst[2] ~= ARGV[4] or inst[3] ~= ARGV[5] then return {'kvmismatch', inst[2], inst[3]} end
+redis.call('HSET', KEYS[1], 'spec', ARGV[2], 'state', 'bound', 'inst', ARGV[3],
+           'created', ARGV[7], 'updated', ARGV[7])
+redis.call('PEXPIRE', KEYS[1], ARGV[8])
+redis.call('DEL', KEYS[2])
+redis.call('RPUSH', KEYS[2], ARGV[6])
+redis.call('PEXPIRE', KEYS[2], ARGV[8])
+redis.call('ZADD', KEYS[3], ARGV[7], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[10])
+redis.call('PUBLISH', ARGV[9], ARGV[1])
+return {'created', ARGV[2], 'bound', ARGV[3], ARGV[7], ARGV[7], ARGV[6]}
+"""
+
+# KEYS: binding hash, event list, latency list
+# ARGV: state, event, now, ttl_active_ms, ttl_terminal_ms, channel, transfer_id, max_events,
+#       latency_samples
+ADD_EVENT = """
+local cur = redis.call('HMGET', KEYS[1], 'state', 'created')
+if not cur[1] then return {'notfound'} end
+local rank = {bound=0, prefill_started=1, pushing=2, done=3, failed=3, aborted=3}
+local c, n = cur[1], ARGV[1]
+local cr, nr = rank[c], rank[n]
+local verdict = 'apply'
+if cr == 3 then
+  if n == c then verdict = 'duplicate' else return {'conflict', c} end
+elseif n == c then
+  if n ~= 'pushing' then verdict = 'duplicate' end
+elseif nr < cr then
+  return {'conflict', c}
+end
+if verdict == 'apply' then
+  local len = redis.call('LLEN', KEYS[2])
+  if len >= tonumber(ARGV[8]) and n == 'pushing' and c == 'pushing' then
+    redis.call('LSET', KEYS[2], -1, ARGV[2])
+  else
+    redis.call('RPUSH', KEYS[2], ARGV[2])
+  end
+  redis.call('HSET', KEYS[1], 'state', n, 'updated', ARGV[3])
+  local ttl = ARGV[4]
+  if nr == 3 then ttl = ARGV[5] end
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  redis.call('PEXPIRE', KEYS[2], ttl)
+  if n == 'done' then
+    redis.call('LPUSH', KEYS[3], tostring(tonumber(ARGV[3]) - tonumber(cur[2])))
+    redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[9]) - 1)
+  end
+  redis.call('PUBLISH', ARGV[6], ARGV[7])
+end
+local h = redis.call('HMGET', KEYS[1], 'spec', 'state', 'inst', 'created', 'updated')
+local out = {verdict, h[1], h[2], h[3], h[4], h[5]}
+for _, e in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do table.insert(out, e) end
+return out
+"""
+
+# KEYS: binding hash, event list
+READ_BINDING = """
+local h = redis.call('HMGET', KEYS[1], 'spec', 'state', 'inst', 'created', 'updated')
+if not h[1] then return {'notfound'} end
+local out = {'ok', h[1], h[2], h[3], h[4], h[5]}
+for _, e in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do table.insert(out, e) end
+return out
+"""
+
+# KEYS: binding hash, event list, channel-less delete; ARGV: channel, transfer_id
+DELETE_BINDING = """
+local n = redis.call('DEL', KEYS[1], KEYS[2])
+if n > 0 then redis.call('PUBLISH', ARGV[1], ARGV[2]) end
+return n
+"""
+
+# KEYS: instance hash, instance index
+# ARGV: instance_id, spec, role, kv_host, kv_port, now, ttl_ms, expires_at
+PUT_INSTANCE = """
+local reg = redis.call('HGET', KEYS[1], 'reg')
+local status = 'same'
+if not reg then reg = ARGV[6]; status = 'created' end
+redis.call('HSET', KEYS[1], 'spec', ARGV[2], 'role', ARGV[3], 'kvh', ARGV[4], 'kvp', ARGV[5],
+           'reg', reg, 'hb', ARGV[6], 'exp', ARGV[8])
+redis.call('PEXPIRE', KEYS[1], ARGV[7])
+redis.call('ZADD', KEYS[2], ARGV[8], ARGV[1])
+return {status, reg}
+"""

@@ -1,0 +1,26 @@
+"""Body parsing at the HTTP edge: JSON → pydantic model, errors → one 422 shape."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class BodyInvalid(Exception):
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        super().__init__("invalid request body")
+        self.errors = errors
+
+
+def parse_body(model: type[T], raw: bytes) -> T:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = [
+            {"loc": ["body", *e["loc"]], "msg": e["msg"], "type": e["type"]}
+            for e in exc.errors(include_url=False, include_context=False, include_input=False)
+        ]
+        raise BodyInvalid(errors) from None
