@@ -1,0 +1,39 @@
+"""Session-wide real services: one redis-server per test session (free port, cleaned up)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.services import MetaserverProcess, RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def metaserver_factory(
+    tmp_path: Path,
+) -> Iterator[Callable[..., MetaserverProcess]]:
+    """Start ``pd-metaserver`` processes: ``metaserver_factory("memory", "--token", "t")``."""
+    started: list[MetaserverProcess] = []
+
+    def start(store: str = "memory", *extra: str, port: int | None = None) -> MetaserverProcess:
+        proc = MetaserverProcess(store, *extra, log_dir=tmp_path, port=port)
+        started.append(proc)
+        return proc
+
+    try:
+        yield start
+    finally:
+        for proc in started:
+            proc.stop()
