@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp-install
-APT_PACKAGES := redis-server
+APT_PACKAGES := redis-server curl
 PYTEST_ARGS ?=
 
 .PHONY: install system-deps lint format test bench demo clean

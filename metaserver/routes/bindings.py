@@ -50,15 +50,7 @@ async def put_binding(request: Request, transfer_id: TransferId) -> Response:
     c.authorize(request, write=True)
     spec = parse_body(BindingSpec, await request.body())
     now = c.clock()
-    put = BindingPut(
-        transfer_id=transfer_id,
-        spec_json=spec.model_dump_json().encode(),
-        decode_instance_id=spec.decode_instance_id,
-        kv_host=spec.kv_endpoint.host,
-        kv_port=spec.kv_endpoint.port,
-        event_json=event_json(BindingState.BOUND, spec.decode_instance_id, now, None),
-    )
-    outcome, record = await c.store.put_binding(put, now)
+    outcome, record = await c.store.put_binding(BindingPut.of(transfer_id, spec, now), now)
     if outcome is PutOutcome.CREATED:
         c.metrics.bindings_created.inc()
         return json_bytes(record.to_json(), 201)

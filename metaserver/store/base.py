@@ -12,7 +12,7 @@ import enum
 import json
 from dataclasses import dataclass
 
-from metaserver.models import BindingState
+from metaserver.models import BindingSpec, BindingState
 
 # Past this many events, consecutive ``pushing`` events are folded into the last one.
 MAX_EVENTS = 64
@@ -68,6 +68,17 @@ class BindingPut:
     kv_host: str
     kv_port: int
     event_json: bytes
+
+    @classmethod
+    def of(cls, transfer_id: str, spec: BindingSpec, now: float) -> BindingPut:
+        return cls(
+            transfer_id=transfer_id,
+            spec_json=spec.model_dump_json().encode(),
+            decode_instance_id=spec.decode_instance_id,
+            kv_host=spec.kv_endpoint.host,
+            kv_port=spec.kv_endpoint.port,
+            event_json=event_json(BindingState.BOUND, spec.decode_instance_id, now, None),
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,114 @@
+"""Fixtures: each store implementation, and the app served in-process over ASGI."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from metaserver import MetaserverSettings, create_app
+from metaserver.models import BindingSpec, InstanceSpec, KVEndpoint
+from metaserver.store import MemoryStore, Store
+from metaserver.store.redis import RedisStore
+from tests.support.services import RedisServer
+
+_ns = itertools.count()
+STORES = ["memory", "redis"]
+
+
+def make_store(kind: str, redis_server: RedisServer, **ttl: float) -> Store:
+    binding_ttl = ttl.get("binding_ttl_s", 60.0)
+    retain = ttl.get("retain_s", 120.0)
+    if kind == "memory":
+        return MemoryStore(binding_ttl_s=binding_ttl, retain_s=retain)
+    return RedisStore(
+        redis_server.url, namespace=f"t{next(_ns)}", binding_ttl_s=binding_ttl, retain_s=retain
+    )
+
+
+@pytest.fixture(params=STORES)
+def store_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+async def store_factory(
+    store_kind: str, redis_server: RedisServer
+) -> AsyncIterator[Callable[..., Any]]:
+    opened: list[Store] = []
+
+    async def make(**ttl: float) -> Store:
+        store = make_store(store_kind, redis_server, **ttl)
+        await store.start()
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        await store.close()
+
+
+@pytest.fixture
+async def store(store_factory: Callable[..., Any]) -> Store:
+    s: Store = await store_factory()
+    return s
+
+
+@pytest.fixture
+async def api_factory(
+    store_kind: str, redis_server: RedisServer
+) -> AsyncIterator[Callable[..., Any]]:
+    """Build the app around a fresh store and return an httpx client speaking ASGI to it."""
+    opened: list[tuple[Store, httpx.AsyncClient]] = []
+
+    async def make(**settings: Any) -> httpx.AsyncClient:
+        ttl = {k: settings[k] for k in ("binding_ttl_s", "retain_s") if k in settings}
+        store = make_store(store_kind, redis_server, **ttl)
+        await store.start()
+        app = create_app(MetaserverSettings(**settings), store=store)
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ms")
+        opened.append((store, client))
+        return client
+
+    yield make
+    for store, client in opened:
+        await client.aclose()
+        await store.close()
+
+
+@pytest.fixture
+async def api(api_factory: Callable[..., Any]) -> httpx.AsyncClient:
+    client: httpx.AsyncClient = await api_factory()
+    return client
+
+
+DECODE_KV = KVEndpoint(host="10.0.0.7", port=5600)
+
+
+def decode_instance(**over: Any) -> InstanceSpec:
+    base: dict[str, Any] = {
+        "role": "decode",
+        "url": "http://10.0.0.7:8200",
+        "kv_endpoint": DECODE_KV,
+    }
+    base.update(over)
+    return InstanceSpec(**base)
+
+
+def binding_spec(**over: Any) -> BindingSpec:
+    base: dict[str, Any] = {
+        "request_id": "chatcmpl-abc-0",
+        "decode_instance_id": "decode-0",
+        "engine_id": "engine-d0",
+        "kv_endpoint": DECODE_KV,
+        "tp_size": 1,
+        "block_size": 16,
+        "block_ids": [[4, 5, 6]],
+        "num_cached_tokens": 16,
+        "num_prompt_tokens": 40,
+    }
+    base.update(over)
+    return BindingSpec(**base)

@@ -1,0 +1,276 @@
+"""The HTTP surface, in-process over ASGI, against both stores."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from metaserver.models import Binding, Instance
+from tests.metaserver.conftest import binding_spec, decode_instance
+
+TOKEN = "s3cret"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+def spec_json(**over: Any) -> dict[str, Any]:
+    return json.loads(binding_spec(**over).model_dump_json())
+
+
+def instance_json(**over: Any) -> dict[str, Any]:
+    return json.loads(decode_instance(**over).model_dump_json())
+
+
+async def register(api: httpx.AsyncClient, iid: str = "decode-0", headers: Any = None) -> None:
+    r = await api.put(f"/v1/instances/{iid}", json=instance_json(), headers=headers)
+    assert r.status_code in (200, 201), r.text
+
+
+async def test_api_put_binding_201_then_200_then_409(api: httpx.AsyncClient) -> None:
+    await register(api)
+    r = await api.put("/v1/bindings/t1", json=spec_json())
+    assert r.status_code == 201
+    created = Binding.model_validate(r.json())
+    assert created.transfer_id == "t1" and created.state == "bound"
+    r = await api.put("/v1/bindings/t1", json=spec_json())
+    assert r.status_code == 200
+    assert Binding.model_validate(r.json()) == created
+    r = await api.put("/v1/bindings/t1", json=spec_json(num_cached_tokens=0))
+    assert r.status_code == 409
+    assert "different content" in r.json()["detail"]
+
+
+async def test_api_binding_to_unregistered_instance_is_422(api: httpx.AsyncClient) -> None:
+    r = await api.put("/v1/bindings/t1", json=spec_json())
+    assert r.status_code == 422
+    assert "not registered" in r.json()["detail"]
+    assert (await api.get("/v1/bindings/t1")).status_code == 404
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda b: b.update(extra_field=1),
+        lambda b: b.pop("block_ids"),
+        lambda b: b.update(block_ids=[]),
+        lambda b: b.update(block_size=0),
+        lambda b: b.update(num_cached_tokens=99),
+        lambda b: b.update(block_ids=[list(range(10))]),
+        lambda b: b["kv_endpoint"].update(port=70000),
+        lambda b: b["kv_endpoint"].update(host="bad host"),
+        lambda b: b.update(request_id=""),
+    ],
+    ids=[
+        "unknown-field",
+        "missing",
+        "no-groups",
+        "zero-block",
+        "cached>prompt",
+        "too-many-blocks",
+        "bad-port",
+        "bad-host",
+        "empty-id",
+    ],
+)
+async def test_api_invalid_binding_body_is_422(
+    api: httpx.AsyncClient, mutate: Callable[[dict[str, Any]], None]
+) -> None:
+    await register(api)
+    body = spec_json()
+    mutate(body)
+    r = await api.put("/v1/bindings/t1", json=body)
+    assert r.status_code == 422, r.text
+    assert isinstance(r.json()["detail"], list)
+    assert (await api.get("/v1/bindings/t1")).status_code == 404
+
+
+async def test_api_malformed_json_is_422_and_bad_ids_rejected(api: httpx.AsyncClient) -> None:
+    await register(api)
+    r = await api.put("/v1/bindings/t1", content=b"{not json")
+    assert r.status_code == 422
+    r = await api.put("/v1/bindings/bad%20id", json=spec_json())
+    assert r.status_code == 422
+    r = await api.put("/v1/bindings/" + "x" * 129, json=spec_json())
+    assert r.status_code == 422
+
+
+async def test_api_body_over_limit_is_413(api_factory: Callable[..., Any]) -> None:
+    api: httpx.AsyncClient = await api_factory(max_body_bytes=2048)
+    await register(api)
+    body = spec_json(num_prompt_tokens=10_000, block_ids=[list(range(600))])
+    r = await api.put("/v1/bindings/t1", json=body)
+    assert r.status_code == 413
+    assert "exceeds 2048 bytes" in r.json()["detail"]
+
+    async def chunks() -> Any:  # no content-length: the streamed size is what counts
+        for _ in range(10):
+            yield b" " * 1000
+
+    r = await api.put("/v1/bindings/t1", content=chunks())
+    assert r.status_code == 413
+    assert (await api.get("/v1/bindings/t1")).status_code == 404
+
+
+async def test_api_writes_need_token_reads_open(api_factory: Callable[..., Any]) -> None:
+    api: httpx.AsyncClient = await api_factory(token=TOKEN)
+    r = await api.put("/v1/instances/decode-0", json=instance_json())
+    assert r.status_code == 401
+    r = await api.put(
+        "/v1/instances/decode-0", json=instance_json(), headers={"authorization": "Bearer wrong"}
+    )
+    assert r.status_code == 401
+    await register(api, headers=AUTH)
+    assert (await api.put("/v1/bindings/t1", json=spec_json())).status_code == 401
+    assert (await api.put("/v1/bindings/t1", json=spec_json(), headers=AUTH)).status_code == 201
+    ev = {"state": "done", "actor": "p"}
+    assert (await api.post("/v1/bindings/t1/events", json=ev)).status_code == 401
+    assert (await api.delete("/v1/bindings/t1")).status_code == 401
+    assert (await api.delete("/v1/instances/decode-0")).status_code == 401
+    assert (await api.get("/v1/bindings/t1")).status_code == 200
+    assert (await api.get("/v1/instances")).status_code == 200
+    assert (await api.get("/v1/bindings/t1")).json()["state"] == "bound"
+
+
+async def test_api_protect_reads(api_factory: Callable[..., Any]) -> None:
+    api: httpx.AsyncClient = await api_factory(token=TOKEN, protect_reads=True)
+    await register(api, headers=AUTH)
+    assert (await api.get("/v1/instances")).status_code == 401
+    assert (await api.get("/v1/instances", headers=AUTH)).status_code == 200
+    assert (await api.get("/v1/stats")).status_code == 401
+    assert (await api.get("/health")).status_code == 200
+
+
+async def test_api_events_and_history(api: httpx.AsyncClient) -> None:
+    await register(api)
+    await api.put("/v1/bindings/t1", json=spec_json())
+    for state, detail in (
+        ("prefill_started", None),
+        ("pushing", {"bytes_pushed": 4096}),
+        ("done", {"blocks_pushed": 3}),
+    ):
+        body: dict[str, Any] = {"state": state, "actor": "prefill-0"}
+        if detail:
+            body["detail"] = detail
+        r = await api.post("/v1/bindings/t1/events", json=body)
+        assert r.status_code == 200, r.text
+    b = Binding.model_validate((await api.get("/v1/bindings/t1")).json())
+    assert [e.state for e in b.events] == ["bound", "prefill_started", "pushing", "done"]
+    assert b.events[2].detail is not None and b.events[2].detail.bytes_pushed == 4096
+    assert all(b.events[i].at <= b.events[i + 1].at for i in range(3))
+    r = await api.post("/v1/bindings/t1/events", json={"state": "pushing", "actor": "x"})
+    assert r.status_code == 409 and "is done" in r.json()["detail"]
+    r = await api.post("/v1/bindings/none/events", json={"state": "done", "actor": "x"})
+    assert r.status_code == 404
+    r = await api.post("/v1/bindings/t1/events", json={"state": "sideways", "actor": "x"})
+    assert r.status_code == 422
+
+
+async def test_api_long_poll_wakes_on_write(api: httpx.AsyncClient) -> None:
+    await register(api)
+    started = time.monotonic()
+    waiter = asyncio.create_task(api.get("/v1/bindings/t1", params={"wait": 10}))
+    await asyncio.sleep(0.2)
+    assert not waiter.done()
+    await api.put("/v1/bindings/t1", json=spec_json())
+    r = await asyncio.wait_for(waiter, 5)
+    assert r.status_code == 200 and r.json()["state"] == "bound"
+    assert time.monotonic() - started < 3
+
+
+async def test_api_long_poll_for_state(api: httpx.AsyncClient) -> None:
+    await register(api)
+    await api.put("/v1/bindings/t1", json=spec_json())
+    waiter = asyncio.create_task(api.get("/v1/bindings/t1", params={"wait": 10, "state": "done"}))
+    await asyncio.sleep(0.1)
+    await api.post("/v1/bindings/t1/events", json={"state": "pushing", "actor": "p"})
+    await asyncio.sleep(0.1)
+    assert not waiter.done()
+    await api.post("/v1/bindings/t1/events", json={"state": "failed", "actor": "p"})
+    r = await asyncio.wait_for(waiter, 5)
+    assert r.json()["state"] == "failed"  # a terminal state ends the wait too
+
+
+async def test_api_long_poll_timeouts(api: httpx.AsyncClient) -> None:
+    await register(api)
+    started = time.monotonic()
+    r = await api.get("/v1/bindings/t1", params={"wait": 0.3})
+    assert r.status_code == 404 and "wait timed out" in r.json()["detail"]
+    assert 0.25 < time.monotonic() - started < 3
+    await api.put("/v1/bindings/t1", json=spec_json())
+    r = await api.get("/v1/bindings/t1", params={"wait": 0.2, "state": "done"})
+    assert r.status_code == 200 and r.json()["state"] == "bound"
+    assert r.headers["x-pdgate-wait"] == "timeout"
+    assert (await api.get("/v1/bindings/t1", params={"wait": -1})).status_code == 422
+
+
+async def test_api_list_and_delete(api: httpx.AsyncClient) -> None:
+    await register(api)
+    for i in range(3):
+        await api.put(f"/v1/bindings/t{i}", json=spec_json())
+        await asyncio.sleep(0.002)
+    await api.post("/v1/bindings/t1/events", json={"state": "aborted", "actor": "proxy"})
+    body = (await api.get("/v1/bindings")).json()
+    assert body["count"] == 3 and [b["transfer_id"] for b in body["bindings"]] == ["t2", "t1", "t0"]
+    body = (await api.get("/v1/bindings", params={"state": "aborted"})).json()
+    assert [b["transfer_id"] for b in body["bindings"]] == ["t1"]
+    body = (await api.get("/v1/bindings", params={"instance": "other"})).json()
+    assert body == {"count": 0, "bindings": []}
+    assert (await api.get("/v1/bindings", params={"limit": 0})).status_code == 422
+    assert (await api.delete("/v1/bindings/t0")).status_code == 204
+    assert (await api.delete("/v1/bindings/t0")).status_code == 404
+
+
+async def test_api_instances(api: httpx.AsyncClient) -> None:
+    r = await api.put("/v1/instances/decode-0", json=instance_json(model="tiny", version="0.32.0"))
+    assert r.status_code == 201
+    inst = Instance.model_validate(r.json())
+    assert inst.expires_at > inst.last_heartbeat
+    r = await api.put("/v1/instances/decode-0", json=instance_json(model="tiny", version="0.32.0"))
+    assert r.status_code == 200
+    r = await api.put("/v1/instances/p-0", json=instance_json(role="prefill", kv_endpoint=None))
+    assert r.status_code == 201
+    listed = (await api.get("/v1/instances")).json()
+    assert [i["instance_id"] for i in listed["instances"]] == ["decode-0", "p-0"]
+    listed = (await api.get("/v1/instances", params={"role": "prefill"})).json()
+    assert [i["instance_id"] for i in listed["instances"]] == ["p-0"]
+    assert (await api.get("/v1/instances/p-0")).json()["role"] == "prefill"
+    assert (
+        await api.put("/v1/instances/x", json={"role": "judge", "url": "http://x"})
+    ).status_code == 422
+    assert (
+        await api.put("/v1/instances/x", json={"role": "decode", "url": "ftp://x"})
+    ).status_code == 422
+    assert (await api.delete("/v1/instances/p-0")).status_code == 204
+    assert (await api.get("/v1/instances/p-0")).status_code == 404
+
+
+async def test_api_stats_health_ready_metrics(api: httpx.AsyncClient) -> None:
+    await register(api)
+    await api.put("/v1/bindings/a", json=spec_json())
+    await api.put("/v1/bindings/b", json=spec_json())
+    await api.post("/v1/bindings/a/events", json={"state": "done", "actor": "p"})
+    stats = (await api.get("/v1/stats")).json()
+    assert stats["bindings_by_state"]["done"] == 1 and stats["bindings_by_state"]["bound"] == 1
+    assert stats["bound_to_done_samples"] == 1 and stats["bound_to_done_ms"]["p50"] >= 0
+    assert stats["instances_by_role"] == {"decode": 1}
+    assert (await api.get("/health")).json() == {"status": "ok"}
+    ready = (await api.get("/ready")).json()
+    assert ready["status"] == "ready"
+    metrics = (await api.get("/metrics")).text
+    assert "pdgate_metaserver_bindings_created_total 2.0" in metrics
+    assert 'pdgate_metaserver_binding_events_total{state="done"} 1.0' in metrics
+    assert 'route="/v1/bindings/{transfer_id}"' in metrics
+
+
+async def test_api_openapi_documents_bodies(api: httpx.AsyncClient) -> None:
+    schema = (await api.get("/openapi.json")).json()
+    put = schema["paths"]["/v1/bindings/{transfer_id}"]["put"]
+    ref = put["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    assert ref == "#/components/schemas/BindingSpec"
+    assert "block_ids" in schema["components"]["schemas"]["BindingSpec"]["properties"]
+    assert (await api.get("/docs")).status_code == 200

@@ -1,0 +1,75 @@
+"""pd-metaserver's configuration layering (flags > env > YAML > defaults) and CLI errors."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from metaserver.cli import load_settings
+from tests.support.procs import VENV_BIN, Process, free_port, wait_http
+from tests.support.services import MetaserverProcess
+
+
+def test_cli_settings_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "ms.yaml"
+    cfg.write_text("port: 9001\nbinding_ttl_s: 11\nretain_s: 22\nnamespace: fromyaml\n")
+    monkeypatch.setenv("PD_METASERVER_BINDING_TTL_S", "33")
+    monkeypatch.setenv("PD_METASERVER_NAMESPACE", "fromenv")
+    s = load_settings(["--config", str(cfg), "--namespace", "fromflag"])
+    assert s.port == 9001  # yaml over default
+    assert s.retain_s == 22  # yaml
+    assert s.binding_ttl_s == 33  # env over yaml
+    assert s.namespace == "fromflag"  # flag over env
+    assert s.instance_ttl_s == 30  # default
+    monkeypatch.setenv("PD_METASERVER_CONFIG_FILE", str(cfg))
+    assert load_settings([]).port == 9001
+
+
+def test_cli_settings_redact_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = load_settings(["--token", "hunter2", "--store", "redis://user:pw@redis:6379/0"])
+    text = repr(s)
+    assert "hunter2" not in text and "pw@" not in text
+    assert "redis://***@redis:6379/0" in text
+    assert s.token is not None and s.token.get_secret_value() == "hunter2"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--port", "99999"], "port"),
+        (["--ttl", "-5"], "binding_ttl_s"),
+        (["--config", "/nonexistent.yaml"], "does not exist"),
+        (["--store", "mongodb://x"], "unknown store"),
+        (["--log-level", "loud"], "log_level"),
+    ],
+)
+def test_cli_rejects_bad_settings_with_clear_error(argv: list[str], message: str) -> None:
+    proc = subprocess.run(
+        [str(VENV_BIN / "pd-metaserver"), *argv], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_logs_address_and_store(tmp_path: Path) -> None:
+    port = free_port()
+    log = tmp_path / "ms.log"
+    proc = Process([str(VENV_BIN / "pd-metaserver"), "--port", str(port), "--token", "t"], log=log)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc=proc)
+        text = log.read_text()
+        assert f"listening on http://127.0.0.1:{port}" in text
+        assert "store: memory" in text and "need a token" in text
+    finally:
+        proc.stop()
+
+
+def test_cli_serves_openapi_docs(metaserver_factory: Callable[..., MetaserverProcess]) -> None:
+    ms = metaserver_factory()
+    assert httpx.get(ms.url + "/docs").status_code == 200
+    assert "BindingSpec" in httpx.get(ms.url + "/openapi.json").text

@@ -1,0 +1,163 @@
+"""The async (aiohttp) and blocking clients, and the fire-and-forget BackgroundWriter."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from metaserver.client import (
+    AsyncMetaserverClient,
+    AuthError,
+    BackgroundWriter,
+    Backoff,
+    ConflictError,
+    MetaserverClient,
+    MetaserverUnavailable,
+    NotFoundError,
+    RetryPolicy,
+    ServerError,
+    ValidationFailed,
+)
+from metaserver.models import BindingState, EventDetail
+from tests.metaserver.conftest import binding_spec, decode_instance
+from tests.support.fault_server import Reply, fault_server
+from tests.support.procs import free_port
+from tests.support.services import MetaserverProcess
+
+FAST = RetryPolicy(retries=2, backoff=Backoff(base=0.01, cap=0.02))
+
+
+async def test_async_client_full_cycle_against_real_server(
+    metaserver_factory: Callable[..., MetaserverProcess],
+) -> None:
+    ms = metaserver_factory("memory", "--token", "tok")
+    async with AsyncMetaserverClient(ms.url, token="tok", retry=FAST) as c:
+        inst = await c.put_instance("decode-0", decode_instance())
+        assert inst.instance_id == "decode-0"
+        assert [i.instance_id for i in await c.list_instances("decode")] == ["decode-0"]
+        b = await c.put_binding("t1", binding_spec())
+        assert b.state is BindingState.BOUND
+        with pytest.raises(ConflictError) as err:
+            await c.put_binding("t1", binding_spec(num_cached_tokens=0))
+        assert err.value.status == 409
+        done = await c.post_event("t1", BindingState.DONE, "p0", EventDetail(bytes_pushed=10))
+        assert done.events[-1].detail == EventDetail(bytes_pushed=10)
+        waited = await c.get_binding("t1", wait=5, state=BindingState.DONE)
+        assert waited.state is BindingState.DONE
+        assert [x.transfer_id for x in await c.list_bindings(state=BindingState.DONE)] == ["t1"]
+        assert (await c.stats()).bindings_by_state["done"] == 1
+        assert await c.find_binding("missing") is None
+        with pytest.raises(NotFoundError):
+            await c.get_binding("missing", wait=0.2)
+        with pytest.raises(ValidationFailed):
+            await c.put_binding("t2", binding_spec(decode_instance_id="ghost"))
+        await c.delete_binding("t1")
+        assert await c.ready() is True
+    async with AsyncMetaserverClient(ms.url, token="wrong", retry=FAST) as bad:
+        with pytest.raises(AuthError):
+            await bad.put_instance("x", decode_instance())
+
+
+async def test_async_client_retries_5xx_then_succeeds() -> None:
+    with fault_server(
+        Reply(503, b'{"detail":"redis down"}'),
+        Reply(502),
+        default=Reply(200, b'{"status":"ready"}'),
+    ) as srv:
+        async with AsyncMetaserverClient(srv.url, retry=FAST) as c:
+            assert await c.ready() is True
+        assert len(srv.requests) == 3
+
+
+async def test_async_client_gives_up_after_retries_with_typed_error() -> None:
+    with fault_server(default=Reply(503, b'{"detail":"redis down"}')) as srv:
+        async with AsyncMetaserverClient(srv.url, retry=FAST) as c:
+            with pytest.raises(ServerError) as err:
+                await c.get_binding("t1")
+        assert err.value.status == 503 and err.value.detail == "redis down"
+        assert len(srv.requests) == 3  # 1 + 2 retries
+
+
+async def test_async_client_never_retries_4xx() -> None:
+    with fault_server(default=Reply(404, b'{"detail":"nope"}')) as srv:
+        async with AsyncMetaserverClient(srv.url, retry=FAST) as c:
+            with pytest.raises(NotFoundError):
+                await c.get_binding("t1")
+        assert len(srv.requests) == 1
+
+
+async def test_async_client_connection_refused_and_timeout() -> None:
+    port = free_port()
+    async with AsyncMetaserverClient(f"http://127.0.0.1:{port}", retry=FAST) as c:
+        with pytest.raises(MetaserverUnavailable, match="after 3 attempts"):
+            await c.get_binding("t1")
+    with fault_server(default=Reply(200, b"{}", delay_s=1.0)) as srv:
+        async with AsyncMetaserverClient(srv.url, timeout_s=0.2, retry=RetryPolicy(retries=0)) as c:
+            started = time.monotonic()
+            with pytest.raises(MetaserverUnavailable):
+                await c.get_binding("t1")
+            assert time.monotonic() - started < 0.9
+
+
+def test_sync_client_retries_resets_and_maps_errors() -> None:
+    with fault_server(
+        Reply(reset=True), Reply(500), default=Reply(409, b'{"detail":"differs"}')
+    ) as srv:
+        with MetaserverClient(srv.url, retry=FAST) as c:
+            with pytest.raises(ConflictError, match="differs"):
+                c.put_binding("t1", binding_spec())
+        assert len(srv.requests) == 3
+    with MetaserverClient(f"http://127.0.0.1:{free_port()}", retry=FAST) as c:
+        with pytest.raises(MetaserverUnavailable):
+            c.delete_binding("t1")
+
+
+def test_sync_client_against_real_server(
+    metaserver_factory: Callable[..., MetaserverProcess],
+) -> None:
+    ms = metaserver_factory()
+    with MetaserverClient(ms.url, retry=FAST) as c:
+        c.put_instance("decode-0", decode_instance())
+        assert c.put_binding("t1", binding_spec()).state is BindingState.BOUND
+        assert c.post_event("t1", BindingState.PUSHING, "p").state is BindingState.PUSHING
+        assert c.get_binding("t1").transfer_id == "t1"
+        assert c.find_binding("none") is None
+
+
+def test_background_writer_never_blocks_and_reports_outcomes() -> None:
+    with fault_server(default=Reply(201, b"{}", delay_s=0.5)) as srv:
+        writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST), maxsize=2)
+        outcomes: list[tuple[bytes | None, Exception | None]] = []
+        done = threading.Event()
+
+        def on_done(body: bytes | None, error: Exception | None) -> None:
+            outcomes.append((body, error))
+            if len(outcomes) == 3:
+                done.set()
+
+        started = time.perf_counter()
+        accepted = [writer.put_binding(f"t{i}", binding_spec(), on_done) for i in range(6)]
+        elapsed = time.perf_counter() - started
+        assert elapsed < 0.05, f"submit blocked for {elapsed:.3f}s"
+        # one in flight + 2 queued are accepted, the rest are dropped (and counted)
+        assert accepted.count(True) in (2, 3) and writer.dropped == accepted.count(False)
+        writer.close(timeout_s=5)
+        assert all(err is None and body == b"{}" for body, err in outcomes)
+        assert len(outcomes) == accepted.count(True)
+
+
+def test_background_writer_reports_failures_to_callback() -> None:
+    with fault_server(default=Reply(422, b'{"detail":"not registered"}')) as srv:
+        writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST))
+        got: list[Exception | None] = []
+        event = threading.Event()
+        writer.post_event(
+            "t1", BindingState.DONE, "p", on_done=lambda b, e: (got.append(e), event.set())
+        )
+        assert event.wait(5)
+        assert isinstance(got[0], ValidationFailed)
+        assert writer.failed == 1
+        writer.close()

@@ -1,0 +1,269 @@
+"""One contract, every store: the memory store and the Redis store must behave alike."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from metaserver.errors import Conflict, NotFound, Unprocessable
+from metaserver.models import Binding, BindingState, KVEndpoint
+from metaserver.store import Store
+from metaserver.store.base import MAX_EVENTS, BindingPut, PutOutcome, event_json
+from tests.metaserver.conftest import binding_spec, decode_instance
+
+S = BindingState
+
+
+async def register(store: Store, instance_id: str = "decode-0", **over: Any) -> None:
+    spec = decode_instance(**over)
+    kv = None if spec.kv_endpoint is None else (spec.kv_endpoint.host, spec.kv_endpoint.port)
+    ttl = spec.ttl_s or 30.0
+    await store.put_instance(
+        instance_id, spec.model_dump_json().encode(), spec.role.value, kv, ttl, time.time()
+    )
+
+
+async def bind(store: Store, tid: str = "t1", **over: Any) -> tuple[PutOutcome, Binding]:
+    outcome, rec = await store.put_binding(
+        BindingPut.of(tid, binding_spec(**over), time.time()), time.time()
+    )
+    return outcome, Binding.model_validate_json(rec.to_json())
+
+
+async def event(store: Store, tid: str, state: BindingState, actor: str = "p0") -> Binding:
+    now = time.time()
+    rec = await store.add_event(tid, state, event_json(state, actor, now, None), now)
+    return Binding.model_validate_json(rec.to_json())
+
+
+async def test_store_put_binding_creates_then_same_content_is_idempotent(store: Store) -> None:
+    await register(store)
+    outcome, first = await bind(store)
+    assert outcome is PutOutcome.CREATED
+    assert first.state is S.BOUND and first.block_ids == [[4, 5, 6]]
+    assert [e.state for e in first.events] == [S.BOUND]
+    outcome, again = await bind(store)
+    assert outcome is PutOutcome.SAME
+    assert again == first
+
+
+async def test_store_put_binding_with_different_content_conflicts(store: Store) -> None:
+    await register(store)
+    await bind(store)
+    with pytest.raises(Conflict):
+        await bind(store, block_ids=[[7, 8, 9]])
+    rec = await store.get_binding("t1")
+    assert rec is not None
+    assert Binding.model_validate_json(rec.to_json()).block_ids == [[4, 5, 6]]
+
+
+async def test_store_rejects_binding_to_unregistered_decode_instance(store: Store) -> None:
+    with pytest.raises(Unprocessable, match="not registered"):
+        await bind(store)
+    assert await store.get_binding("t1") is None
+
+
+async def test_store_rejects_binding_to_prefill_only_instance(store: Store) -> None:
+    await register(store, role="prefill")
+    with pytest.raises(Unprocessable, match="prefill-only"):
+        await bind(store)
+
+
+async def test_store_rejects_kv_endpoint_other_than_registered(store: Store) -> None:
+    await register(store)
+    with pytest.raises(Unprocessable, match="does not match"):
+        await bind(store, kv_endpoint=KVEndpoint(host="6.6.6.6", port=5600))
+    with pytest.raises(Unprocessable, match="does not match"):
+        await bind(store, kv_endpoint=KVEndpoint(host="10.0.0.7", port=5601))
+
+
+async def test_store_rejects_instance_without_kv_endpoint(store: Store) -> None:
+    await register(store, kv_endpoint=None)
+    with pytest.raises(Unprocessable, match="no kv_endpoint"):
+        await bind(store)
+
+
+async def test_store_events_move_forward_and_record_history(store: Store) -> None:
+    await register(store)
+    await bind(store)
+    await event(store, "t1", S.PREFILL_STARTED)
+    await event(store, "t1", S.PUSHING)
+    await event(store, "t1", S.PUSHING)
+    done = await event(store, "t1", S.DONE)
+    assert done.state is S.DONE
+    assert [e.state for e in done.events] == [
+        S.BOUND,
+        S.PREFILL_STARTED,
+        S.PUSHING,
+        S.PUSHING,
+        S.DONE,
+    ]
+    assert done.events[-1].actor == "p0"
+    assert done.updated_at >= done.created_at
+
+
+async def test_store_events_may_skip_states(store: Store) -> None:
+    await register(store)
+    await bind(store)
+    assert (await event(store, "t1", S.FAILED)).state is S.FAILED
+
+
+@pytest.mark.parametrize(
+    ("path", "bad"),
+    [
+        ([S.PUSHING], S.PREFILL_STARTED),
+        ([S.DONE], S.FAILED),
+        ([S.ABORTED], S.PUSHING),
+        ([S.FAILED], S.DONE),
+    ],
+)
+async def test_store_rejects_backward_or_post_terminal_events(
+    store: Store, path: list[BindingState], bad: BindingState
+) -> None:
+    await register(store)
+    await bind(store)
+    for state in path:
+        await event(store, "t1", state)
+    with pytest.raises(Conflict):
+        await event(store, "t1", bad)
+    rec = await store.get_binding("t1")
+    assert rec is not None and rec.state is path[-1]
+
+
+async def test_store_duplicate_events_are_idempotent(store: Store) -> None:
+    await register(store)
+    await bind(store)
+    await event(store, "t1", S.PREFILL_STARTED)
+    again = await event(store, "t1", S.PREFILL_STARTED)
+    await event(store, "t1", S.DONE)
+    final = await event(store, "t1", S.DONE)
+    assert [e.state for e in again.events] == [S.BOUND, S.PREFILL_STARTED]
+    assert [e.state for e in final.events] == [S.BOUND, S.PREFILL_STARTED, S.DONE]
+
+
+async def test_store_event_on_missing_binding_is_not_found(store: Store) -> None:
+    with pytest.raises(NotFound):
+        await event(store, "nope", S.DONE)
+
+
+async def test_store_progress_events_are_bounded(store: Store) -> None:
+    await register(store)
+    await bind(store)
+    for _ in range(MAX_EVENTS + 40):
+        rec = await event(store, "t1", S.PUSHING)
+    assert len(rec.events) == MAX_EVENTS
+    final = await event(store, "t1", S.DONE)
+    assert final.events[-1].state is S.DONE and len(final.events) == MAX_EVENTS + 1
+
+
+async def test_store_list_filters_and_orders_newest_first(store: Store) -> None:
+    await register(store)
+    await register(store, "decode-1")
+    for i in range(5):
+        await bind(store, f"t{i}", decode_instance_id="decode-0" if i % 2 else "decode-1")
+        await asyncio.sleep(0.002)
+    await event(store, "t3", S.DONE)
+    everything = await store.list_bindings(state=None, instance_id=None, limit=100)
+    assert [r.transfer_id for r in everything] == ["t4", "t3", "t2", "t1", "t0"]
+    assert [
+        r.transfer_id for r in await store.list_bindings(state=None, instance_id=None, limit=2)
+    ] == ["t4", "t3"]
+    done = await store.list_bindings(state=S.DONE, instance_id=None, limit=100)
+    assert [r.transfer_id for r in done] == ["t3"]
+    on_d1 = await store.list_bindings(state=None, instance_id="decode-1", limit=100)
+    assert [r.transfer_id for r in on_d1] == ["t4", "t2", "t0"]
+
+
+async def test_store_delete_binding(store: Store) -> None:
+    await register(store)
+    await bind(store)
+    assert await store.delete_binding("t1") is True
+    assert await store.get_binding("t1") is None
+    assert await store.delete_binding("t1") is False
+
+
+async def test_store_active_bindings_expire_after_ttl(store_factory: Callable[..., Any]) -> None:
+    store: Store = await store_factory(binding_ttl_s=0.3, retain_s=5.0)
+    await register(store)
+    await bind(store, "short")
+    await bind(store, "kept")
+    await event(store, "kept", S.DONE)  # terminal: retained for retain_s instead
+    await asyncio.sleep(0.5)
+    assert await store.get_binding("short") is None
+    kept = await store.get_binding("kept")
+    assert kept is not None and kept.state is S.DONE
+    listed = await store.list_bindings(state=None, instance_id=None, limit=10)
+    assert [r.transfer_id for r in listed] == ["kept"]
+
+
+async def test_store_terminal_bindings_expire_after_retain_window(
+    store_factory: Callable[..., Any],
+) -> None:
+    store: Store = await store_factory(binding_ttl_s=5.0, retain_s=0.3)
+    await register(store)
+    await bind(store)
+    await event(store, "t1", S.ABORTED)
+    await asyncio.sleep(0.5)
+    assert await store.get_binding("t1") is None
+
+
+async def test_store_instances_register_heartbeat_and_expire(store: Store) -> None:
+    t0 = time.time()
+    await register(store, "d-a", ttl_s=0.3)
+    await register(store, "p-a", role="prefill", ttl_s=30)
+    first = await store.get_instance("d-a")
+    assert first is not None
+    await asyncio.sleep(0.15)
+    await register(store, "d-a", ttl_s=0.3)  # heartbeat keeps it and its registration time
+    beat = await store.get_instance("d-a")
+    assert beat is not None
+    assert beat.registered_at == first.registered_at >= t0
+    assert beat.last_heartbeat > first.last_heartbeat
+    assert [i.instance_id for i in await store.list_instances(None)] == ["d-a", "p-a"]
+    assert [i.instance_id for i in await store.list_instances("prefill")] == ["p-a"]
+    await asyncio.sleep(0.4)
+    assert await store.get_instance("d-a") is None
+    assert [i.instance_id for i in await store.list_instances(None)] == ["p-a"]
+    with pytest.raises(Unprocessable):
+        await bind(store, decode_instance_id="d-a")
+
+
+async def test_store_delete_instance(store: Store) -> None:
+    await register(store)
+    assert await store.delete_instance("decode-0") is True
+    assert await store.get_instance("decode-0") is None
+    assert await store.delete_instance("decode-0") is False
+
+
+async def test_store_stats_count_states_and_done_latency(store: Store) -> None:
+    await register(store)
+    for tid in ("a", "b", "c"):
+        await bind(store, tid)
+    await asyncio.sleep(0.02)
+    await event(store, "a", S.DONE)
+    await event(store, "b", S.FAILED)
+    stats = await store.stats(scan_limit=100)
+    assert stats.by_state == {"done": 1, "failed": 1, "bound": 1}
+    assert stats.scanned == 3
+    assert len(stats.done_latencies_s) == 1 and 0.02 <= stats.done_latencies_s[0] < 5
+    assert stats.instances_by_role == {"decode": 1}
+
+
+async def test_store_changes_wake_waiters_on_write(store: Store) -> None:
+    await register(store)
+    if hasattr(store, "subscribed"):
+        await asyncio.wait_for(store.subscribed.wait(), 5)
+    async with store.changes("t1") as sub:
+        writer = asyncio.create_task(bind(store))
+        assert await sub.wait(5.0) is True
+        await writer
+    async with store.changes("t1") as sub:
+        assert await sub.wait(0.1) is False
+        asyncio.get_running_loop().call_later(0.05, lambda: None)
+        task = asyncio.create_task(event(store, "t1", S.DONE))
+        assert await sub.wait(5.0) is True
+        await task
