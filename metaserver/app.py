@@ -8,17 +8,20 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 
 from metaserver.config import MetaserverSettings
 from metaserver.context import Context
-from metaserver.errors import MetaserverError, StoreUnavailable
-from metaserver.limits import BodySizeLimit
+from metaserver.errors import MetaserverError
+from metaserver.fastpath import FastPath
+from metaserver.limits import ASGIApp, BodySizeLimit
 from metaserver.metrics import Metrics, MetricsMiddleware
 from metaserver.models import BindingSpec, EventIn, InstanceSpec
+from metaserver.problems import render_problem
+from metaserver.responses import JSON
 from metaserver.routes import bindings, instances, ops
 from metaserver.store import Store, create_store
 from metaserver.validation import BodyInvalid
@@ -51,13 +54,14 @@ def create_app(
         finally:
             await store.close()
 
-    app = FastAPI(
+    app = _MetaserverApp(
         title="pdgate metaserver",
         version="0.1.0",
         description="Bindings (transfer → decode KV endpoint) and the instance registry.",
         lifespan=lifespan,
     )
-    app.state.ctx = Context(settings=settings, store=store, metrics=metrics, clock=clock)
+    context = Context(settings=settings, store=store, metrics=metrics, clock=clock)
+    app.state.ctx = context
     for module in (bindings, instances, ops):
         app.include_router(module.router)
     _install_error_handlers(app, metrics)
@@ -67,26 +71,26 @@ def create_app(
     return app
 
 
-def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
-    async def on_error(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, MetaserverError)
-        if isinstance(exc, StoreUnavailable):
-            metrics.store_errors.inc()
-            log.warning("%s %s: %s", request.method, request.url.path, exc.message)
-        headers = {"retry-after": "1"} if isinstance(exc, StoreUnavailable) else None
-        return JSONResponse({"detail": exc.message}, exc.status_code, headers=headers)
+class _MetaserverApp(FastAPI):
+    """FastAPI with ``FastPath`` as the outermost layer (in front of the middleware stack)."""
 
-    async def on_body(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, BodyInvalid)
-        return JSONResponse({"detail": exc.errors}, 422)
+    def build_middleware_stack(self) -> ASGIApp:
+        return FastPath(super().build_middleware_stack(), self.state.ctx)
+
+
+def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    async def on_problem(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, MetaserverError | BodyInvalid)
+        status, body, headers = render_problem(exc, metrics)
+        return Response(body, status, {k.decode(): v.decode() for k, v in headers}, JSON)
 
     async def on_params(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
         return JSONResponse({"detail": errors}, 422)
 
-    app.add_exception_handler(MetaserverError, on_error)
-    app.add_exception_handler(BodyInvalid, on_body)
+    app.add_exception_handler(MetaserverError, on_problem)
+    app.add_exception_handler(BodyInvalid, on_problem)
     app.add_exception_handler(RequestValidationError, on_params)
 
 

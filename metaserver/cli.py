@@ -101,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_level=settings.log_level,
         access_log=False,
         timeout_graceful_shutdown=5,
+        proxy_headers=False,
+        server_header=False,
+        date_header=False,
     )
 
 

@@ -25,11 +25,12 @@ class Context:
         token = self.settings.token
         self._expected = None if token is None else f"Bearer {token.get_secret_value()}".encode()
 
-    def authorize(self, request: Request, *, write: bool) -> None:
-        """Writes need the token whenever one is configured; reads only with protect_reads."""
+    def authorize(self, header: str | bytes | None, *, write: bool) -> None:
+        """Writes need the token whenever one is configured; reads only with protect_reads.
+        ``header`` is the request's Authorization header."""
         if self._expected is None or (not write and not self.settings.protect_reads):
             return
-        got = request.headers.get("authorization", "").encode()
+        got = header.encode() if isinstance(header, str) else (header or b"")
         if not hmac.compare_digest(got, self._expected):
             raise Unauthorized("missing or wrong bearer token")
 

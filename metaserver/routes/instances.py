@@ -33,7 +33,7 @@ _SPEC = {"$ref": "#/components/schemas/InstanceSpec"}
 )
 async def put_instance(request: Request, instance_id: InstanceId) -> Response:
     c = ctx(request)
-    c.authorize(request, write=True)
+    c.authorize(request.headers.get("authorization"), write=True)
     spec = parse_body(InstanceSpec, await request.body())
     kv = None if spec.kv_endpoint is None else (spec.kv_endpoint.host, spec.kv_endpoint.port)
     ttl = spec.ttl_s if spec.ttl_s is not None else c.settings.instance_ttl_s
@@ -46,7 +46,7 @@ async def put_instance(request: Request, instance_id: InstanceId) -> Response:
 @router.get("/{instance_id}", responses={200: {"model": Instance}, 404: {}})
 async def get_instance(request: Request, instance_id: InstanceId) -> Response:
     c = ctx(request)
-    c.authorize(request, write=False)
+    c.authorize(request.headers.get("authorization"), write=False)
     record = await c.store.get_instance(instance_id)
     if record is None:
         raise NotFound(f"instance {instance_id} not registered")
@@ -56,7 +56,7 @@ async def get_instance(request: Request, instance_id: InstanceId) -> Response:
 @router.get("", summary="Live instances (TTL not lapsed)")
 async def list_instances(request: Request, role: InstanceRole | None = None) -> Response:
     c = ctx(request)
-    c.authorize(request, write=False)
+    c.authorize(request.headers.get("authorization"), write=False)
     records = await c.store.list_instances(None if role is None else role.value)
     return json_list("instances", (r.to_json() for r in records))
 
@@ -69,7 +69,7 @@ async def list_instances(request: Request, role: InstanceRole | None = None) -> 
 )
 async def delete_instance(request: Request, instance_id: InstanceId) -> Response:
     c = ctx(request)
-    c.authorize(request, write=True)
+    c.authorize(request.headers.get("authorization"), write=True)
     if not await c.store.delete_instance(instance_id):
         raise NotFound(f"instance {instance_id} not registered")
     return Response(status_code=204)

@@ -43,6 +43,7 @@ from metaserver.store.base import (
     StoreStats,
     decode_instance_problem,
 )
+from metaserver.store.redis_batch import ScriptBatcher
 
 log = logging.getLogger("pdgate.metaserver.redis")
 _LATENCY_SAMPLES = 1000
@@ -84,6 +85,7 @@ class RedisStore(Store):
         self._read_binding = self._r.register_script(lua.READ_BINDING)
         self._delete_binding = self._r.register_script(lua.DELETE_BINDING)
         self._put_instance = self._r.register_script(lua.PUT_INSTANCE)
+        self._batch = ScriptBatcher(self._r)
         self._waiters = LocalWaiters()
         self._listener: asyncio.Task[None] | None = None
         self.subscribed = asyncio.Event()
@@ -153,7 +155,7 @@ class RedisStore(Store):
     # ---- bindings -------------------------------------------------------------------------
     async def put_binding(self, put: BindingPut, now: float) -> tuple[PutOutcome, StoredBinding]:
         tid = put.transfer_id
-        res = await self._call(
+        res = await self._batch.call(
             self._put_binding,
             keys=[
                 self._bkey(tid),
@@ -192,8 +194,8 @@ class RedisStore(Store):
         return outcome, _binding(tid, res)
 
     async def get_binding(self, transfer_id: str) -> StoredBinding | None:
-        res = await self._call(
-            self._read_binding, keys=[self._bkey(transfer_id), self._ekey(transfer_id)]
+        res = await self._batch.call(
+            self._read_binding, [self._bkey(transfer_id), self._ekey(transfer_id)], []
         )
         return None if res[0] == b"notfound" else _binding(transfer_id, res)
 
@@ -219,11 +221,12 @@ class RedisStore(Store):
                 break
             start += len(ids)
             scanned += len(ids)
-            async with self._r.pipeline(transaction=False) as pipe:
-                for raw in ids:
-                    tid = raw.decode()
-                    pipe.evalsha(self._read_binding.sha, 2, self._bkey(tid), self._ekey(tid))
-                results = await self._call(self._exec_with_script, pipe)
+            results = await asyncio.gather(
+                *(
+                    self._batch.call(self._read_binding, [self._bkey(t), self._ekey(t)], [])
+                    for t in (raw.decode() for raw in ids)
+                )
+            )
             for raw, res in zip(ids, results, strict=True):
                 if res[0] == b"notfound":
                     continue
@@ -237,15 +240,10 @@ class RedisStore(Store):
                     break
         return out
 
-    async def _exec_with_script(self, pipe: Any) -> list[Any]:
-        await self._r.script_load(lua.READ_BINDING)  # pipelines cannot fall back on NOSCRIPT
-        result: list[Any] = await pipe.execute()
-        return result
-
     async def add_event(
         self, transfer_id: str, state: BindingState, event_json: bytes, now: float
     ) -> StoredBinding:
-        res = await self._call(
+        res = await self._batch.call(
             self._add_event,
             keys=[self._bkey(transfer_id), self._ekey(transfer_id), f"{self._ns}:lat"],
             args=[

@@ -1,0 +1,124 @@
+"""ASGI fast path for the three calls on the P/D data path.
+
+``PUT /v1/bindings/{id}``, ``GET /v1/bindings/{id}`` (plain reads) and
+``POST /v1/bindings/{id}/events`` are served here, in front of FastAPI, calling the very same
+``metaserver.service`` functions as the documented routes — only the framework's per-request
+machinery (routing table, dependency solving, middleware stack) is skipped. Everything else,
+including long-polls and anything unusual, falls through to FastAPI.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+
+from metaserver import service
+from metaserver.context import Context
+from metaserver.errors import MetaserverError, PayloadTooLarge
+from metaserver.limits import ASGIApp, Receive, Scope, Send
+from metaserver.models import TRANSFER_ID_PATTERN
+from metaserver.problems import render_problem
+from metaserver.validation import BodyInvalid
+
+log = logging.getLogger("pdgate.metaserver")
+_PREFIX = "/v1/bindings/"
+_ID = re.compile(TRANSFER_ID_PATTERN)
+_ROUTE = "/v1/bindings/{transfer_id}"
+_EVENTS_ROUTE = "/v1/bindings/{transfer_id}/events"
+_JSON = [(b"content-type", b"application/json")]
+
+Handler = Callable[[Context, str, bytes], Awaitable[service.Reply]]
+
+
+async def _get(c: Context, transfer_id: str, body: bytes) -> service.Reply:
+    return await service.get_binding(c, transfer_id)
+
+
+class FastPath:
+    def __init__(self, app: ASGIApp, ctx: Context) -> None:
+        self.app = app
+        self.ctx = ctx
+        self.max_body = ctx.settings.max_body_bytes
+        metrics = ctx.metrics
+        self._count = metrics.requests
+        self._latency = {
+            (m, r): metrics.latency.labels(m, r)
+            for m, r in (("PUT", _ROUTE), ("GET", _ROUTE), ("POST", _EVENTS_ROUTE))
+        }
+
+    def _match(self, scope: Scope) -> tuple[str, Handler, str] | None:
+        path: str = scope["path"]
+        if not path.startswith(_PREFIX):
+            return None
+        rest = path[len(_PREFIX) :]
+        method = scope["method"]
+        if method == "POST" and rest.endswith("/events"):
+            tid, route, handler = rest[:-7], _EVENTS_ROUTE, service.post_event
+        elif method == "PUT":
+            tid, route, handler = rest, _ROUTE, service.put_binding
+        elif method == "GET" and not scope["query_string"]:
+            tid, route, handler = rest, _ROUTE, _get
+        else:
+            return None
+        if not _ID.fullmatch(tid):
+            return None  # FastAPI answers the validation error in its documented shape
+        return tid, handler, route
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        match = self._match(scope) if scope["type"] == "http" else None
+        if match is None:
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        transfer_id, handler, route = match
+        method: str = scope["method"]
+        headers: list[tuple[bytes, bytes]] = _JSON
+        try:
+            auth = None
+            declared = -1
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    auth = value
+                elif name == b"content-length":
+                    declared = int(value) if value.isdigit() else -1
+            self.ctx.authorize(auth, write=method != "GET")
+            body = b"" if method == "GET" else await self._read_body(receive, declared)
+            reply = await handler(self.ctx, transfer_id, body)
+            status, payload = reply.status, reply.body
+        except (MetaserverError, BodyInvalid) as exc:
+            status, payload, extra = render_problem(exc, self.ctx.metrics)
+            headers = _JSON + extra
+        except Exception:
+            log.exception("%s %s failed", method, scope["path"])
+            status, payload = 500, b'{"detail":"internal error"}'
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [*headers, (b"content-length", str(len(payload)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": payload})
+        self._count.labels(method, route, str(status)).inc()
+        self._latency[(method, route)].observe(time.perf_counter() - started)
+
+    async def _read_body(self, receive: Receive, declared: int) -> bytes:
+        limit = self.max_body
+        if declared > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            chunk: bytes = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)

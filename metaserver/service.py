@@ -1,0 +1,70 @@
+"""Binding operations, independent of the web framework: the FastAPI routes and the ASGI fast
+path (``metaserver.fastpath``) both call these, so behaviour cannot drift between them."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from metaserver.context import Context
+from metaserver.errors import NotFound
+from metaserver.models import BindingSpec, BindingState, EventIn
+from metaserver.store.base import BindingPut, PutOutcome, StoredBinding, event_json
+from metaserver.validation import parse_body
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    status: int
+    body: bytes
+    wait_timed_out: bool = False
+
+
+async def put_binding(c: Context, transfer_id: str, body: bytes) -> Reply:
+    spec = parse_body(BindingSpec, body)
+    now = c.clock()
+    outcome, record = await c.store.put_binding(BindingPut.of(transfer_id, spec, now), now)
+    if outcome is PutOutcome.CREATED:
+        c.metrics.bindings_created.inc()
+        return Reply(201, record.to_json())
+    return Reply(200, record.to_json())
+
+
+def _reached(record: StoredBinding | None, state: BindingState | None) -> bool:
+    return record is not None and (state is None or record.state.rank >= state.rank)
+
+
+async def get_binding(
+    c: Context, transfer_id: str, wait: float | None = None, state: BindingState | None = None
+) -> Reply:
+    record = await c.store.get_binding(transfer_id)
+    timed_out = False
+    if wait is not None and not _reached(record, state):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(wait, c.settings.max_wait_s)
+        c.metrics.waiters.inc()
+        try:
+            async with c.store.changes(transfer_id) as sub:
+                record = await c.store.get_binding(transfer_id)  # closes the subscribe race
+                while not _reached(record, state):
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        timed_out = True
+                        break
+                    if await sub.wait(remaining):
+                        record = await c.store.get_binding(transfer_id)
+        finally:
+            c.metrics.waiters.dec()
+    if record is None:
+        raise NotFound(f"binding {transfer_id} not found" + (" (wait timed out)" if wait else ""))
+    return Reply(200, record.to_json(), timed_out)
+
+
+async def post_event(c: Context, transfer_id: str, body: bytes) -> Reply:
+    event = parse_body(EventIn, body)
+    now = c.clock()
+    detail = None if event.detail is None else event.detail.model_dump_json(exclude_none=True)
+    raw = event_json(event.state, event.actor, now, None if detail is None else detail.encode())
+    record = await c.store.add_event(transfer_id, event.state, raw, now)
+    c.metrics.events.labels(event.state.value).inc()
+    return Reply(200, record.to_json())
