@@ -10,7 +10,6 @@ at a steady 1,000 writes/s, p99 no more than 1 ms above the raw Redis round trip
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 import tempfile
@@ -19,15 +18,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import redis.asyncio as aioredis  # noqa: E402
-import uvloop  # noqa: E402
+import redis.asyncio as aioredis
+import uvloop
 
-from metaserver.models import BindingSpec, KVEndpoint  # noqa: E402
-from metaserver.store import redis_scripts as lua  # noqa: E402
-from metaserver.store.base import BindingPut  # noqa: E402
-from tests.bench.httpload import Connection, Latencies, build, closed_loop, open_loop  # noqa: E402
-from tests.support.procs import VENV_BIN, Process, free_port, wait_http  # noqa: E402
-from tests.support.services import RedisServer  # noqa: E402
+from metaserver.models import BindingSpec, KVEndpoint
+from metaserver.store import redis_scripts as lua
+from metaserver.store.base import BindingPut
+from tests.bench.httpload import Connection, Latencies, build, closed_loop, open_loop
+from tests.support.procs import VENV_BIN, Process, free_port, wait_http
+from tests.support.services import RedisServer
 
 KV = KVEndpoint(host="10.0.0.7", port=5600)
 SPEC = BindingSpec(
@@ -243,9 +242,8 @@ async def run(args: argparse.Namespace) -> int:
     )
     ok_rate = write_rate >= 5000
     ok_p99 = added_p99 <= 1.0
-    print(
-        f"\nwrites/s at saturation: {write_rate:,.0f} (target >= 5,000: {'PASS' if ok_rate else 'FAIL'})"
-    )
+    verdict = "PASS" if ok_rate else "FAIL"
+    print(f"\nwrites/s at saturation: {write_rate:,.0f} (target >= 5,000: {verdict})")
     print(
         f"p99 added over raw Redis at {args.rate:.0f} writes/s: {added_p99:+.2f} ms "
         f"(target <= 1 ms: {'PASS' if ok_p99 else 'FAIL'})"
