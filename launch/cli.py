@@ -1,0 +1,216 @@
+"""``pd-launch``: run a whole pdgate deployment on this machine.
+
+pd-launch --tiny-model .cache/models --prefill 1 --decode 1
+pd-launch --model /models/Qwen3-8B --device cuda --prefill 2 --decode 2 --redis redis://…
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+from launch.plan import LaunchOptions, LaunchPlan, build_plan
+from launch.supervisor import ChildFailed, Printer, Supervisor
+
+DESCRIPTION = """\
+Run pdgate on one machine: a metaserver, N prefill and M decode vLLM OpenAI servers with the
+pdgate connector configured (ports, side-channel ports, instance registration), and the proxy.
+Shows progress while the engines load, prints the endpoints and a curl command when everything
+is healthy, and stops every child on Ctrl-C or as soon as any child dies.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pd-launch", description=DESCRIPTION)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="model path or hub id served by every engine")
+    src.add_argument(
+        "--tiny-model",
+        metavar="DIR",
+        help="generate the small random test model under DIR and serve it",
+    )
+    p.add_argument("--prefill", type=int, default=1, help="prefill instances (default 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "npu"],
+        default="cpu",
+        help="sets vLLM options and the transfer protocol (tcp / rdma / ascend)",
+    )
+    p.add_argument(
+        "--flow",
+        choices=["decode-first", "concurrent", "prefill-first", "direct"],
+        default="decode-first",
+        help="the proxy's P/D flow",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="proxy port")
+    p.add_argument("--metaserver-port", type=int, default=8300)
+    p.add_argument(
+        "--engine-base-port",
+        type=int,
+        default=8100,
+        help="first engine HTTP port (prefill first, then decode)",
+    )
+    p.add_argument("--side-channel-base-port", type=int, default=5600)
+    store = p.add_mutually_exclusive_group()
+    store.add_argument("--redis", metavar="URL", help="metaserver store (default: in memory)")
+    store.add_argument(
+        "--local-redis", action="store_true", help="start a redis-server for the metaserver"
+    )
+    p.add_argument("--token", help="metaserver write token (passed to every part)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--tp-prefill", type=int, default=1)
+    p.add_argument("--tp-decode", type=int, default=1)
+    p.add_argument(
+        "--kv-load-timeout",
+        type=float,
+        default=60.0,
+        help="seconds D waits for pushed KV before recomputing",
+    )
+    p.add_argument("--log-dir", type=Path, help="child logs (default: a temporary directory)")
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--demo",
+        action="store_true",
+        help="send one chat completion, show the metaserver's record, then stop",
+    )
+    return p
+
+
+def options_from(args: argparse.Namespace, redis_url: str | None) -> LaunchOptions:
+    model = args.model
+    if args.tiny_model:
+        from launch.tiny_model import make_tiny_model
+
+        print(f"generating the tiny test model under {args.tiny_model} …", flush=True)
+        model = str(make_tiny_model(args.tiny_model))
+    return LaunchOptions(
+        model=model,
+        prefill=args.prefill,
+        decode=args.decode,
+        device=args.device,
+        host=args.host,
+        proxy_port=args.port,
+        metaserver_port=args.metaserver_port,
+        engine_base_port=args.engine_base_port,
+        side_channel_base_port=args.side_channel_base_port,
+        redis_url=redis_url,
+        token=args.token,
+        flow=args.flow,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        tp_prefill=args.tp_prefill,
+        tp_decode=args.tp_decode,
+        kv_load_timeout_s=args.kv_load_timeout,
+    )
+
+
+def print_endpoints(plan: LaunchPlan, out: Printer) -> None:
+    name = (
+        Path(plan.options.model).name if Path(plan.options.model).exists() else plan.options.model
+    )
+    out("")
+    out("pdgate is up:")
+    out(f"  proxy (OpenAI API)  {plan.proxy_url}/v1")
+    out(f"  metaserver          {plan.metaserver_url}   (try {plan.metaserver_url}/v1/bindings)")
+    for url in plan.prefill_urls:
+        out(f"  prefill             {url}")
+    for url in plan.decode_urls:
+        out(f"  decode              {url}")
+    out("")
+    out(f"  curl -s {plan.proxy_url}/v1/chat/completions -H 'content-type: application/json' \\")
+    body = {"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
+    out(f"    -d '{json.dumps(body)}'")
+    out("")
+    out("Ctrl-C stops everything.")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+
+    def out(line: str) -> None:
+        print(line, flush=True)
+
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pd-launch-"))
+    redis_sup: Supervisor | None = None
+    redis_url = args.redis
+    if args.local_redis:
+        redis_sup, redis_url = start_local_redis(log_dir, out)
+    plan = build_plan(options_from(args, redis_url))
+    sup = Supervisor(plan.children, log_dir, out)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        out(f"\nreceived {signal.Signals(signum).name}: stopping everything …")
+        sup.stop_soon()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    try:
+        sup.start()
+        sup.wait_ready(args.ready_timeout)
+        if args.demo:
+            from launch.demo import run_demo
+
+            run_demo(plan, out)
+        else:
+            print_endpoints(plan, out)
+            dead = sup.watch()
+            if dead is not None:
+                out(f"{dead} exited; stopping everything. Last lines of its log:\n{sup.tail(dead)}")
+                code = 1
+    except ChildFailed as exc:
+        out(f"pd-launch: {exc}")
+        code = 1
+    finally:
+        sup.stop()
+        if redis_sup is not None:
+            redis_sup.stop()
+        out(f"all processes stopped (logs in {log_dir})")
+    sys.exit(code)
+
+
+def start_local_redis(log_dir: Path, out: Printer) -> tuple[Supervisor, str]:
+    from launch.plan import Child
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit(
+            "pd-launch: --local-redis needs redis-server (apt-get install redis-server)"
+        )
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    child = Child(
+        "redis",
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(log_dir)],
+        f"tcp://127.0.0.1:{port}",
+    )
+    sup = Supervisor([child], log_dir, out)
+    sup.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return sup, f"redis://127.0.0.1:{port}/0"
+        time.sleep(0.05)
+    sup.stop()
+    raise SystemExit("pd-launch: redis-server did not start")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""pd-launch's supervisor: progress while starting, and no orphans however it ends."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from launch.plan import Child
+from launch.supervisor import ChildFailed, Supervisor
+from tests.support.procs import free_port
+
+# A child that serves /health after a delay and spawns a grandchild (like vLLM's engine core).
+SERVER = textwrap.dedent(
+    """
+    import http.server, subprocess, sys, time, os
+    delay, port, pidfile = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(pidfile, "w") as f:
+        f.write(f"{os.getpid()} {grandchild.pid}")
+    time.sleep(delay)
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers()
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    """
+)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def server_child(tmp: Path, name: str, delay: float) -> tuple[Child, Path]:
+    port = free_port()
+    script = tmp / "server.py"
+    script.write_text(SERVER)
+    pidfile = tmp / f"{name}.pids"
+    argv = [sys.executable, str(script), str(delay), str(port), str(pidfile)]
+    return Child(name, argv, f"http://127.0.0.1:{port}/health", kind="engine"), pidfile
+
+
+def pids(pidfile: Path) -> list[int]:
+    deadline = time.monotonic() + 10
+    while not pidfile.exists() or not pidfile.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return [int(x) for x in pidfile.read_text().split()]
+
+
+def test_supervisor_reports_progress_and_stops_whole_trees(tmp_path: Path) -> None:
+    a, pa = server_child(tmp_path, "fast", 0.1)
+    b, pb = server_child(tmp_path, "slow", 1.5)
+    lines: list[str] = []
+    sup = Supervisor([a, b], tmp_path / "logs", lines.append)
+    sup.start()
+    try:
+        sup.wait_ready(timeout_s=30, interval_s=0.2)
+        everyone = pids(pa) + pids(pb)
+        assert all(alive(p) for p in everyone)
+    finally:
+        sup.stop(grace_s=5)
+    assert not any(alive(p) for p in everyone), "orphans left behind"
+    text = "\n".join(lines)
+    assert "started fast" in text and "started slow" in text
+    assert "fast is ready" in text and "slow is ready" in text
+    assert (tmp_path / "logs" / "slow.log").exists()
+
+
+def test_supervisor_stops_everything_when_one_child_dies(tmp_path: Path) -> None:
+    a, pa = server_child(tmp_path, "engine", 0.1)
+    crasher = Child(
+        "crasher",
+        [sys.executable, "-c", "import time; time.sleep(1); raise SystemExit(3)"],
+        "http://127.0.0.1:1/health",
+    )
+    sup = Supervisor([a, crasher], tmp_path / "logs", lambda s: None)
+    sup.start()
+    try:
+        everyone = pids(pa)
+        assert sup.watch(poll_s=0.1) == "crasher"
+    finally:
+        sup.stop(grace_s=5)
+    assert not any(alive(p) for p in everyone)
+
+
+def test_supervisor_start_up_failure_is_reported_with_log_tail(tmp_path: Path) -> None:
+    bad = Child(
+        "broken",
+        [sys.executable, "-c", "print('model not found: /nope'); raise SystemExit(1)"],
+        "http://127.0.0.1:1/health",
+    )
+    sup = Supervisor([bad], tmp_path / "logs", lambda s: None)
+    sup.start()
+    try:
+        with pytest.raises(ChildFailed, match="broken exited during start-up") as err:
+            sup.wait_ready(timeout_s=30, interval_s=0.1)
+        assert "model not found" in str(err.value)
+    finally:
+        sup.stop()
+
+
+def test_supervisor_stop_soon_interrupts_waiting(tmp_path: Path) -> None:
+    slow, ps = server_child(tmp_path, "slow", 60)
+    sup = Supervisor([slow], tmp_path / "logs", lambda s: None)
+    sup.start()
+    threading.Timer(0.5, sup.stop_soon).start()
+    try:
+        with pytest.raises(ChildFailed, match="interrupted"):
+            sup.wait_ready(timeout_s=30, interval_s=0.1)
+        everyone = pids(ps)
+    finally:
+        sup.stop(grace_s=5)
+    assert not any(alive(p) for p in everyone)
