@@ -1,4 +1,4 @@
-"""The benchmark script still runs end to end (numbers are not judged here: see docs/benchmarks.md)."""
+"""The benchmark script still runs end to end (its numbers are judged in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
