@@ -40,7 +40,9 @@ test: install lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 bench: install
+	$(PIP) install -q -e '.[bench]'
 	$(PY) tests/bench/metaserver_bench.py
+	$(PY) tests/bench/proxy_bench.py
 
 demo: install
 	@echo "make demo: not yet — the one-command local stack lands with the end-to-end issue."

@@ -60,6 +60,7 @@ class LaunchOptions:
     tp_decode: int = 1
     kv_load_timeout_s: float = 60.0
     extra_engine_args: tuple[str, ...] = ()
+    extra_proxy_args: tuple[str, ...] = ()
     transport: str = "mooncake"
 
 
@@ -87,7 +88,7 @@ def kv_transfer_config(
         "device": o.device,
         "kv_load_timeout_s": o.kv_load_timeout_s,
         "heartbeat_s": 2.0,
-        "concurrent": o.flow == "concurrent",
+        "concurrent": True,  # P can fetch bindings itself: the proxy may pick the flow per request
     }
     return json.dumps(
         {
@@ -185,6 +186,7 @@ def build_plan(o: LaunchOptions) -> LaunchPlan:
         proxy_argv += ["--prefill", url]
     for url in decode_urls:
         proxy_argv += ["--decode", url]
+    proxy_argv += ["--flow-header", *o.extra_proxy_args]
     proxy_env = {"PD_PROXY_METASERVER_TOKEN": o.token} if o.token else {}
     children.append(Child("proxy", proxy_argv, proxy_url + "/health", proxy_env))
     return LaunchPlan(o, children, proxy_url, metaserver_url, prefill_urls, decode_urls)

@@ -1,10 +1,10 @@
 """ASGI fast path for the three calls on the P/D data path.
 
-``PUT /v1/bindings/{id}``, ``GET /v1/bindings/{id}`` (plain reads) and
+``PUT /v1/bindings/{id}``, ``GET /v1/bindings/{id}`` (plain reads and long-polls) and
 ``POST /v1/bindings/{id}/events`` are served here, in front of FastAPI, calling the very same
 ``metaserver.service`` functions as the documented routes — only the framework's per-request
 machinery (routing table, dependency solving, middleware stack) is skipped. Everything else,
-including long-polls and anything unusual, falls through to FastAPI.
+including any unusual query string, falls through to FastAPI.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from metaserver import service
 from metaserver.context import Context
 from metaserver.errors import MetaserverError, PayloadTooLarge
 from metaserver.limits import ASGIApp, Receive, Scope, Send
-from metaserver.models import TRANSFER_ID_PATTERN
+from metaserver.models import TRANSFER_ID_PATTERN, BindingState
 from metaserver.problems import render_problem
 from metaserver.validation import BodyInvalid
 
@@ -28,12 +28,40 @@ _ID = re.compile(TRANSFER_ID_PATTERN)
 _ROUTE = "/v1/bindings/{transfer_id}"
 _EVENTS_ROUTE = "/v1/bindings/{transfer_id}/events"
 _JSON = [(b"content-type", b"application/json")]
+_TIMED_OUT = [*_JSON, (b"x-pdgate-wait", b"timeout")]
 
 Handler = Callable[[Context, str, bytes], Awaitable[service.Reply]]
 
 
 async def _get(c: Context, transfer_id: str, body: bytes) -> service.Reply:
     return await service.get_binding(c, transfer_id)
+
+
+def _long_poll(query: bytes) -> Handler | None:
+    """A handler for ``?wait=S[&state=X]``, or None when the query is anything else (FastAPI
+    then answers, with its documented validation errors)."""
+    wait: float | None = None
+    state: BindingState | None = None
+    for part in query.split(b"&"):
+        key, _, value = part.partition(b"=")
+        try:
+            if key == b"wait" and wait is None:
+                wait = float(value)
+                if not 0 < wait <= 3600 or wait != wait:
+                    return None
+            elif key == b"state" and state is None:
+                state = BindingState(value.decode())
+            else:
+                return None
+        except ValueError:
+            return None
+    if wait is None:
+        return None
+
+    async def handler(c: Context, transfer_id: str, body: bytes) -> service.Reply:
+        return await service.get_binding(c, transfer_id, wait, state)
+
+    return handler
 
 
 class FastPath:
@@ -54,15 +82,17 @@ class FastPath:
             return None
         rest = path[len(_PREFIX) :]
         method = scope["method"]
+        handler: Handler | None
         if method == "POST" and rest.endswith("/events"):
             tid, route, handler = rest[:-7], _EVENTS_ROUTE, service.post_event
         elif method == "PUT":
             tid, route, handler = rest, _ROUTE, service.put_binding
-        elif method == "GET" and not scope["query_string"]:
-            tid, route, handler = rest, _ROUTE, _get
+        elif method == "GET":
+            query: bytes = scope["query_string"]
+            tid, route, handler = rest, _ROUTE, _long_poll(query) if query else _get
         else:
             return None
-        if not _ID.fullmatch(tid):
+        if handler is None or not _ID.fullmatch(tid):
             return None  # FastAPI answers the validation error in its documented shape
         return tid, handler, route
 
@@ -87,6 +117,8 @@ class FastPath:
             body = b"" if method == "GET" else await self._read_body(receive, declared)
             reply = await handler(self.ctx, transfer_id, body)
             status, payload = reply.status, reply.body
+            if reply.wait_timed_out:
+                headers = _TIMED_OUT
         except (MetaserverError, BodyInvalid) as exc:
             status, payload, extra = render_problem(exc, self.ctx.metrics)
             headers = _JSON + extra
