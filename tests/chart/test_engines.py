@@ -1,0 +1,121 @@
+"""Each engine pool's vLLM command line: model flags, accelerator, and the connector's
+--kv-transfer-config as the connector itself parses it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from connector.config import load_settings as load_connector_settings
+from tests.chart.rendering import (
+    FULLNAME,
+    SCENARIOS,
+    Rendered,
+    arg_after,
+    container,
+    expand,
+    flags,
+    pod_spec,
+    resolve_env,
+    var_refs,
+)
+from tests.chart.wiring import container_port, fake_secrets, fields
+
+ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+PROTOCOLS = {"cpu": "tcp", "nvidia": "rdma", "ascend": "ascend"}
+DEVICES = {"cpu": "cpu", "nvidia": "cuda", "ascend": "npu"}
+RESOURCES = {"nvidia": "nvidia.com/gpu", "ascend": "huawei.com/Ascend910"}
+
+
+@pytest.mark.parametrize("role", sorted(ROLES))
+def test_engine_kv_transfer_config(scenario: tuple[str, Rendered], role: str) -> None:
+    name, r = scenario
+    values = SCENARIOS[name]
+    accel = values.get("accelerator", "cpu")
+    sts = r.get("StatefulSet", f"{FULLNAME}-{role}")
+    c = container(sts)
+    raw = arg_after(c["args"], "--kv-transfer-config")
+    cfg = json.loads(raw)
+    assert cfg["kv_connector"] == "PdgateConnector"
+    assert cfg["kv_connector_module_path"] == "connector"
+    assert cfg["kv_role"] == ROLES[role]
+    extra = cfg["kv_connector_extra_config"]
+    assert extra["metaserver_url"] == f"http://{FULLNAME}-metaserver:8300"
+    assert "metaserver_token" not in extra, "the token comes from the Secret, not the flag"
+    assert extra["mooncake_protocol"] == PROTOCOLS[accel]
+    assert extra["device"] == DEVICES[accel]
+    assert extra["concurrent"] == (role == "prefill" and name == "concurrent-flow")
+
+    # What the connector sees once the kubelet has expanded $(POD_NAME) and $(POD_IP).
+    pod = f"{FULLNAME}-{role}-0"
+    env = resolve_env(c, secrets=fake_secrets(r), fields=fields(pod))
+    for ref in var_refs(raw) | {v for a in c["args"] for v in var_refs(a)}:
+        assert ref in env, f"$({ref}) in args but not in the container's env"
+    settings = load_connector_settings(json.loads(expand(raw, env))["kv_connector_extra_config"])
+    assert settings.instance_id == pod
+    assert settings.http_url == f"http://10.1.2.3:{container_port(c, 'http')}"
+    assert settings.side_channel_host == "10.1.2.3"
+    if values.get("auth", {}).get("enabled", True):
+        assert env["PDGATE_METASERVER_TOKEN"]
+    else:
+        assert "PDGATE_METASERVER_TOKEN" not in env
+
+    # One side-channel port per TP rank, declared on the container and the headless Service.
+    tp = values.get(role, {}).get("tensorParallelSize", 1)
+    assert int(flags(c["args"])["tensor-parallel-size"]) == tp
+    side = [p["containerPort"] for p in c["ports"] if p["name"].startswith("side-")]
+    assert side == [settings.side_channel_port + rank for rank in range(tp)]
+    svc = r.get("Service", f"{FULLNAME}-{role}")
+    assert sorted(p["port"] for p in svc["spec"]["ports"] if p["name"].startswith("side-")) == side
+
+
+@pytest.mark.parametrize("role", sorted(ROLES))
+def test_engine_command_and_accelerator(scenario: tuple[str, Rendered], role: str) -> None:
+    name, r = scenario
+    values = SCENARIOS[name]
+    accel = values.get("accelerator", "cpu")
+    model = values.get("model", {})
+    c = container(r.get("StatefulSet", f"{FULLNAME}-{role}"))
+    model_name = model.get("name", "Qwen/Qwen2.5-0.5B-Instruct")
+    if accel == "cpu":
+        assert c["command"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+        assert f"--model={model_name}" in c["args"]
+    else:
+        assert c["command"] == ["vllm", "serve"] and c["args"][0] == model_name
+    f = flags(c["args"])
+    assert f["served-model-name"] == model.get("servedName", model_name)
+    assert int(f["max-model-len"]) == model.get("maxModelLen", 4096)
+    if "maxNumBatchedTokens" in model:
+        assert int(f["max-num-batched-tokens"]) == model["maxNumBatchedTokens"]
+        assert int(f["max-num-seqs"]) == model["maxNumSeqs"]
+    tp = values.get(role, {}).get("tensorParallelSize", 1)
+    limits = c["resources"]["limits"]
+    if accel in RESOURCES:
+        assert limits[RESOURCES[accel]] == tp
+        assert c["resources"]["requests"][RESOURCES[accel]] == tp
+    else:
+        assert not any("/" in k for k in limits)
+    images = {"cpu": "engine-cpu", "nvidia": "engine-cuda", "ascend": "engine-ascend"}
+    assert c["image"] == f"pdgate/{images[accel]}:0.1.0"
+    spec = pod_spec(r.get("StatefulSet", f"{FULLNAME}-{role}"))
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert "/dev/shm" in mounts and "/models" in mounts
+    shm = next(v for v in spec["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    if accel == "ascend":
+        assert "/usr/local/Ascend/driver" in mounts
+    if name == "nvidia-4p2d-rdma":
+        assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+        assert limits["rdma/hca_shared_devices_a"] == 1
+        assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
+        assert (
+            json.loads(arg_after(c["args"], "--kv-transfer-config"))["kv_connector_extra_config"][
+                "device_name"
+            ]
+            == "mlx5_0"
+        )
+        claim = r.get("StatefulSet", f"{FULLNAME}-{role}")["spec"]["volumeClaimTemplates"][0]
+        assert claim["metadata"]["name"] == "model-cache"
+        env = resolve_env(c, secrets=fake_secrets(r), fields=fields("p-0"))
+        assert env["HF_TOKEN"] == "hf-user-token" and env["HF_HOME"] == "/models"

@@ -1,0 +1,210 @@
+"""Run the rendered Redis and metaserver containers' commands for real, with the environment the
+kubelet would build (Secret values, $(VAR) expansion): the wiring must hold up at run time.
+
+Only what a cluster adds is emulated: volume mounts (a temp dir) and Service DNS (the Redis
+Service name resolves to loopback).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.chart.rendering import FULLNAME, container, render, resolve_env
+from tests.support.procs import VENV_BIN, Process, free_port, wait_http, wait_port
+
+
+def _fields(pod: str) -> dict[str, str]:
+    return {"metadata.name": pod, "metadata.namespace": "serving", "status.podIP": "127.0.0.1"}
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed (make install does it)")
+    redis_port, meta_port, proxy_port, engine_port = (free_port() for _ in range(4))
+    r = render(
+        {
+            "redis": {"port": redis_port},
+            "metaserver": {"port": meta_port, "replicas": 2},
+            "proxy": {"port": proxy_port},
+            "engine": {"port": engine_port},
+        }
+    )
+    secrets = {f"{FULLNAME}-auth": r.secret_data(f"{FULLNAME}-auth")}
+    procs: list[Process] = []
+    try:
+        redis = container(r.get("StatefulSet", f"{FULLNAME}-redis"))
+        redis_env = resolve_env(redis, secrets=secrets, fields=_fields("redis-0"))
+        data = tmp_path / "data"
+        data.mkdir()
+        (mount,) = [m["mountPath"] for m in redis["volumeMounts"] if m["name"] == "data"]
+        argv = redis["command"] + [a.replace(mount, str(data)) for a in redis["args"]]
+        procs.append(Process(argv, env=redis_env, log=tmp_path / "redis.log"))
+        wait_port(redis_port)
+
+        ms = container(r.get("Deployment", f"{FULLNAME}-metaserver"))
+        ms_env = resolve_env(ms, secrets=secrets, fields=_fields("ms-0"))
+        # Cluster DNS: the Redis Service name is this machine.
+        ms_env["PD_METASERVER_STORE"] = ms_env["PD_METASERVER_STORE"].replace(
+            f"@{FULLNAME}-redis:", "@127.0.0.1:"
+        )
+        exe = str(VENV_BIN / ms["command"][0])
+        ms_proc = Process([exe, *ms["args"]], env=ms_env, log=tmp_path / "metaserver.log")
+        procs.append(ms_proc)
+        wait_http(f"http://127.0.0.1:{meta_port}/health", proc=ms_proc)
+        yield {
+            "render": r,
+            "redis": redis,
+            "redis_env": redis_env,
+            "metaserver": ms,
+            "meta_port": meta_port,
+            "proxy_port": proxy_port,
+            "engine_port": engine_port,
+            "tmp": tmp_path,
+            "secrets": secrets,
+        }
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def test_live_redis_requires_the_generated_password(stack: dict[str, Any]) -> None:
+    redis = stack["redis"]
+    probe = redis["readinessProbe"]["exec"]["command"]
+    ok = subprocess.run(probe, env={"PATH": "/usr/bin:/bin", **stack["redis_env"]}, timeout=10)
+    assert ok.returncode == 0, "the rendered readiness probe fails against the rendered server"
+    no_auth = {k: v for k, v in stack["redis_env"].items() if k != "REDISCLI_AUTH"}
+    denied = subprocess.run(probe, env={"PATH": "/usr/bin:/bin", **no_auth}, timeout=10)
+    assert denied.returncode != 0, "Redis answered without the password"
+
+
+def test_live_metaserver_probes_and_token(stack: dict[str, Any]) -> None:
+    ms = stack["metaserver"]
+    base = f"http://127.0.0.1:{stack['meta_port']}"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        path = ms[probe]["httpGet"]["path"]
+        assert httpx.get(base + path, timeout=5).status_code == 200, probe
+
+    token = stack["secrets"][f"{FULLNAME}-auth"]["token"]
+    spec = {
+        "role": "decode",
+        "url": "http://10.0.0.9:8000",
+        "kv_endpoint": {"host": "10.0.0.9", "port": 5600},
+    }
+    denied = httpx.put(f"{base}/v1/instances/d-0", json=spec, timeout=5)
+    assert denied.status_code == 401
+    wrong = httpx.put(
+        f"{base}/v1/instances/d-0",
+        json=spec,
+        timeout=5,
+        headers={"Authorization": "Bearer not-the-token"},
+    )
+    assert wrong.status_code == 401
+    ok = httpx.put(
+        f"{base}/v1/instances/d-0",
+        json=spec,
+        timeout=5,
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    assert ok.status_code in (200, 201), ok.text
+    listed = httpx.get(f"{base}/v1/instances", timeout=5).json()
+    assert "d-0" in str(listed)
+    # The write went to the rendered Redis (state shared by the metaserver replicas).
+    keys = subprocess.run(
+        [
+            "redis-cli",
+            "-p",
+            str(stack["render"].get("Service", f"{FULLNAME}-redis")["spec"]["ports"][0]["port"]),
+            "--scan",
+        ],
+        env={"PATH": "/usr/bin:/bin", **stack["redis_env"]},
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    assert "d-0" in keys.stdout
+
+
+@contextmanager
+def _fake_engine(host: str, port: int) -> Iterator[None]:
+    """Stands in for a vLLM engine (needs an accelerator and a model): answers GET /health."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def _wait_status(url: str, wanted: int, timeout: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout
+    status = 0
+    while time.monotonic() < deadline:
+        status = httpx.get(url, timeout=5).status_code
+        if status == wanted:
+            break
+        time.sleep(0.2)
+    return status
+
+
+def test_live_proxy_probes_follow_the_pools(stack: dict[str, Any]) -> None:
+    """The rendered pd-proxy command starts; liveness holds while the pools are empty and
+    readiness turns green once an engine of each pool answers at the rendered DNS names."""
+    r = stack["render"]
+    proxy = container(r.get("Deployment", f"{FULLNAME}-proxy"))
+    env = resolve_env(proxy, secrets=stack["secrets"], fields=_fields("proxy-0"))
+    port = stack["engine_port"]
+    # Cluster DNS: each pool's headless Service resolves to its (one) pod.
+    dns = {
+        f"{FULLNAME}-prefill.serving.svc.cluster.local": "127.0.0.2",
+        f"{FULLNAME}-decode.serving.svc.cluster.local": "127.0.0.1",
+        f"//{FULLNAME}-metaserver:": "//127.0.0.1:",
+    }
+    args = []
+    for arg in proxy["args"]:
+        for name, addr in dns.items():
+            arg = arg.replace(name, addr)
+        args.append(arg)
+    exe = VENV_BIN / "pd-proxy"
+    argv = [str(exe)] if exe.exists() else [sys.executable, "-m", "proxy.cli"]
+    argv += [*args, "--health-interval", "0.2", "--discovery-interval", "0.2"]
+    proc = Process(argv, env=env, log=stack["tmp"] / "proxy.log")
+    base = f"http://127.0.0.1:{stack['proxy_port']}"
+    try:
+        wait_port(stack["proxy_port"])
+        ready = proxy["readinessProbe"]["httpGet"]["path"]
+        assert proxy["livenessProbe"]["tcpSocket"]["port"] == "http"
+        # No engine answers yet: once the proxy's probes have failed, it is not ready.
+        assert _wait_status(base + ready, 503) == 503, proc.tail()
+        with _fake_engine("127.0.0.2", port), _fake_engine("127.0.0.1", port):
+            assert _wait_status(base + ready, 200) == 200, proc.tail()
+            body = httpx.get(base + ready, timeout=5).json()
+            assert body["available"] == {"prefill": 1, "decode": 1}
+        assert proc.alive(), "the proxy died while its pools were empty"
+    finally:
+        proc.stop()

@@ -1,0 +1,53 @@
+"""Helpers of the wiring tests: selectors, Services, ports, and the kubelet's view of env."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.chart.rendering import NAMESPACE, Rendered
+
+
+def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def pods_selected(r: Rendered, selector: dict[str, str]) -> list[dict[str, Any]]:
+    return [
+        w for w in r.workloads() if matches(selector, w["spec"]["template"]["metadata"]["labels"])
+    ]
+
+
+def fake_secrets(r: Rendered) -> dict[str, dict[str, str]]:
+    """What the kubelet would read: the chart's Secrets, plus stand-ins for the user's."""
+    secrets = {
+        s["metadata"]["name"]: r.secret_data(s["metadata"]["name"]) for s in r.of_kind("Secret")
+    }
+    secrets["pd-token"] = {"tok": "user-token"}
+    secrets["client-keys"] = {"api-keys": "k1,k2"}
+    secrets["my-redis"] = {"url": "redis://:pw@kv:6379/0"}
+    secrets["hf-token"] = {"token": "hf-user-token"}
+    return secrets
+
+
+def fields(pod: str) -> dict[str, str]:
+    return {"metadata.name": pod, "metadata.namespace": NAMESPACE, "status.podIP": "10.1.2.3"}
+
+
+def service_for(r: Rendered, component: str) -> dict[str, Any]:
+    found = [
+        s
+        for s in r.of_kind("Service")
+        if s["spec"]["selector"].get("app.kubernetes.io/component") == component
+    ]
+    assert len(found) == 1, component
+    return found[0]
+
+
+def svc_port(svc: dict[str, Any], name: str) -> int:
+    port: int = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == name)
+    return port
+
+
+def container_port(c: dict[str, Any], name: str) -> int:
+    port: int = next(p["containerPort"] for p in c["ports"] if p["name"] == name)
+    return port
