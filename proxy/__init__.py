@@ -1,0 +1,13 @@
+"""pdgate proxy: an OpenAI-compatible prefill/decode router.
+
+* ``proxy.app.create_app`` — the ASGI app; ``proxy.cli.main`` — ``pd-proxy``;
+* ``proxy.handler`` — the completion endpoints; ``proxy.dispatch`` — decision, selection,
+  retries; ``proxy.flows`` — decode-first / concurrent / prefill-first / direct;
+* ``proxy.policies`` — selection policies; ``proxy.instances`` — registry, health, circuit,
+  discovery; ``proxy.config`` — settings; ``proxy.errors`` — exception tree.
+"""
+
+from proxy.app import create_app
+from proxy.config import ProxySettings
+
+__all__ = ["ProxySettings", "create_app"]

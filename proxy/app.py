@@ -1,0 +1,110 @@
+"""``create_app``: the proxy as one ASGI app.
+
+The two completion endpoints are served by the lean ``CompletionsHandler``; everything else
+(``/health``, ``/metrics``, ``/v1/models``, ``/v1/instances``, OpenAPI) by FastAPI, which also
+runs the lifespan (session, discovery, health probes). A body-size cap wraps both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, MutableMapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from metaserver.limits import BodySizeLimit
+from proxy.config import ProxySettings
+from proxy.errors import ProxyError, Unauthorized, error_object
+from proxy.handler import HOT_PATHS, CompletionsHandler, _authorized
+from proxy.instances import Role
+from proxy.runtime import Runtime
+
+ASGIApp = Any
+
+
+def create_app(settings: ProxySettings) -> ASGIApp:
+    rt = Runtime(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await rt.start()
+        try:
+            yield
+        finally:
+            await rt.close()
+
+    api = FastAPI(
+        title="pdgate proxy",
+        version="0.1.0",
+        description="OpenAI-compatible prefill/decode router.",
+        lifespan=lifespan,
+    )
+    api.state.runtime = rt
+    _routes(api, rt)
+    handler = CompletionsHandler(rt)
+
+    async def app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] in HOT_PATHS and scope["method"] == "POST":
+            await handler(scope, receive, send)
+        else:
+            await api(scope, receive, send)
+
+    def error_body(message: str) -> dict[str, Any]:
+        return error_object(message, "invalid_request_error", 413)
+
+    limited = BodySizeLimit(app, max_bytes=settings.max_body_bytes, error_body=error_body)
+    limited.runtime = rt  # type: ignore[attr-defined]
+    return limited
+
+
+def _routes(api: FastAPI, rt: Runtime) -> None:
+    @api.exception_handler(ProxyError)
+    async def on_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ProxyError)
+        return Response(exc.body(), exc.status, media_type="application/json")
+
+    def check_key(request: Request) -> None:
+        if rt.api_keys:
+            auth = request.headers.get("authorization")
+            if not _authorized(auth.encode() if auth else None, rt.api_keys):
+                raise Unauthorized("missing or invalid API key")
+
+    @api.get("/health", summary="200 when both pools have a selectable instance")
+    async def health() -> Response:
+        pools = {
+            role.value: sum(1 for i in rt.registry.all(role) if i.available()) for role in Role
+        }
+        needs_p = rt.settings.flow.value != "direct"
+        ok = pools["decode"] > 0 and (pools["prefill"] > 0 or not needs_p)
+        body = {"status": "ok" if ok else "unavailable", "available": pools}
+        return JSONResponse(body, 200 if ok else 503)
+
+    @api.get("/metrics", summary="Prometheus metrics")
+    async def metrics() -> Response:
+        return Response(rt.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @api.get("/v1/instances", summary="What the proxy sees: health, load, circuit state")
+    async def instances(request: Request) -> dict[str, Any]:
+        check_key(request)
+        return {
+            "flow": rt.settings.flow.value,
+            "inflight": rt.admission.inflight,
+            "instances": [i.describe() for i in rt.registry.instances()],
+        }
+
+    @api.get("/v1/models", summary="Models served by the decode pool")
+    async def models(request: Request) -> Response:
+        check_key(request)
+        assert rt.dispatcher is not None and rt.session is not None
+        candidates = [i for i in rt.registry.all(Role.DECODE) if i.available()]
+        for inst in candidates[:3]:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(5):
+                    async with rt.session.get(inst.url + "/v1/models") as resp:
+                        if resp.status == 200:
+                            return Response(await resp.read(), media_type="application/json")
+        body = error_object("no decode instance answered /v1/models", "service_unavailable", 503)
+        return JSONResponse(body, 503)

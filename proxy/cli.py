@@ -1,0 +1,175 @@
+"""``pd-proxy``: run the proxy (flags > env ``PD_PROXY_*`` > --config YAML > defaults)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import SecretStr, ValidationError
+from pydantic_core import PydanticUndefined
+
+from proxy.config import ProxySettings
+from proxy.policies import POLICIES
+
+DESCRIPTION = """\
+pdgate proxy: an OpenAI-compatible router that pairs a prefill (P) and a decode (D) vLLM
+instance per request.
+
+Flows (--flow):
+  decode-first   D first: D gets the request with kv_transfer_params {do_remote_prefill,
+                 transfer_id}, allocates blocks and writes a binding to the metaserver; the
+                 proxy waits for it, then sends P a max_tokens=1 request carrying the binding;
+                 P pushes KV into D's blocks layer by layer. Needs --metaserver.
+  concurrent     like decode-first, but P is sent at once and fetches the binding itself.
+  prefill-first  P first (pull connectors: vLLM NIXL / Mooncake): P's kv_transfer_params
+                 are handed to D unchanged.
+  direct         no disaggregation: D computes the prompt.
+Prompts estimated below --disagg-min-tokens skip P whatever the flow.
+
+Instances come from --prefill/--decode (static), the metaserver registry (--discovery
+metaserver) or Kubernetes headless Services (--discovery dns --prefill-dns NAME:PORT ...).
+Every option can also come from the environment (PD_PROXY_<NAME>) or a YAML file (--config).
+"""
+
+_SETTINGS_ENV = "PDGATE_PROXY_SETTINGS_JSON"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pd-proxy", description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter
+    )
+    fields = ProxySettings.model_fields
+    p.add_argument("--config", dest="config_file", help="YAML file with settings")
+
+    def opt(flag: str, name: str, kind: Any = str, **kw: Any) -> None:
+        default = fields[name].default
+        hidden = default is None or default is PydanticUndefined
+        shown = "" if hidden else f" (default: {getattr(default, 'value', default)})"
+        p.add_argument(
+            flag,
+            dest=name,
+            type=kind,
+            default=argparse.SUPPRESS,
+            help=f"{fields[name].description or ''}{shown}",
+            **kw,
+        )
+
+    opt("--host", "host")
+    opt("--port", "port", int)
+    opt("--workers", "workers", int)
+    opt("--log-level", "log_level")
+    opt("--prefill", "prefill", action="append", metavar="URL")
+    opt("--decode", "decode", action="append", metavar="URL")
+    opt("--discovery", "discovery", choices=["static", "metaserver", "dns"])
+    opt("--prefill-dns", "prefill_dns", metavar="NAME:PORT")
+    opt("--decode-dns", "decode_dns", metavar="NAME:PORT")
+    opt("--discovery-interval", "discovery_interval_s", float)
+    opt("--metaserver", "metaserver", metavar="URL")
+    opt("--metaserver-token", "metaserver_token")
+    opt("--flow", "flow", choices=["decode-first", "concurrent", "prefill-first", "direct"])
+    p.add_argument(
+        "--flow-header",
+        dest="flow_header",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="let clients pick the flow per request with an x-pd-flow header",
+    )
+    opt("--disagg-min-tokens", "disagg_min_tokens", int)
+    opt("--cached-skip-ratio", "cached_skip_ratio", float)
+    policies = sorted(POLICIES)
+    opt("--prefill-policy", "prefill_policy", choices=policies)
+    opt("--decode-policy", "decode_policy", choices=policies)
+    opt("--api-key", "api_keys", action="append", metavar="KEY")
+    opt("--retries", "retries", int)
+    opt("--backoff-base", "backoff_base_s", float)
+    opt("--backoff-cap", "backoff_cap_s", float)
+    opt("--connect-timeout", "connect_timeout_s", float)
+    opt("--prefill-timeout", "prefill_timeout_s", float)
+    opt("--binding-wait", "binding_wait_s", float)
+    opt("--first-token-timeout", "first_token_timeout_s", float)
+    opt("--idle-timeout", "idle_timeout_s", float)
+    opt("--request-timeout", "request_timeout_s", float)
+    opt("--health-interval", "health_interval_s", float)
+    opt("--circuit-failures", "circuit_failures", int)
+    opt("--circuit-open", "circuit_open_s", float)
+    opt("--max-inflight", "max_inflight", int)
+    opt("--max-body-bytes", "max_body_bytes", int)
+    return p
+
+
+def load_settings(argv: Sequence[str] | None = None) -> ProxySettings:
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    try:
+        return ProxySettings(**args)
+    except (ValidationError, FileNotFoundError, ValueError) as exc:
+        parser.error(f"invalid settings:\n{exc}")
+        raise  # unreachable: parser.error exits
+
+
+def _reveal(value: Any) -> Any:
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, list):
+        return [_reveal(v) for v in value]
+    return value
+
+
+def app_from_env() -> Any:
+    """Factory for ``--workers`` > 1: each worker rebuilds the parent's settings."""
+    from proxy.app import create_app
+
+    raw = json.loads(os.environ[_SETTINGS_ENV])
+    return create_app(ProxySettings(**raw))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = load_settings(argv)
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    import uvicorn
+
+    from proxy.app import create_app
+
+    log = logging.getLogger("pdgate.proxy")
+    log.info(
+        "pd-proxy on http://%s:%d: flow %s, discovery %s, policies P=%s D=%s, %d worker(s)",
+        settings.host,
+        settings.port,
+        settings.flow.value,
+        settings.discovery.value,
+        settings.prefill_policy,
+        settings.decode_policy,
+        settings.workers,
+    )
+    common: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "loop": "uvloop",
+        "http": "httptools",
+        "log_level": settings.log_level,
+        "access_log": False,
+        "timeout_graceful_shutdown": 30,
+        "backlog": 4096,
+        "proxy_headers": False,
+        "server_header": False,
+    }
+    if settings.workers > 1:
+        dump = {k: _reveal(getattr(settings, k)) for k in settings.model_fields_set}
+        dump.pop("config_file", None)
+        os.environ[_SETTINGS_ENV] = json.dumps({**settings.model_dump(mode="json"), **dump})
+        uvicorn.run("proxy.cli:app_from_env", factory=True, workers=settings.workers, **common)
+    else:
+        uvicorn.run(create_app(settings), **common)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Proxy settings (``PD_PROXY_*`` environment variables, YAML file via --config, CLI flags)."""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
+
+from metaserver.settings import LayeredSettings, redact_url
+
+
+class Flow(enum.StrEnum):
+    DECODE_FIRST = "decode-first"
+    CONCURRENT = "concurrent"
+    PREFILL_FIRST = "prefill-first"
+    DIRECT = "direct"
+
+
+class Discovery(enum.StrEnum):
+    STATIC = "static"
+    METASERVER = "metaserver"
+    DNS = "dns"
+
+
+def _split(value: Any) -> Any:
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return value
+
+
+UrlList = Annotated[list[str], NoDecode]
+KeyList = Annotated[list[SecretStr], NoDecode]
+
+
+class ProxySettings(LayeredSettings):
+    model_config = SettingsConfigDict(env_prefix="PD_PROXY_", extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535)
+    workers: int = Field(1, ge=1, le=64, description="server processes (load state per process)")
+    log_level: str = Field("info", pattern=r"^(debug|info|warning|error)$")
+
+    # instances
+    discovery: Discovery = Field(Discovery.STATIC, description="where instances come from")
+    prefill: UrlList = Field(default_factory=list, description="prefill instance URLs")
+    decode: UrlList = Field(default_factory=list, description="decode instance URLs")
+    prefill_dns: str | None = Field(None, description="NAME:PORT of the prefill headless Service")
+    decode_dns: str | None = Field(None, description="NAME:PORT of the decode headless Service")
+    discovery_interval_s: float = Field(5.0, gt=0, description="re-resolve / re-read period")
+
+    # metaserver
+    metaserver: str | None = Field(None, description="metaserver URL (decode-first flows)")
+    metaserver_token: SecretStr | None = Field(None, description="metaserver bearer token")
+
+    # flows
+    flow: Flow = Field(Flow.DECODE_FIRST, description="P/D flow")
+    flow_header: bool = Field(False, description="honour a per-request x-pd-flow header")
+    disagg_min_tokens: int = Field(
+        0, ge=0, description="prompts estimated below this many tokens skip P (0: never)"
+    )
+    cached_skip_ratio: float = Field(
+        0.0, ge=0, le=1, description="skip P when D likely caches this share of the prompt (0: off)"
+    )
+
+    # selection
+    prefill_policy: str = Field("least_load", description="prefill selection policy")
+    decode_policy: str = Field("least_load", description="decode selection policy")
+
+    # resilience
+    retries: int = Field(2, ge=0, le=10, description="extra attempts before the first byte")
+    backoff_base_s: float = Field(0.02, ge=0, description="first retry waits up to this")
+    backoff_cap_s: float = Field(1.0, ge=0, description="longest wait between retries")
+    connect_timeout_s: float = Field(3.0, gt=0, description="TCP connect to a backend")
+    prefill_timeout_s: float = Field(300.0, gt=0, description="the whole prefill leg")
+    binding_wait_s: float = Field(30.0, gt=0, description="D writing its binding")
+    first_token_timeout_s: float = Field(300.0, gt=0, description="D's first streamed byte")
+    request_timeout_s: float = Field(600.0, gt=0, description="whole non-streaming answer")
+    idle_timeout_s: float = Field(120.0, gt=0, description="longest gap between streamed chunks")
+    health_interval_s: float = Field(5.0, gt=0, description="active probe period (GET /health)")
+    circuit_failures: int = Field(5, ge=1, description="consecutive failures that open a circuit")
+    circuit_open_s: float = Field(10.0, gt=0, description="how long an open circuit rejects")
+    max_inflight: int = Field(4096, ge=1, description="admission limit; above it: 429")
+    max_body_bytes: int = Field(16 << 20, ge=1024, description="request bodies above it: 413")
+    max_connections: int = Field(1024, ge=1, description="pooled connections to backends")
+
+    # inbound auth
+    api_keys: KeyList = Field(default_factory=list, description="accepted bearer keys")
+
+    @field_validator("prefill", "decode", "api_keys", mode="before")
+    @classmethod
+    def _comma_lists(cls, value: Any) -> Any:
+        return _split(value)
+
+    @field_validator("prefill", "decode")
+    @classmethod
+    def _urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not an http(s) URL")
+        return [u.rstrip("/") for u in value]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ProxySettings:
+        needs_p = self.flow != Flow.DIRECT
+        if self.discovery == Discovery.STATIC:
+            if not self.decode:
+                raise ValueError("static discovery needs at least one --decode URL")
+            if needs_p and not self.prefill:
+                raise ValueError(f"flow {self.flow} needs at least one --prefill URL")
+        if self.discovery == Discovery.DNS and not (self.decode_dns and self.prefill_dns):
+            raise ValueError("dns discovery needs --prefill-dns and --decode-dns NAME:PORT")
+        if self.discovery == Discovery.METASERVER and not self.metaserver:
+            raise ValueError("metaserver discovery needs --metaserver")
+        if self.flow in (Flow.DECODE_FIRST, Flow.CONCURRENT) and not self.metaserver:
+            raise ValueError(f"flow {self.flow} needs --metaserver")
+        return self
+
+    def __repr_args__(self) -> Any:
+        for key, value in super().__repr_args__():
+            yield key, (redact_url(value) if key == "metaserver" and value else value)

@@ -1,0 +1,170 @@
+"""Per request: decide the flow, pick D (and P) by policy, run attempts with retries.
+
+Retries happen only here, i.e. before the first byte reaches the client: each one re-selects
+the pair (avoiding the instance that just failed when another is available), uses a new
+transfer id, and waits an exponential backoff with full jitter. Failures are charged to the
+failing instance's circuit breaker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+from proxy.backend import LegError
+from proxy.config import Flow as FlowName
+from proxy.errors import BadRequest, NoInstance
+from proxy.flows import Attempt, Flow, Upstream
+from proxy.ids import IdMaker
+from proxy.instances import Instance, Registry, Role
+from proxy.metrics import Metrics
+from proxy.policies import Policy, RequestInfo
+from proxy.policies.prefix import PrefixAware
+from proxy.rewrite import ClientRequest
+
+log = logging.getLogger("pdgate.proxy")
+
+
+class Decider:
+    """Disaggregate, or let D compute the prompt (short prompt, or D likely has it cached)."""
+
+    def __init__(
+        self, min_tokens: int, cached_ratio: float, prefix: PrefixAware | None, metrics: Metrics
+    ) -> None:
+        self._min_tokens = min_tokens
+        self._ratio = cached_ratio
+        self._prefix = prefix
+        self._counts = {
+            name: metrics.decisions.labels(decision=name)
+            for name in ("disaggregate", "short_prompt", "cached", "direct")
+        }
+
+    def decide(self, flow: FlowName, info: RequestInfo, d: Instance) -> FlowName:
+        if flow == FlowName.DIRECT:
+            self._counts["direct"].inc()
+            return flow
+        if self._min_tokens and info.tokens < self._min_tokens:
+            self._counts["short_prompt"].inc()
+            return FlowName.DIRECT
+        if self._ratio and self._prefix is not None and info.hashes:
+            matched = self._prefix.matched_blocks(d, info)
+            if matched / len(info.hashes) >= self._ratio:
+                self._counts["cached"].inc()
+                return FlowName.DIRECT
+        self._counts["disaggregate"].inc()
+        return flow
+
+
+class Backoff:
+    def __init__(self, base_s: float, cap_s: float, rng: random.Random | None = None) -> None:
+        self._base = base_s
+        self._cap = cap_s
+        self._rng = rng or random.Random()
+
+    def delay(self, attempt: int) -> float:
+        return self._rng.uniform(0, min(self._cap, self._base * 2**attempt))
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        registry: Registry,
+        flows: Mapping[FlowName, Flow],
+        prefill_policy: Policy,
+        decode_policy: Policy,
+        decider: Decider,
+        metrics: Metrics,
+        *,
+        retries: int,
+        backoff: Backoff,
+    ) -> None:
+        self._registry = registry
+        self._flows = flows
+        self._p_policy = prefill_policy
+        self._d_policy = decode_policy
+        self._decider = decider
+        self._metrics = metrics
+        self._retries = retries
+        self._backoff = backoff
+        self._ids = IdMaker("pd")
+        self._ok: weakref.WeakKeyDictionary[Instance, Any] = weakref.WeakKeyDictionary()
+
+    def _pick(self, role: Role, avoid: set[str], info: RequestInfo, policy: Policy) -> Instance:
+        candidates = self._registry.available(role, frozenset(avoid)) if avoid else None
+        if not candidates:
+            candidates = self._registry.available(role)
+        if not candidates:
+            raise NoInstance(f"no {role.value} instance available", retry_after=1)
+        return policy.choose(candidates, info)
+
+    async def open(
+        self, req: ClientRequest, path: str, flow: FlowName
+    ) -> tuple[Upstream, Instance, FlowName]:
+        """Run attempts until D's first byte is in. The caller owns ``Upstream`` and must
+        ``release_decode`` the returned instance when the stream ends."""
+
+        info = RequestInfo(req.prompt, req.tokens)
+        avoid: set[str] = set()
+        attempt = 0
+        while True:
+            d = self._pick(Role.DECODE, avoid, info, self._d_policy)
+            chosen = self._decider.decide(flow, info, d)
+            impl = self._flows.get(chosen)
+            if impl is None:
+                raise BadRequest(f"flow {chosen.value} is not available (no --metaserver)")
+            p = (
+                self._pick(Role.PREFILL, avoid, info, self._p_policy)
+                if impl.needs_prefill
+                else None
+            )
+            a = Attempt(req, info, path, d, p, self._ids.next())
+            d.acquire(info.tokens)
+            try:
+                up = await impl.open(a)
+            except LegError as exc:
+                d.release(info.tokens)
+                self._charge(exc, d, p)
+                give_up = not exc.retryable or attempt >= self._retries
+                log.warning(
+                    "attempt failed tid=%s flow=%s leg=%s instance=%s kind=%s next=%s: %s",
+                    a.tid, chosen.value, exc.leg, exc.url, exc.kind,
+                    "give-up" if give_up else "retry", exc.message,
+                )  # fmt: skip
+                if give_up:
+                    raise
+                avoid.add(exc.url)
+                attempt += 1
+                self._metrics.retries.labels(reason=exc.kind).inc()
+                await asyncio.sleep(self._backoff.delay(attempt))
+                continue
+            except BaseException:
+                d.release(info.tokens)
+                raise
+            d.circuit.record(True)
+            self._d_policy.on_routed(d, info)
+            self._count_ok(d)
+            if p is not None:
+                self._p_policy.on_routed(p, info)
+                self._count_ok(p)
+            return up, d, chosen
+
+    def _count_ok(self, inst: Instance) -> None:
+        counter = self._ok.get(inst)
+        if counter is None:
+            counter = self._ok[inst] = self._metrics.instance_requests.labels(
+                role=inst.role.value, instance=inst.url, outcome="ok"
+            )
+        counter.inc()
+
+    def _charge(self, exc: LegError, d: Instance, p: Instance | None) -> None:
+        for inst in (d, p):
+            if inst is not None and inst.url == exc.url:
+                if exc.retryable:  # a 4xx is the request's fault, not the instance's
+                    inst.circuit.record(False)
+                self._metrics.instance_requests.labels(
+                    role=inst.role.value, instance=inst.url, outcome=exc.kind
+                ).inc()

@@ -1,0 +1,94 @@
+"""The proxy's exception tree; ``proxy.app`` turns any of them into one OpenAI-style answer.
+
+ProxyError                    500 internal_error
+├── BadRequest                400 invalid_request_error (malformed JSON, wrong types)
+├── Unauthorized              401 authentication_error
+├── Overloaded                429 rate_limit_error (admission limit; carries Retry-After)
+├── NoInstance                503 service_unavailable (no healthy instance in a pool)
+└── UpstreamError             502 upstream_error (retryable: connect error, 5xx, broken body)
+    ├── UpstreamTimeout       504 (a leg ran past its timeout)
+    ├── BindingTimeout        504 (D never wrote the binding)
+    └── UpstreamRejected      the backend's own 4xx, passed through; never retried
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class ProxyError(Exception):
+    status = 500
+    kind = "internal_error"
+    retryable = False
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+    def body(self) -> bytes:
+        return error_json(self.message, self.kind, self.status)
+
+
+class BadRequest(ProxyError):
+    status = 400
+    kind = "invalid_request_error"
+
+
+class Unauthorized(ProxyError):
+    status = 401
+    kind = "authentication_error"
+
+
+class Overloaded(ProxyError):
+    status = 429
+    kind = "rate_limit_error"
+
+
+class NoInstance(ProxyError):
+    status = 503
+    kind = "service_unavailable"
+
+
+class UpstreamError(ProxyError):
+    status = 502
+    kind = "upstream_error"
+    retryable = True
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    kind = "upstream_timeout"
+
+
+class BindingTimeout(UpstreamTimeout):
+    kind = "binding_timeout"
+
+
+class UpstreamRejected(UpstreamError):
+    """A 4xx from a backend: the request itself is wrong, so it goes back to the client."""
+
+    retryable = False
+
+    def __init__(self, status: int, raw: bytes) -> None:
+        super().__init__(f"backend answered {status}")
+        self.status = status
+        self.raw = raw
+
+    def body(self) -> bytes:
+        return self.raw or super().body()
+
+
+def error_object(message: str, kind: str, code: int | str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def error_json(message: str, kind: str, code: int | str | None) -> bytes:
+    return msgspec.json.encode(error_object(message, kind, code))
+
+
+def sse_error_event(message: str, kind: str = "upstream_error", code: int = 502) -> bytes:
+    """What ends a stream that broke after its first byte: an error event, then ``[DONE]``."""
+    return b"data: " + error_json(message, kind, code) + b"\n\ndata: [DONE]\n\n"

@@ -1,0 +1,18 @@
+"""P/D flows: decode-first (and concurrent) with metaserver bindings, prefill-first relay, and
+direct (no disaggregation). Each one turns an ``Attempt`` into D's ``Upstream``."""
+
+from proxy.flows.base import Attempt, Flow, Legs, Timeouts, Upstream
+from proxy.flows.decode_first import DecodeFirst
+from proxy.flows.direct import Direct
+from proxy.flows.prefill_first import PrefillFirst
+
+__all__ = [
+    "Attempt",
+    "DecodeFirst",
+    "Direct",
+    "Flow",
+    "Legs",
+    "PrefillFirst",
+    "Timeouts",
+    "Upstream",
+]

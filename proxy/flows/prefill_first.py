@@ -1,0 +1,38 @@
+"""prefill-first relay for pull connectors (vLLM's NIXL / Mooncake): P computes the prompt
+(max_tokens=1), answers with ``kv_transfer_params``, which go to D unchanged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.backend import LegError
+from proxy.errors import UpstreamError
+from proxy.flows.base import Attempt, Legs, Upstream, prefill_cached
+
+PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+class PrefillFirst:
+    name = "prefill-first"
+    needs_prefill = True
+
+    def __init__(self, legs: Legs) -> None:
+        self._legs = legs
+
+    async def open(self, a: Attempt) -> Upstream:
+        answer = await self._legs.prefill(a, PREFILL_PARAMS)
+        kv = answer.get("kv_transfer_params")
+        if not isinstance(kv, dict):
+            assert a.prefill is not None
+            err = UpstreamError("prefill answered without kv_transfer_params")
+            raise LegError(err, a.prefill.url, "prefill")
+        up = await self._legs.decode(a, a.req.for_decode(kv))
+        up.prefill_cached = prefill_cached(answer)
+        return up

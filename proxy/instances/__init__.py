@@ -1,0 +1,29 @@
+"""Instances: the registry of both pools, circuit breakers, health probes and discovery."""
+
+from proxy.instances.circuit import CircuitBreaker, CircuitState
+from proxy.instances.discovery import (
+    DiscoverySource,
+    DnsDiscovery,
+    MetaserverDiscovery,
+    StaticDiscovery,
+    refresh,
+    run_discovery,
+)
+from proxy.instances.health import HealthChecker
+from proxy.instances.instance import Instance, Role
+from proxy.instances.registry import Registry
+
+__all__ = [
+    "CircuitBreaker",
+    "CircuitState",
+    "DiscoverySource",
+    "DnsDiscovery",
+    "HealthChecker",
+    "Instance",
+    "MetaserverDiscovery",
+    "Registry",
+    "Role",
+    "StaticDiscovery",
+    "refresh",
+    "run_discovery",
+]

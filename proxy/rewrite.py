@@ -1,0 +1,126 @@
+"""Request hygiene: parse the client's body once, strip what it must not set, build each leg.
+
+* client-supplied ``kv_transfer_params`` are always removed;
+* the prefill leg gets ``max_tokens``/``max_completion_tokens`` = 1, ``stream=false``, ``n=1``,
+  and loses ``min_tokens``, ``stream_options``;
+* the prompt length is estimated without a tokenizer (≈ 4 characters per token).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from proxy.errors import BadRequest
+
+_decode = msgspec.json.Decoder()
+_encode = msgspec.json.Encoder().encode
+CHARS_PER_TOKEN = 4
+_PREFILL_DROP = ("min_tokens", "stream_options", "best_of")
+
+
+class ClientRequest:
+    __slots__ = ("body", "chat", "include_usage", "prompt", "stream", "tokens")
+
+    def __init__(self, body: dict[str, Any], chat: bool) -> None:
+        self.body = body
+        self.chat = chat
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest("'stream' must be a boolean")
+        self.stream = stream
+        opts = body.get("stream_options")
+        if opts is not None and not isinstance(opts, dict):
+            raise BadRequest("'stream_options' must be an object")
+        self.include_usage = bool(stream and opts and opts.get("include_usage"))
+        self.prompt, token_count = _prompt_of(body, chat)
+        self.tokens = (
+            token_count if token_count is not None else len(self.prompt) // CHARS_PER_TOKEN + 1
+        )
+
+    @classmethod
+    def parse(cls, raw: bytes, chat: bool) -> ClientRequest:
+        try:
+            body = _decode.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        body.pop("kv_transfer_params", None)
+        return cls(body, chat)
+
+    def for_decode(self, kv: dict[str, Any] | None) -> bytes:
+        if kv is None:
+            return _encode(self.body)
+        return _encode({**self.body, "kv_transfer_params": kv})
+
+    def for_prefill(self, kv: dict[str, Any]) -> bytes:
+        body = {k: v for k, v in self.body.items() if k not in _PREFILL_DROP}
+        body["max_tokens"] = 1
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        body["stream"] = False
+        if "n" in body:
+            body["n"] = 1
+        body["kv_transfer_params"] = kv
+        return _encode(body)
+
+
+def _prompt_of(body: dict[str, Any], chat: bool) -> tuple[str, int | None]:
+    """The prompt as text (for prefix hashing) and, for token-id prompts, their count."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty array")
+        parts: list[str] = []
+        for m in messages:
+            if not isinstance(m, dict):
+                raise BadRequest("each message must be an object")
+            content = m.get("content")
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                parts.extend(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        return "\n".join(parts), None
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return "\n".join(prompt), None
+        if all(isinstance(p, int) for p in prompt):
+            return " ".join(map(str, prompt[:4096])), len(prompt)
+        if all(isinstance(p, list) for p in prompt):
+            return "", sum(len(p) for p in prompt)
+    raise BadRequest("'prompt' must be a string, an array of strings or of token ids")
+
+
+def cached_tokens_of(usage: Any) -> int | None:
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        return int(details["cached_tokens"])
+    return None
+
+
+def merge_usage(usage: Any, prefill_cached: int | None) -> bool:
+    """Report P's prefix-cache hits as the request's cached tokens (D's own count would include
+    the KV it received). Returns whether ``usage`` changed."""
+    if prefill_cached is None or not isinstance(usage, dict):
+        return False
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict):
+        details = {}
+        usage["prompt_tokens_details"] = details
+    details["cached_tokens"] = prefill_cached
+    return True
+
+
+def encode(obj: Any) -> bytes:
+    return _encode(obj)
+
+
+def decode(raw: bytes) -> Any:
+    return _decode.decode(raw)

@@ -1,0 +1,128 @@
+"""Everything one proxy process holds, built from settings and started inside the event loop:
+the pooled HTTP session, the instance registry and its discovery / health tasks, policies,
+flows and the metaserver client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import aiohttp
+
+from metaserver.client import AsyncMetaserverClient
+from proxy.admission import Admission
+from proxy.backend import Backend
+from proxy.config import Discovery, Flow, ProxySettings
+from proxy.dispatch import Backoff, Decider, Dispatcher
+from proxy.events import EventSink
+from proxy.flows import DecodeFirst, Direct, Legs, PrefillFirst, Timeouts
+from proxy.flows.base import Flow as FlowImpl
+from proxy.instances import (
+    DiscoverySource,
+    DnsDiscovery,
+    HealthChecker,
+    MetaserverDiscovery,
+    Registry,
+    StaticDiscovery,
+    refresh,
+    run_discovery,
+)
+from proxy.metrics import Metrics
+from proxy.policies import make_policy
+from proxy.policies.prefix import PrefixAware
+
+log = logging.getLogger("pdgate.proxy")
+
+
+class Runtime:
+    def __init__(self, settings: ProxySettings) -> None:
+        self.settings = settings
+        self.registry = Registry(
+            circuit_failures=settings.circuit_failures, circuit_open_s=settings.circuit_open_s
+        )
+        self.metrics = Metrics(self.registry.instances)
+        self.admission = Admission(settings.max_inflight)
+        self.prefill_policy = make_policy(settings.prefill_policy)
+        self.decode_policy = make_policy(settings.decode_policy)
+        self.api_keys = frozenset(k.get_secret_value() for k in settings.api_keys)
+        self.session: aiohttp.ClientSession | None = None
+        self.metaserver: AsyncMetaserverClient | None = None
+        self.events: EventSink | None = None
+        self.dispatcher: Dispatcher | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    async def start(self) -> None:
+        s = self.settings
+        connector = aiohttp.TCPConnector(
+            limit=s.max_connections, limit_per_host=0, ttl_dns_cache=60, keepalive_timeout=30
+        )
+        self.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+        )
+        if s.metaserver:
+            token = s.metaserver_token.get_secret_value() if s.metaserver_token else None
+            self.metaserver = AsyncMetaserverClient(s.metaserver, token=token, session=self.session)
+        backend = Backend(
+            self.session, connect_timeout_s=s.connect_timeout_s, idle_timeout_s=s.idle_timeout_s
+        )
+        timeouts = Timeouts(
+            s.prefill_timeout_s, s.binding_wait_s, s.first_token_timeout_s, s.request_timeout_s
+        )
+        legs = Legs(backend, timeouts, self.metrics)
+        flows: dict[Flow, FlowImpl] = {
+            Flow.DIRECT: Direct(legs),
+            Flow.PREFILL_FIRST: PrefillFirst(legs),
+        }
+        if self.metaserver is not None:
+            self.events = EventSink(self.metaserver)
+            flows[Flow.DECODE_FIRST] = DecodeFirst(legs, self.metaserver, self.events)
+            flows[Flow.CONCURRENT] = DecodeFirst(
+                legs, self.metaserver, self.events, concurrent=True
+            )
+        prefix = self.decode_policy if isinstance(self.decode_policy, PrefixAware) else None
+        decider = Decider(s.disagg_min_tokens, s.cached_skip_ratio, prefix, self.metrics)
+        self.dispatcher = Dispatcher(
+            self.registry,
+            flows,
+            self.prefill_policy,
+            self.decode_policy,
+            decider,
+            self.metrics,
+            retries=s.retries,
+            backoff=Backoff(s.backoff_base_s, s.backoff_cap_s),
+        )
+        source = self._discovery_source()
+        try:
+            await refresh(source, self.registry)
+        except Exception as exc:
+            log.warning("first discovery poll failed (will retry): %s", exc)
+        loop = asyncio.get_running_loop()
+        if s.discovery != Discovery.STATIC:
+            self._tasks.append(
+                loop.create_task(run_discovery(source, self.registry, s.discovery_interval_s))
+            )
+        checker = HealthChecker(self.registry, self.session, interval_s=s.health_interval_s)
+        self._tasks.append(loop.create_task(checker.run()))
+
+    def _discovery_source(self) -> DiscoverySource:
+        s = self.settings
+        if s.discovery == Discovery.METASERVER:
+            assert self.metaserver is not None
+            return MetaserverDiscovery(self.metaserver)
+        if s.discovery == Discovery.DNS:
+            assert s.prefill_dns and s.decode_dns
+            return DnsDiscovery(s.prefill_dns, s.decode_dns)
+        return StaticDiscovery(s.prefill, s.decode)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.events is not None:
+            await self.events.drain()
+        if self.session is not None:
+            await self.session.close()

@@ -1,0 +1,293 @@
+"""Proxy benchmark: pdgate against sglang-router and vllm-router on the same fake backends.
+
+Everything runs in separate processes on loopback: the fake vLLM servers (tests/fakes), the
+metaserver, each router in turn, and the load generator (this file with ``--loadgen``, so the
+client never shares a process with a router). Per target and mode (non-streaming, streaming):
+req/s, p50, p99 over a fixed window after a warm-up, 64 connections, 16-token answers.
+
+Targets:
+  direct-D          the load generator straight to the fake D (the ceiling of the setup)
+  pdgate            prefill-first relay, round_robin (what the Rust routers do in PD mode)
+  sglang-router     --pd-disaggregation, round_robin (P and D sent concurrently)
+  vllm-router       --vllm-pd-disaggregation, round_robin (P first, then D)
+  pdgate-decode-first  D first, binding through the real metaserver, P told by the binding
+
+    .venv/bin/python tests/bench/proxy_bench.py [--seconds 10] [--connections 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from tests.support.procs import Process, free_port, wait_http  # noqa: E402
+
+BIN = Path(sys.executable).parent
+PROMPT = "Benchmark prompt about prefill and decode disaggregation. " * 4
+
+
+# ---- load generator (runs in its own process) -----------------------------------------------
+async def _loadgen(url: str, conns: int, seconds: float, warmup: float, stream: bool) -> None:
+    import aiohttp
+
+    body = json.dumps(
+        {"model": "fake-model", "prompt": PROMPT, "max_tokens": 16, "stream": stream}
+    ).encode()
+    headers = {"content-type": "application/json"}
+    lat: list[float] = []
+    errors = 0
+    t_start = time.perf_counter()
+    t_measure = t_start + warmup
+    t_end = t_measure + seconds
+    connector = aiohttp.TCPConnector(limit=conns, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def worker() -> None:
+            nonlocal errors
+            while True:
+                t0 = time.perf_counter()
+                if t0 >= t_end:
+                    return
+                try:
+                    async with session.post(url, data=body, headers=headers) as resp:
+                        if stream:
+                            async for _ in resp.content.iter_any():
+                                pass
+                        else:
+                            await resp.read()
+                        ok = resp.status == 200
+                except (aiohttp.ClientError, TimeoutError):
+                    ok = False
+                t1 = time.perf_counter()
+                if t0 >= t_measure and t1 <= t_end:
+                    if ok:
+                        lat.append(t1 - t0)
+                    else:
+                        errors += 1
+
+        await asyncio.gather(*(worker() for _ in range(conns)))
+    lat.sort()
+
+    def pct(p: float) -> float:
+        return lat[min(len(lat) - 1, int(p * len(lat)))] * 1000 if lat else float("nan")
+
+    print(
+        json.dumps(
+            {"rps": len(lat) / seconds, "p50": pct(0.50), "p99": pct(0.99), "errors": errors}
+        )
+    )
+
+
+def run_loadgen(url: str, args: argparse.Namespace, stream: bool) -> dict[str, Any]:
+    argv = [sys.executable, __file__, "--loadgen", url, "--connections", str(args.connections)]
+    argv += ["--seconds", str(args.seconds), "--warmup", str(args.warmup)]
+    if stream:
+        argv.append("--stream")
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=args.seconds + 120)
+    if out.returncode != 0:
+        raise RuntimeError(f"load generator failed:\n{out.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def cpu_seconds(pgid: int) -> float:
+    """User + system CPU time of every live process in a process group (Linux /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # fields[0] is the state; pgrp is the third after ")"
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
+
+
+# ---- targets --------------------------------------------------------------------------------
+class Stack:
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.procs: list[Process] = []
+
+    def start(self, name: str, argv: list[str], health: str, timeout: float = 60) -> Process:
+        proc = Process(argv, log=self.logs / f"{name}.log")
+        self.procs.append(proc)
+        wait_http(health, timeout=timeout, proc=proc)
+        return proc
+
+    def stop(self, proc: Process) -> None:
+        proc.stop()
+        self.procs.remove(proc)
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+        self.procs.clear()
+
+
+def fake(stack: Stack, role: str, metaserver: str | None) -> str:
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.fakes.vllm", "--role", role, "--port", str(port)]
+    argv += ["--no-record"] + (["--metaserver", metaserver] if metaserver else [])
+    stack.start(f"fake-{role}-{port}", argv, f"http://127.0.0.1:{port}/health")
+    return f"http://127.0.0.1:{port}"
+
+
+def pdgate_argv(port: int, p: str, d: str, flow: str, ms: str | None, workers: int) -> list[str]:
+    argv = [sys.executable, "-m", "proxy.cli", "--port", str(port), "--flow", flow]
+    argv += ["--prefill", p, "--decode", d, "--log-level", "warning", "--workers", str(workers)]
+    argv += ["--prefill-policy", "round_robin", "--decode-policy", "round_robin"]
+    return argv + (["--metaserver", ms] if ms else [])
+
+
+def router_argv(kind: str, port: int, p: str, d: str) -> list[str] | None:
+    exe = shutil.which(kind, path=str(BIN)) or shutil.which(kind)
+    if exe is None:
+        return None
+    flag = "--pd-disaggregation" if kind == "sglang-router" else "--vllm-pd-disaggregation"
+    argv = [exe] + (["launch"] if kind == "sglang-router" else [])
+    argv += ["--host", "127.0.0.1", "--port", str(port), flag, "--prefill", p, "--decode", d]
+    argv += [
+        "--policy",
+        "round_robin",
+        "--log-level",
+        "warning" if kind == "vllm-router" else "warn",
+    ]
+    return argv
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--loadgen", help=argparse.SUPPRESS)
+    ap.add_argument("--stream", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--connections", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--workers", type=int, default=1, help="pdgate worker processes")
+    ap.add_argument("--only", default="", help="comma-separated subset of targets")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    if args.loadgen:
+        try:
+            import uvloop
+
+            uvloop.install()
+        except ImportError:
+            pass
+        asyncio.run(
+            _loadgen(args.loadgen, args.connections, args.seconds, args.warmup, args.stream)
+        )
+        return
+
+    os.chdir(REPO)
+    logs = Path(tempfile.mkdtemp(prefix="proxy-bench-"))
+    stack = Stack(logs)
+    rows: list[dict[str, Any]] = []
+    only = set(filter(None, args.only.split(",")))
+    try:
+        ms_port = free_port()
+        ms = f"http://127.0.0.1:{ms_port}"
+        stack.start(
+            "metaserver", [str(BIN / "pd-metaserver"), "--port", str(ms_port)], ms + "/health"
+        )
+        p, d = fake(stack, "prefill", ms), fake(stack, "decode", ms)
+        targets: list[tuple[str, list[str] | None, str | None]] = [
+            ("direct-D", None, d),
+            ("pdgate", pdgate_argv(0, p, d, "prefill-first", None, args.workers), None),
+            ("sglang-router", router_argv("sglang-router", 0, p, d), None),
+            ("vllm-router", router_argv("vllm-router", 0, p, d), None),
+            ("pdgate-decode-first", pdgate_argv(0, p, d, "decode-first", ms, args.workers), None),
+        ]
+        for name, argv, url in targets:
+            if only and name not in only:
+                continue
+            proc = None
+            if url is None:
+                if argv is None:
+                    print(f"# {name}: not installed, skipped", flush=True)
+                    continue
+                port = free_port()
+                argv[argv.index("--port") + 1] = str(port)
+                url = f"http://127.0.0.1:{port}"
+                health = url + ("/health" if name.startswith("pdgate") else "/v1/models")
+                try:
+                    proc = stack.start(name, argv, health)
+                except (RuntimeError, TimeoutError) as exc:
+                    print(f"# {name}: did not start: {exc}", flush=True)
+                    continue
+            for stream in (False, True):
+                cpu0 = cpu_seconds(proc.pid) if proc else 0.0
+                res = run_loadgen(url + "/v1/completions", args, stream)
+                total = res["rps"] * (args.seconds + args.warmup)  # ≈ requests served
+                cpu = (cpu_seconds(proc.pid) - cpu0) if proc else float("nan")
+                res["cpu_us"] = cpu / total * 1e6 if total else float("nan")
+                row = {"target": name, "mode": "stream" if stream else "non-stream", **res}
+                rows.append(row)
+                print(
+                    f"{name:<22} {row['mode']:<11} {res['rps']:>9.0f} req/s  "
+                    f"p50 {res['p50']:>7.1f} ms  p99 {res['p99']:>7.1f} ms  "
+                    f"router CPU {res['cpu_us']:>6.0f} us/req  errors {res['errors']}",
+                    flush=True,
+                )
+            if proc is not None:
+                stack.stop(proc)
+    finally:
+        stack.stop_all()
+    report(rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    print(f"# logs: {logs}")
+
+
+def report(rows: list[dict[str, Any]]) -> None:
+    print(
+        "\n| target | mode | req/s | p50 ms | p99 ms | router CPU µs/req | errors |"
+        "\n|---|---|---:|---:|---:|---:|---:|"
+    )
+    for r in rows:
+        print(
+            f"| {r['target']} | {r['mode']} | {r['rps']:.0f} | {r['p50']:.1f} | {r['p99']:.1f} "
+            f"| {r['cpu_us']:.0f} | {r['errors']} |"
+        )
+    for mode in ("non-stream", "stream"):
+        ours = next((r for r in rows if r["target"] == "pdgate" and r["mode"] == mode), None)
+        rivals = [
+            r for r in rows if r["target"] in ("sglang-router", "vllm-router") and r["mode"] == mode
+        ]
+        if ours and rivals:
+            best = max(rivals, key=lambda r: r["rps"])
+            ratio = ours["rps"] / best["rps"] if best["rps"] else float("inf")
+            p99_ok = ours["p99"] <= min(r["p99"] for r in rivals)
+            print(
+                f"{mode}: pdgate / best ({best['target']}) = {ratio:.2f} "
+                f"(target >= 1.0); p99 {ours['p99']:.1f} vs best-of-rivals "
+                f"{min(r['p99'] for r in rivals):.1f} ms -> {'ok' if p99_ok else 'worse'}"
+            )
+    for r in rows:
+        if r["target"] == "pdgate-decode-first":
+            verdict = "ok" if r["rps"] >= 2000 and r["p99"] <= 50 else "below target"
+            print(
+                f"decode-first {r['mode']}: {r['rps']:.0f} req/s, p99 {r['p99']:.1f} ms "
+                f"(target >= 2000 req/s, p99 <= 50 ms) -> {verdict}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""A fake vLLM OpenAI server speaking pdgate's ``kv_transfer_params`` contract.
+
+Roles:
+* ``decode``: a request with ``{"do_remote_prefill": true, "transfer_id": T}`` writes the binding
+  ``PUT /v1/bindings/T`` to the metaserver (the instance registers itself at start), then waits
+  for the prefill side's signal on its side channel (``POST /_fake/kv/T``; the KV endpoint's port
+  is this server's HTTP port) before streaming; on timeout it recomputes (or fails, by knob).
+  A pull-style request (``remote_engine_id``…) is served at once (prefill-first flow).
+* ``prefill``: ``{"do_remote_decode": true, "transfer_id": T, "decode": binding}`` signals D's
+  side channel and posts ``done`` to the metaserver; without ``decode`` (concurrent mode) it first
+  long-polls the binding itself; without a transfer id (prefill-first) it answers with
+  ``kv_transfer_params`` for D to pull.
+* ``both``: either, by request.
+
+Knobs (``POST /_fake/config`` with a JSON object, or flags): latency, errors, hangs, dropped
+connections. ``GET /_fake/requests`` returns what was received; ``GET /_fake/stats`` counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import random
+from collections import deque
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from tests.fakes import render
+
+
+@dataclasses.dataclass
+class Knobs:
+    tokens: int = 16  # default answer length when the request sets no max_tokens
+    first_token_delay_ms: float = 0.0
+    token_delay_ms: float = 0.0
+    prefill_delay_ms: float = 0.0
+    error_status: int = 0  # answer every completion with this status
+    error_rate: float = 0.0  # … or a random share of them with 500
+    hang: bool = False  # accept and never answer
+    drop_after: int = -1  # close the connection after this many streamed events
+    stream_error_after: int = -1  # send a vLLM-style error event after this many events
+    kv_timeout_s: float = 5.0
+    kv_failure: str = "recompute"  # or "fail"
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens reported
+    omit_kv_params: bool = False  # prefill-first: answer without kv_transfer_params
+    health_status: int = 200
+    write_binding: bool = True  # decode: write the binding to the metaserver
+    record: bool = True
+
+
+@dataclasses.dataclass
+class Stats:
+    requests: int = 0
+    active: int = 0
+    cancelled: int = 0
+    kv_received: int = 0
+    kv_timeouts: int = 0
+    bindings_written: int = 0
+    bindings_failed: int = 0
+    signals_sent: int = 0
+
+
+class FakeVLLM:
+    def __init__(self, role: str, port: int, host: str, metaserver: str | None, iid: str) -> None:
+        self.role = role
+        self.port = port
+        self.host = host
+        self.metaserver = metaserver.rstrip("/") if metaserver else None
+        self.instance_id = iid
+        self.knobs = Knobs()
+        self.stats = Stats()
+        self.received: deque[dict[str, Any]] = deque(maxlen=2000)
+        self.aborted: deque[str] = deque(maxlen=2000)
+        self.kv_events: dict[str, asyncio.Event] = {}
+        self.session: aiohttp.ClientSession | None = None
+        self.background: set[asyncio.Task[Any]] = set()
+        self.registered = False
+
+    # ---- app -----------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/_fake/config", self.config)
+        app.router.add_get("/_fake/requests", self.requests)
+        app.router.add_get("/_fake/stats", self.get_stats)
+        app.router.add_post("/_fake/reset", self.reset)
+        app.router.add_post("/_fake/kv/{tid}", self.kv_signal)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512))
+        if self.metaserver:
+            self._spawn(self._heartbeat())
+
+    async def _stop(self, app: web.Application) -> None:
+        for task in list(self.background):
+            task.cancel()
+        if self.session:
+            await self.session.close()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def _heartbeat(self) -> None:
+        spec = {
+            "role": self.role,
+            "url": f"http://{self.host}:{self.port}",
+            "kv_endpoint": {"host": self.host, "port": self.port},  # the side channel
+            "model": render.MODEL,
+            "ttl_s": 30,
+        }
+        assert self.session is not None
+        while True:
+            ok = False
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with self.session.put(
+                    f"{self.metaserver}/v1/instances/{self.instance_id}", json=spec
+                ) as r:
+                    await r.read()
+                    ok = r.status < 300
+            self.registered = self.registered or ok
+            await asyncio.sleep(5 if ok else 0.2)
+
+    # ---- control -------------------------------------------------------------------------
+    async def config(self, request: web.Request) -> web.Response:
+        updates = await request.json()
+        for key, value in updates.items():
+            if not hasattr(self.knobs, key):
+                return web.json_response({"error": f"unknown knob {key}"}, status=400)
+            setattr(self.knobs, key, value)
+        return web.json_response(dataclasses.asdict(self.knobs))
+
+    async def requests(self, request: web.Request) -> web.Response:
+        return web.json_response(list(self.received))
+
+    async def get_stats(self, request: web.Request) -> web.Response:
+        return web.json_response({**dataclasses.asdict(self.stats), "aborted": list(self.aborted)})
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.knobs = Knobs()
+        self.stats = Stats()
+        self.received.clear()
+        self.aborted.clear()
+        return web.json_response({})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.metaserver and not self.registered:
+            return web.Response(status=503, text="not registered yet")
+        return web.Response(status=self.knobs.health_status)
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [{"id": render.MODEL, "object": "model", "created": 1, "owned_by": "fake"}]
+        return web.json_response({"object": "list", "data": data})
+
+    async def kv_signal(self, request: web.Request) -> web.Response:
+        tid = request.match_info["tid"]
+        self.kv_events.setdefault(tid, asyncio.Event()).set()
+        return web.Response(status=204)
+
+    # ---- completions ---------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        self.stats.requests += 1
+        self.stats.active += 1
+        kv = body.get("kv_transfer_params") or {}
+        if self.knobs.record:
+            self.received.append(
+                {"path": request.path, "body": body, "x_request_id": request.headers.get(
+                    "x-request-id"), "authorization": request.headers.get("authorization")}
+            )  # fmt: skip
+        try:
+            return await self._answer(request, body, kv, chat)
+        except asyncio.CancelledError:
+            self.stats.cancelled += 1
+            self.aborted.append(str(kv.get("transfer_id") or request.headers.get("x-request-id")))
+            raise
+        finally:
+            self.stats.active -= 1
+
+    async def _answer(
+        self, request: web.Request, body: dict[str, Any], kv: dict[str, Any], chat: bool
+    ) -> web.StreamResponse:
+        k = self.knobs
+        if k.hang:
+            await asyncio.sleep(3600)
+        if k.error_status or (k.error_rate and random.random() < k.error_rate):
+            status = k.error_status or 500
+            return web.Response(
+                status=status, body=render.error_body("injected error", status),
+                content_type="application/json",
+            )  # fmt: skip
+        prefill_leg = bool(kv.get("do_remote_decode"))
+        cached = k.cached_tokens
+        extra: dict[str, Any] = {}
+        if prefill_leg:
+            await self._prefill(kv, extra)
+        elif kv.get("do_remote_prefill") and kv.get("transfer_id"):
+            failed = await self._await_kv(kv, body)
+            if failed is not None:
+                return failed
+        prompt = body.get("prompt") if not chat else body.get("messages")
+        prompt_tokens = max(1, len(json.dumps(prompt)) // 4)
+        n = int(body.get("n") or 1)
+        tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or k.tokens)
+        logprobs = bool(body.get("logprobs"))
+        if k.first_token_delay_ms:
+            await asyncio.sleep(k.first_token_delay_ms / 1000)
+        u = render.usage(prompt_tokens, tokens * n, cached)
+        if not body.get("stream"):
+            data = render.full_body(chat, tokens, n, logprobs, u, extra)
+            return web.Response(body=data, content_type="application/json")
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        events = render.stream_chunks(chat, tokens, n, logprobs)
+        for i, event in enumerate(events):
+            if i == k.drop_after:
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+            if i == k.stream_error_after:
+                err = {"error": {"message": "injected stream error", "code": 500}}
+                await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                await resp.write(render.DONE)
+                return resp
+            if k.token_delay_ms and i:
+                await asyncio.sleep(k.token_delay_ms / 1000)
+            await resp.write(event)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await resp.write(render.usage_event(chat, u))
+        await resp.write(render.DONE)
+        await resp.write_eof()
+        return resp
+
+    async def _prefill(self, kv: dict[str, Any], extra: dict[str, Any]) -> None:
+        k = self.knobs
+        if k.prefill_delay_ms:
+            await asyncio.sleep(k.prefill_delay_ms / 1000)
+        tid = kv.get("transfer_id")
+        if not tid:  # prefill-first: hand D the pull parameters
+            if not k.omit_kv_params:
+                extra["kv_transfer_params"] = {
+                    "do_remote_prefill": True,
+                    "do_remote_decode": False,
+                    "remote_engine_id": self.instance_id,
+                    "remote_block_ids": [1, 2, 3],
+                    "remote_host": self.host,
+                    "remote_port": self.port,
+                }
+            return
+        binding = kv.get("decode")
+        assert self.session is not None
+        if binding is None:  # concurrent mode: fetch the binding ourselves
+            async with self.session.get(
+                f"{self.metaserver}/v1/bindings/{tid}", params={"wait": "10"}
+            ) as r:
+                if r.status != 200:
+                    raise web.HTTPInternalServerError(text=f"no binding for {tid}")
+                binding = await r.json()
+        ep = binding["kv_endpoint"]
+        async with self.session.post(f"http://{ep['host']}:{ep['port']}/_fake/kv/{tid}") as r:
+            await r.read()
+        self.stats.signals_sent += 1
+        if self.metaserver:
+            self._spawn(self._post_done(tid))
+
+    async def _post_done(self, tid: str) -> None:
+        assert self.session is not None
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with self.session.post(
+                f"{self.metaserver}/v1/bindings/{tid}/events",
+                json={"state": "done", "actor": f"prefill:{self.instance_id}"},
+            ) as r:
+                await r.read()
+
+    async def _await_kv(self, kv: dict[str, Any], body: dict[str, Any]) -> web.Response | None:
+        tid = str(kv["transfer_id"])
+        event = self.kv_events.setdefault(tid, asyncio.Event())
+        if self.metaserver and self.knobs.write_binding:
+            spec = {
+                "request_id": f"req-{tid}",
+                "decode_instance_id": self.instance_id,
+                "engine_id": self.instance_id,
+                "kv_endpoint": {"host": self.host, "port": self.port},
+                "block_size": 16,
+                "block_ids": [[0]],
+                "num_prompt_tokens": 16,
+            }
+            assert self.session is not None
+            async with self.session.put(f"{self.metaserver}/v1/bindings/{tid}", json=spec) as r:
+                await r.read()
+                if r.status < 300:
+                    self.stats.bindings_written += 1
+                else:
+                    self.stats.bindings_failed += 1
+        try:
+            await asyncio.wait_for(event.wait(), self.knobs.kv_timeout_s)
+            self.stats.kv_received += 1
+        except TimeoutError:
+            self.stats.kv_timeouts += 1
+            if self.knobs.kv_failure == "fail":
+                return web.Response(
+                    status=500, body=render.error_body(f"KV for {tid} never arrived", 500),
+                    content_type="application/json",
+                )  # fmt: skip
+        finally:
+            self.kv_events.pop(tid, None)
+        return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m tests.fakes.vllm", description=__doc__)
+    p.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--metaserver", default=None)
+    p.add_argument("--instance-id", default=None)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--no-record", action="store_true", help="do not keep received requests")
+    args = p.parse_args(argv)
+    iid = args.instance_id or f"{args.role}-{args.port}"
+    fake = FakeVLLM(args.role, args.port, args.host, args.metaserver, iid)
+    fake.knobs.tokens = args.tokens
+    fake.knobs.record = not args.no_record
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    web.run_app(
+        fake.app(),
+        host=args.host,
+        port=args.port,
+        print=None,
+        access_log=None,
+        handler_cancellation=True,
+        shutdown_timeout=1.0,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Real services for the proxy tests: a metaserver process, fake vLLM processes (two P, two D;
+started once, knobs and records reset after every test) and the proxy itself, served by uvicorn
+inside the test loop so that tests can look at its state."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from proxy import ProxySettings, create_app
+from proxy.runtime import Runtime
+from tests.fakes import FakeVLLM
+from tests.support.procs import free_port
+from tests.support.services import MetaserverProcess
+
+
+@dataclass
+class Cluster:
+    metaserver: MetaserverProcess
+    prefill: list[FakeVLLM]
+    decode: list[FakeVLLM]
+
+    def fakes(self) -> list[FakeVLLM]:
+        return [*self.prefill, *self.decode]
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    logs = tmp_path_factory.mktemp("proxy-cluster")
+    started: list[Any] = []
+    try:
+        ms = MetaserverProcess("memory", log_dir=logs)
+        started.append(ms)
+        prefill, decode = [], []
+        for _ in range(2):
+            p = FakeVLLM("prefill", metaserver=ms.url, log_dir=logs)
+            started.append(p)
+            prefill.append(p)
+            d = FakeVLLM("decode", metaserver=ms.url, log_dir=logs)
+            started.append(d)
+            decode.append(d)
+        yield Cluster(ms, prefill, decode)
+    finally:
+        for s in reversed(started):
+            s.stop()
+
+
+@pytest.fixture(autouse=True)
+def _reset_fakes(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "cluster" in request.fixturenames:
+        for fake in request.getfixturevalue("cluster").fakes():
+            fake.reset()
+
+
+@dataclass
+class RunningProxy:
+    url: str
+    runtime: Runtime
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+
+    def client(self, **kw: Any) -> openai.AsyncOpenAI:
+        kw.setdefault("api_key", "unused")
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", max_retries=0, **kw)
+
+    def http(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, timeout=30)
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await asyncio.wait_for(self.task, 15)
+
+
+ProxyFactory = Callable[..., Awaitable[RunningProxy]]
+
+
+@pytest.fixture
+async def proxy_factory(cluster: Cluster) -> AsyncIterator[ProxyFactory]:
+    running: list[RunningProxy] = []
+
+    async def start(**overrides: Any) -> RunningProxy:
+        settings: dict[str, Any] = {
+            "prefill": [cluster.prefill[0].url],
+            "decode": [cluster.decode[0].url],
+            "metaserver": cluster.metaserver.url,
+            "port": free_port(),
+            "health_interval_s": 0.2,
+            "backoff_base_s": 0.0,
+            **overrides,
+        }
+        app = create_app(ProxySettings(**settings))
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=settings["port"], log_level="warning", lifespan="on"
+        )
+        server = uvicorn.Server(config)
+        task = asyncio.get_running_loop().create_task(server.serve())
+        for _ in range(200):
+            if server.started:
+                break
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.02)
+        proxy = RunningProxy(f"http://127.0.0.1:{settings['port']}", app.runtime, server, task)
+        running.append(proxy)
+        return proxy
+
+    try:
+        yield start
+    finally:
+        for proxy in running:
+            await proxy.stop()
+
+
+async def wait_until(check: Callable[[], bool], within: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)

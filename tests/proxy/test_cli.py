@@ -1,0 +1,74 @@
+"""``pd-proxy``: flags > env > YAML > defaults, clear errors, and a real process serving."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from proxy.cli import build_parser, load_settings
+from proxy.config import Flow
+from tests.proxy.conftest import Cluster
+from tests.proxy.test_flows import PROMPT
+from tests.support.procs import Process, free_port, wait_http
+
+
+def test_flags_beat_env_beat_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "proxy.yaml"
+    cfg.write_text(
+        "decode: [http://yaml-d:1]\nprefill: [http://yaml-p:1]\nport: 9001\n"
+        "flow: prefill-first\nretries: 5\n"
+    )
+    monkeypatch.setenv("PD_PROXY_PORT", "9002")
+    monkeypatch.setenv("PD_PROXY_API_KEYS", "k1, k2")
+    s = load_settings(["--config", str(cfg), "--retries", "1", "--decode", "http://flag-d:2"])
+    assert s.port == 9002 and s.retries == 1 and s.flow == Flow.PREFILL_FIRST
+    assert s.decode == ["http://flag-d:2"] and s.prefill == ["http://yaml-p:1"]
+    assert [k.get_secret_value() for k in s.api_keys] == ["k1", "k2"]
+    assert "k1" not in repr(s)
+
+
+def test_settings_errors_are_clear(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        load_settings(["--flow", "direct"])
+    assert "at least one --decode URL" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_settings(["--decode", "http://d", "--prefill", "http://p"])  # decode-first
+    assert "needs --metaserver" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_settings(["--decode", "ftp://d", "--flow", "direct"])
+    assert "not an http(s) URL" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_settings(["--decode", "http://d", "--flow", "direct", "--decode-policy", "best"])
+    assert "invalid choice: 'best'" in capsys.readouterr().err
+
+
+def test_help_explains_the_flows() -> None:
+    text = build_parser().format_help()
+    for word in ("decode-first", "concurrent", "prefill-first", "direct", "--prefill-dns"):
+        assert word in text
+
+
+def test_pd_proxy_process_serves_and_stops(cluster: Cluster, tmp_path: Path) -> None:
+    port = free_port()
+    argv = [sys.executable, "-m", "proxy.cli", "--port", str(port), "--log-level", "warning"]
+    argv += ["--prefill", cluster.prefill[0].url, "--decode", cluster.decode[0].url]
+    argv += ["--metaserver", cluster.metaserver.url]
+    proc = Process(argv, log=tmp_path / "proxy.log")
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc=proc)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "fake-model", "prompt": PROMPT, "max_tokens": 3},
+            timeout=10,
+        )
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["text"] == "tok0 tok1 tok2 "
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert "pd_prefill_seconds_count 1.0" in metrics
+        assert "pd_binding_wait_seconds_count 1.0" in metrics
+    finally:
+        proc.stop()
+    assert not proc.alive()

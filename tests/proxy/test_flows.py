@@ -1,0 +1,266 @@
+"""The flows end to end: openai client → proxy → fake P/D (+ real metaserver)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from tests.proxy.conftest import Cluster, ProxyFactory, wait_until
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 8
+MESSAGES: list[Any] = [{"role": "user", "content": PROMPT}]
+EXPECTED_16 = "".join(f"tok{i} " for i in range(16))
+INJECTED = {"do_remote_decode": True, "remote_host": "10.6.6.6", "transfer_id": "evil"}
+
+
+def binding_state(cluster: Cluster, tid: str) -> str | None:
+    r = httpx.get(f"{cluster.metaserver.url}/v1/bindings/{tid}")
+    return str(r.json()["state"]) if r.status_code == 200 else None
+
+
+def metric(text: str, line_start: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_decode_first_stream_chat_hygiene_and_binding(
+    cluster: Cluster, proxy_factory: ProxyFactory
+) -> None:
+    proxy = await proxy_factory()
+    stream = await proxy.client().chat.completions.create(
+        model="fake-model",
+        messages=MESSAGES,
+        max_tokens=16,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"kv_transfer_params": INJECTED, "min_tokens": 4},
+    )
+    text, usage = "", None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if chunk.usage:
+            usage = chunk.usage
+    assert text == EXPECTED_16
+    assert usage is not None and usage.completion_tokens == 16
+
+    d_seen = cluster.decode[0].requests()[-1]
+    kv_d = d_seen["body"]["kv_transfer_params"]
+    assert set(kv_d) == {"do_remote_prefill", "transfer_id", "metaserver"}
+    tid = kv_d["transfer_id"]
+    assert kv_d["do_remote_prefill"] is True and tid != "evil"
+    assert d_seen["body"]["stream"] is True and d_seen["body"]["min_tokens"] == 4
+
+    p_seen = cluster.prefill[0].requests()[-1]
+    body = p_seen["body"]
+    assert body["max_tokens"] == 1 and body["stream"] is False
+    assert "min_tokens" not in body and "stream_options" not in body
+    kv_p = body["kv_transfer_params"]
+    assert kv_p["do_remote_decode"] is True and kv_p["transfer_id"] == tid
+    assert kv_p["decode"]["decode_instance_id"] == cluster.decode[0].instance_id
+    assert kv_p["decode"]["transfer_id"] == tid
+    assert p_seen["x_request_id"] == d_seen["x_request_id"] == tid
+
+    stats = cluster.decode[0].stats()
+    assert stats["kv_received"] == 1 and stats["kv_timeouts"] == 0
+    await wait_until(lambda: binding_state(cluster, tid) == "done")
+
+
+async def test_decode_first_nonstream_completions_n_logprobs(
+    cluster: Cluster, proxy_factory: ProxyFactory
+) -> None:
+    proxy = await proxy_factory()
+    out = await proxy.client().completions.create(
+        model="fake-model", prompt=PROMPT, max_tokens=5, n=2, logprobs=1
+    )
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.choices[0].text == "tok0 tok1 tok2 tok3 tok4 "
+    assert out.choices[1].logprobs is not None
+    assert out.choices[1].logprobs.token_logprobs == [-0.5] * 5
+    p_body = cluster.prefill[0].requests()[-1]["body"]
+    assert p_body["n"] == 1 and p_body["max_tokens"] == 1
+    assert cluster.decode[0].requests()[-1]["body"]["n"] == 2
+
+
+async def test_request_id_echoed_and_internal_id_shared(
+    cluster: Cluster, proxy_factory: ProxyFactory
+) -> None:
+    proxy = await proxy_factory()
+    async with proxy.http() as http:
+        r = await http.post(
+            "/v1/completions",
+            json={"model": "fake-model", "prompt": PROMPT, "max_tokens": 2},
+            headers={"x-request-id": "client-req-1"},
+        )
+    assert r.status_code == 200 and r.headers["x-request-id"] == "client-req-1"
+    d_id = cluster.decode[0].requests()[-1]["x_request_id"]
+    assert d_id == cluster.prefill[0].requests()[-1]["x_request_id"]
+    assert d_id.startswith("pd-")
+
+
+async def test_concurrent_flow_sends_prefill_without_binding(
+    cluster: Cluster, proxy_factory: ProxyFactory
+) -> None:
+    proxy = await proxy_factory(flow="concurrent")
+    out = await proxy.client().completions.create(model="fake-model", prompt=PROMPT, max_tokens=16)
+    assert out.choices[0].text == EXPECTED_16
+    kv_p = cluster.prefill[0].requests()[-1]["body"]["kv_transfer_params"]
+    assert set(kv_p) == {"do_remote_decode", "transfer_id", "metaserver"}
+    assert cluster.decode[0].stats()["kv_received"] == 1
+
+
+async def test_prefill_first_relays_kv_params_unchanged(
+    cluster: Cluster, proxy_factory: ProxyFactory
+) -> None:
+    proxy = await proxy_factory(flow="prefill-first")
+    stream = await proxy.client().completions.create(
+        model="fake-model",
+        prompt=PROMPT,
+        max_tokens=16,
+        stream=True,
+        extra_body={"kv_transfer_params": INJECTED},
+    )
+    text = "".join([c.choices[0].text async for c in stream if c.choices])
+    assert text == EXPECTED_16
+    p_kv = cluster.prefill[0].requests()[-1]["body"]["kv_transfer_params"]
+    assert p_kv == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    d_kv = cluster.decode[0].requests()[-1]["body"]["kv_transfer_params"]
+    assert d_kv == {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": cluster.prefill[0].instance_id,
+        "remote_block_ids": [1, 2, 3],
+        "remote_host": "127.0.0.1",
+        "remote_port": cluster.prefill[0].port,
+    }
+
+
+async def test_prefill_first_missing_kv_params_retries_other_prefill(
+    cluster: Cluster, proxy_factory: ProxyFactory
+) -> None:
+    cluster.prefill[0].configure(omit_kv_params=True)
+    proxy = await proxy_factory(
+        flow="prefill-first",
+        prefill=[p.url for p in cluster.prefill],
+        prefill_policy="round_robin",
+    )
+    for _ in range(2):
+        out = await proxy.client().completions.create(
+            model="fake-model", prompt=PROMPT, max_tokens=3
+        )
+        assert out.choices[0].text == "tok0 tok1 tok2 "
+    assert "kv_transfer_params" in cluster.decode[0].requests()[-1]["body"]
+    assert len(cluster.prefill[1].requests()) == 2
+
+
+async def test_short_prompt_goes_direct_and_is_counted(
+    cluster: Cluster, proxy_factory: ProxyFactory
+) -> None:
+    proxy = await proxy_factory(disagg_min_tokens=1000)
+    out = await proxy.client().completions.create(model="fake-model", prompt="hi", max_tokens=2)
+    assert out.choices[0].text == "tok0 tok1 "
+    assert cluster.prefill[0].requests() == []
+    assert "kv_transfer_params" not in cluster.decode[0].requests()[-1]["body"]
+    async with proxy.http() as http:
+        text = (await http.get("/metrics")).text
+    assert metric(text, 'pd_decision_total{decision="short_prompt"}') == 1
+    assert metric(text, 'pd_decision_total{decision="disaggregate"}') == 0
+    d_url = cluster.decode[0].url
+    d_ok = f'pd_instance_requests_total{{instance="{d_url}",outcome="ok",role="decode"}}'
+    assert metric(text, d_ok) == 1
+
+
+async def test_cached_prefix_goes_direct_with_prefix_policy(
+    cluster: Cluster, proxy_factory: ProxyFactory
+) -> None:
+    proxy = await proxy_factory(decode_policy="prefix", cached_skip_ratio=0.9)
+    long_prompt = "A shared system prompt that repeats. " * 40
+    for _ in range(2):
+        await proxy.client().completions.create(
+            model="fake-model", prompt=long_prompt, max_tokens=1
+        )
+    assert len(cluster.prefill[0].requests()) == 1  # only the first one was disaggregated
+    async with proxy.http() as http:
+        text = (await http.get("/metrics")).text
+    assert metric(text, 'pd_decision_total{decision="cached"}') == 1
+
+
+async def test_prefill_cached_tokens_merged_into_usage(
+    cluster: Cluster, proxy_factory: ProxyFactory
+) -> None:
+    cluster.prefill[0].configure(cached_tokens=7)
+    cluster.decode[0].configure(cached_tokens=40)
+    proxy = await proxy_factory()
+    client = proxy.client()
+    out = await client.completions.create(model="fake-model", prompt=PROMPT, max_tokens=2)
+    assert out.usage is not None and out.usage.prompt_tokens_details is not None
+    assert out.usage.prompt_tokens_details.cached_tokens == 7
+    stream = await client.chat.completions.create(
+        model="fake-model",
+        messages=MESSAGES,
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usages = [c.usage async for c in stream if c.usage]
+    assert len(usages) == 1 and usages[0].prompt_tokens_details is not None
+    assert usages[0].prompt_tokens_details.cached_tokens == 7
+
+
+async def test_flow_header_selects_flow_per_request(
+    cluster: Cluster, proxy_factory: ProxyFactory
+) -> None:
+    proxy = await proxy_factory(flow_header=True)
+    client = proxy.client(default_headers={"x-pd-flow": "direct"})
+    await client.completions.create(model="fake-model", prompt=PROMPT, max_tokens=1)
+    assert cluster.prefill[0].requests() == []
+    async with proxy.http() as http:
+        r = await http.post(
+            "/v1/completions",
+            json={"model": "fake-model", "prompt": "x"},
+            headers={"x-pd-flow": "sideways"},
+        )
+    assert r.status_code == 400 and "sideways" in r.json()["error"]["message"]
+
+
+async def test_models_health_instances_endpoints(
+    cluster: Cluster, proxy_factory: ProxyFactory
+) -> None:
+    proxy = await proxy_factory()
+    models = await proxy.client().models.list()
+    assert [m.id for m in models.data] == ["fake-model"]
+    async with proxy.http() as http:
+        health = await http.get("/health")
+        inst = (await http.get("/v1/instances")).json()
+    assert health.status_code == 200
+    assert health.json()["available"] == {"prefill": 1, "decode": 1}
+    roles = sorted((i["role"], i["circuit"], i["healthy"]) for i in inst["instances"])
+    assert roles == [("decode", "closed", True), ("prefill", "closed", True)]
+
+
+async def test_stream_chat_n_and_logprobs_pass_through(
+    cluster: Cluster, proxy_factory: ProxyFactory
+) -> None:
+    proxy = await proxy_factory()
+    stream = await proxy.client().chat.completions.create(
+        model="fake-model", messages=MESSAGES, max_tokens=3, n=2, logprobs=True, stream=True
+    )
+    texts = {0: "", 1: ""}
+    logprobs = 0
+    async for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.logprobs and choice.logprobs.content:
+                logprobs += len(choice.logprobs.content)
+    assert texts == {0: "tok0 tok1 tok2 ", 1: "tok0 tok1 tok2 "}
+    assert logprobs == 6
