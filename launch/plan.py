@@ -36,7 +36,8 @@ class Child:
     argv: list[str]
     health_url: str
     env: dict[str, str] = field(default_factory=dict)
-    kind: str = "service"  # "service" | "engine" (engines take long to load)
+    # "service"; "engine" (slow to load); "gate": healthy only once it sees the others (proxy)
+    kind: str = "service"
 
 
 @dataclass(frozen=True)
@@ -188,5 +189,5 @@ def build_plan(o: LaunchOptions) -> LaunchPlan:
         proxy_argv += ["--decode", url]
     proxy_argv += ["--flow-header", *o.extra_proxy_args]
     proxy_env = {"PD_PROXY_METASERVER_TOKEN": o.token} if o.token else {}
-    children.append(Child("proxy", proxy_argv, proxy_url + "/health", proxy_env))
+    children.append(Child("proxy", proxy_argv, proxy_url + "/health", proxy_env, kind="gate"))
     return LaunchPlan(o, children, proxy_url, metaserver_url, prefill_urls, decode_urls)

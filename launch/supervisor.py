@@ -64,9 +64,10 @@ class Supervisor:
                     raise ChildFailed(
                         f"{', '.join(dead)} exited during start-up:\n{self.tail(dead[0])}"
                     )
+                engines_up = all(c.name in ready for c in self.children if c.kind != "gate")
                 for child in self.children:
-                    if child.name in ready:
-                        continue
+                    if child.name in ready or (child.kind == "gate" and not engines_up):
+                        continue  # a gate (the proxy) counts only once what it routes to is up
                     try:
                         if http.get(child.health_url).status_code == 200:
                             ready.add(child.name)

@@ -126,3 +126,33 @@ def test_supervisor_stop_soon_interrupts_waiting(tmp_path: Path) -> None:
     finally:
         sup.stop(grace_s=5)
     assert not any(alive(p) for p in everyone)
+
+
+def test_supervisor_checks_a_gate_only_after_the_others(tmp_path: Path) -> None:
+    """The proxy (a gate) is ready only when it answers after the engines are up: an early
+    200 from it, before it could have seen them, does not count."""
+    engine, _ = server_child(tmp_path, "engine", 1.0)
+    gate_port = free_port()
+    script = tmp_path / "gate.py"
+    script.write_text(
+        "import http.server, sys\n"
+        "hits = []\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        hits.append(1); print('probed', flush=True)\n"
+        "        self.send_response(200); self.end_headers()\n"
+        "    def log_message(self, *a): pass\n"
+        f"http.server.HTTPServer(('127.0.0.1', {gate_port}), H).serve_forever()\n"
+    )
+    gate = Child(
+        "gate", [sys.executable, str(script)], f"http://127.0.0.1:{gate_port}/h", kind="gate"
+    )
+    lines: list[str] = []
+    sup = Supervisor([gate, engine], tmp_path / "logs", lines.append)
+    sup.start()
+    try:
+        sup.wait_ready(timeout_s=30, interval_s=0.1)
+    finally:
+        sup.stop(grace_s=5)
+    ready = [line.split("] ")[1] for line in lines if "is ready" in line]
+    assert ready == ["engine is ready", "gate is ready"]
