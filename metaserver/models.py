@@ -85,6 +85,11 @@ class BindingSpec(_Strict):
         default=0, description="prompt tokens D already holds (prefix cache); P skips them"
     )
     num_prompt_tokens: Annotated[int, Field(ge=1, le=2**24)]
+    load_deadline: Annotated[float, Field(gt=0)] | None = Field(
+        default=None,
+        description="Unix time after which D stops waiting and recomputes; P must not write "
+        "into these blocks after it (minus a clock-skew margin)",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> BindingSpec:
