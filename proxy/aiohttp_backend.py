@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.backend import LegError, status_error
@@ -32,6 +31,8 @@ class AiohttpResponse:
 
     async def read(self, timeout_s: float) -> bytes:
         try:
+            if self.resp.content.is_eof():  # all in already: no timer needed
+                return await self.resp.read()
             async with asyncio.timeout(timeout_s):
                 return await self.resp.read()
         except TimeoutError as exc:
@@ -80,7 +81,7 @@ class AiohttpBackend:
         target = self._urls.get((url, path))
         if target is None:
             target = self._urls[(url, path)] = URL(url + path)
-        headers = CIMultiDict({"content-type": "application/json", "x-request-id": request_id})
+        headers = {"content-type": "application/json", "x-request-id": request_id}
         try:
             async with asyncio.timeout(timeout_s):
                 resp = await self.session.post(

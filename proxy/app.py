@@ -2,7 +2,8 @@
 
 The two completion endpoints are served by the lean ``CompletionsHandler``; everything else
 (``/health``, ``/metrics``, ``/v1/models``, ``/v1/instances``, OpenAPI) by FastAPI, which also
-runs the lifespan (session, discovery, health probes). A body-size cap wraps both.
+runs the lifespan (session, discovery, health probes). Both cap request bodies
+(``--max-body-bytes``): the handler itself, FastAPI behind ``BodySizeLimit``.
 """
 
 from __future__ import annotations
@@ -46,18 +47,19 @@ def create_app(settings: ProxySettings) -> ASGIApp:
     _routes(api, rt)
     handler = CompletionsHandler(rt)
 
-    async def app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] in HOT_PATHS and scope["method"] == "POST":
-            await handler(scope, receive, send)
-        else:
-            await api(scope, receive, send)
-
     def error_body(message: str) -> dict[str, Any]:
         return error_object(message, "invalid_request_error", 413)
 
-    limited = BodySizeLimit(app, max_bytes=settings.max_body_bytes, error_body=error_body)
-    limited.runtime = rt  # type: ignore[attr-defined]
-    return limited
+    rest = BodySizeLimit(api, max_bytes=settings.max_body_bytes, error_body=error_body)
+
+    async def app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] in HOT_PATHS and scope["method"] == "POST":
+            await handler(scope, receive, send)  # enforces the body cap itself
+        else:
+            await rest(scope, receive, send)
+
+    app.runtime = rt  # type: ignore[attr-defined]
+    return app
 
 
 def _routes(api: FastAPI, rt: Runtime) -> None:

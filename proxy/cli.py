@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--circuit-open", "circuit_open_s", float)
     opt("--max-inflight", "max_inflight", int)
     opt("--max-body-bytes", "max_body_bytes", int)
+    opt("--max-connections", "max_connections", int)
+    opt("--http-client", "http_client", choices=["native", "aiohttp"])
+    opt("--keepalive", "keepalive_s", float)
     return p
 
 
@@ -154,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "host": settings.host,
         "port": settings.port,
         "loop": "uvloop",
-        "http": "httptools",
+        "http": "proxy.server:CoalescingHttpToolsProtocol",
         "log_level": settings.log_level,
         "access_log": False,
         "timeout_graceful_shutdown": 30,

@@ -18,6 +18,11 @@ class Flow(enum.StrEnum):
     DIRECT = "direct"
 
 
+class HttpClient(enum.StrEnum):
+    NATIVE = "native"
+    AIOHTTP = "aiohttp"
+
+
 class Discovery(enum.StrEnum):
     STATIC = "static"
     METASERVER = "metaserver"
@@ -84,6 +89,12 @@ class ProxySettings(LayeredSettings):
     max_inflight: int = Field(4096, ge=1, description="admission limit; above it: 429")
     max_body_bytes: int = Field(16 << 20, ge=1024, description="request bodies above it: 413")
     max_connections: int = Field(1024, ge=1, description="pooled connections to backends")
+    http_client: HttpClient = Field(
+        HttpClient.NATIVE, description="data-path HTTP client: native (httptools) or aiohttp"
+    )
+    keepalive_s: float = Field(
+        4.0, gt=0, description="reuse an idle backend connection at most this long"
+    )
 
     # inbound auth
     api_keys: KeyList = Field(default_factory=list, description="accepted bearer keys")

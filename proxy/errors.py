@@ -2,6 +2,7 @@
 
 ProxyError                    500 internal_error
 ├── BadRequest                400 invalid_request_error (malformed JSON, wrong types)
+├── PayloadTooLarge           413 invalid_request_error (body above --max-body-bytes)
 ├── Unauthorized              401 authentication_error
 ├── Overloaded                429 rate_limit_error (admission limit; carries Retry-After)
 ├── NoInstance                503 service_unavailable (no healthy instance in a pool)
@@ -34,6 +35,11 @@ class ProxyError(Exception):
 
 class BadRequest(ProxyError):
     status = 400
+    kind = "invalid_request_error"
+
+
+class PayloadTooLarge(ProxyError):
+    status = 413
     kind = "invalid_request_error"
 
 

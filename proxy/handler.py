@@ -1,7 +1,8 @@
 """The hot path: ``POST /v1/completions`` and ``/v1/chat/completions`` as a lean ASGI handler.
 
-Raw body, one JSON parse, SSE bytes passed through. A watcher on ``receive()`` notices a client
-that goes away and cancels the request at once: both legs are dropped (closing a connection
+Raw body, one JSON parse, SSE bytes passed through. A watcher notices a client that goes away
+(``proxy.server``'s protocol calls it; elsewhere a task on ``receive()``) and cancels the
+request at once: both legs are dropped (closing a connection
 aborts a vLLM request), load is released in ``finally``, the binding is marked ``aborted``.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 
 from metaserver.models import BindingState
 from proxy.config import Flow
-from proxy.errors import BadRequest, ProxyError, Unauthorized, sse_error_event
+from proxy.errors import BadRequest, PayloadTooLarge, ProxyError, Unauthorized, sse_error_event
 from proxy.flows import Upstream
 from proxy.ids import VALID_ID, IdMaker
 from proxy.instances import Instance
@@ -26,11 +27,45 @@ from proxy.sse import fix_body, relay_stream
 log = logging.getLogger("pdgate.proxy")
 Scope = MutableMapping[str, Any]
 HOT_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+ON_DISCONNECT = "pdgate.on_disconnect"  # scope slot: called by proxy.server on disconnect
 _JSON = b"application/json"
 
 
 class _Disconnected(Exception):
     pass
+
+
+class _Watcher:
+    """Cancels the request's task when the client goes away. Served by ``proxy.server``'s
+    protocol, the scope carries an ``ON_DISCONNECT`` slot that the protocol calls from
+    ``connection_lost``; elsewhere a task waits on ``receive()`` for ``http.disconnect``."""
+
+    __slots__ = ("_scope", "_task", "_waiter", "gone")
+
+    def __init__(self, task: asyncio.Task[Any], scope: Scope, receive: Any) -> None:
+        self._task = task
+        self._scope = scope
+        self.gone = False
+        self._waiter: asyncio.Task[None] | None = None
+        if ON_DISCONNECT in scope:
+            scope[ON_DISCONNECT] = self.fire
+        else:
+            self._waiter = asyncio.get_running_loop().create_task(self._watch(receive))
+
+    async def _watch(self, receive: Any) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.fire()
+
+    def fire(self) -> None:
+        self.gone = True
+        self._task.cancel()
+
+    def cancel(self) -> None:
+        if self._waiter is not None:
+            self._waiter.cancel()
+        else:
+            self._scope[ON_DISCONNECT] = None
 
 
 class CompletionsHandler:
@@ -39,6 +74,25 @@ class CompletionsHandler:
         self._ids = IdMaker("req")
         self._flow_default = rt.settings.flow
         self._flow_header = rt.settings.flow_header
+        self._max_body = rt.settings.max_body_bytes
+        self._counters: dict[tuple[str, Flow, str, int], Any] = {}
+        self._histograms: dict[Flow, Any] = {}
+
+    def _count(self, endpoint: str, flow: Flow, outcome: str, status: int) -> Any:
+        """The label child of ``pd_requests_total``, resolved once per label set."""
+        key = (endpoint, flow, outcome, status)
+        child = self._counters.get(key)
+        if child is None:
+            child = self._counters[key] = self.rt.metrics.requests.labels(
+                endpoint, flow.value, outcome, str(status)
+            )
+        return child
+
+    def _seconds(self, flow: Flow) -> Any:
+        child = self._histograms.get(flow)
+        if child is None:
+            child = self._histograms[flow] = self.rt.metrics.total_seconds.labels(flow.value)
+        return child
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         rt = self.rt
@@ -46,6 +100,7 @@ class CompletionsHandler:
         path: str = scope["path"]
         endpoint = "chat" if path.endswith("chat/completions") else "completions"
         auth = rid = flow_hdr = None
+        declared = 0
         for name, value in scope["headers"]:
             if name == b"authorization":
                 auth = value
@@ -53,11 +108,15 @@ class CompletionsHandler:
                 rid = value
             elif name == b"x-pd-flow":
                 flow_hdr = value
+            elif name == b"content-length":
+                declared = int(value) if value.isdigit() else 0
         if rid is None or not VALID_ID.match(rid.decode("latin-1")):
             rid = self._ids.next().encode()
         extra = [(b"x-request-id", rid)]
         flow = self._flow_default
         try:
+            if declared > self._max_body:
+                raise PayloadTooLarge(f"request body exceeds {self._max_body} bytes")
             if rt.api_keys and not _authorized(auth, rt.api_keys):
                 raise Unauthorized("missing or invalid API key")
             if self._flow_header and flow_hdr:
@@ -85,7 +144,7 @@ class CompletionsHandler:
         rt = self.rt
         assert rt.dispatcher is not None
         try:
-            req = ClientRequest.parse(await _read_body(receive), endpoint == "chat")
+            req = ClientRequest.parse(await _read_body(receive, self._max_body), endpoint == "chat")
         except _Disconnected:
             return
         except ProxyError as exc:
@@ -94,16 +153,7 @@ class CompletionsHandler:
             return
         task = asyncio.current_task()
         assert task is not None
-        gone = False
-
-        async def watch() -> None:
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            task.cancel()
-
-        watcher = asyncio.get_running_loop().create_task(watch())
+        watcher = _Watcher(task, scope, receive)
         rt.metrics.inflight.inc()
         up: Upstream | None = None
         d: Instance | None = None
@@ -125,11 +175,10 @@ class CompletionsHandler:
                 headers.append((b"cache-control", b"no-cache"))
                 await send({"type": "http.response.start", "status": 200, "headers": headers})
                 started = True
-                complete = await relay_stream(up, send, req.include_usage)
+                complete = await relay_stream(up, send, req.include_usage)  # ends the response
                 if not complete:
                     outcome = "stream_error"
                 watcher.cancel()
-                await send({"type": "http.response.body", "body": b""})
         except ProxyError as exc:
             outcome, status = exc.kind, exc.status
             watcher.cancel()
@@ -138,7 +187,7 @@ class CompletionsHandler:
             else:
                 await send({"type": "http.response.body", "body": sse_error_event(exc.message)})
         except asyncio.CancelledError:
-            if not gone or task.uncancel() > 0:
+            if not watcher.gone or task.uncancel() > 0:
                 raise
             outcome, status = "client_disconnected", 499
             log.info("client went away (%s); legs cancelled", extra[0][1].decode())
@@ -161,8 +210,8 @@ class CompletionsHandler:
                     extra[0][1].decode(), up.tid if up else "-", used.value,
                     d.url if d else "-", outcome, status, (time.perf_counter() - t0) * 1000,
                 )  # fmt: skip
-            rt.metrics.requests.labels(endpoint, used.value, outcome, str(status)).inc()
-            rt.metrics.total_seconds.labels(used.value).observe(time.perf_counter() - t0)
+            self._count(endpoint, used, outcome, status).inc()
+            self._seconds(used).observe(time.perf_counter() - t0)
 
 
 def _authorized(auth: bytes | None, keys: frozenset[str]) -> bool:
@@ -178,13 +227,18 @@ def _flow_of(raw: bytes) -> Flow:
         raise BadRequest(f"unknown x-pd-flow {raw.decode('latin-1')!r}") from None
 
 
-async def _read_body(receive: Any) -> bytes:
+async def _read_body(receive: Any, limit: int) -> bytes:
     chunks: list[bytes] = []
+    seen = 0
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
             raise _Disconnected
-        chunks.append(msg.get("body", b""))
+        body = msg.get("body", b"")
+        seen += len(body)
+        if seen > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        chunks.append(body)
         if not msg.get("more_body"):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 

@@ -1,11 +1,23 @@
-"""Prometheus metrics of the proxy (one registry per app, so tests can build several)."""
+"""Prometheus metrics of the proxy (one registry per app, so tests can build several).
+
+The per-request metrics are plain-number counters, gauges and histograms rendered by a
+collector at scrape time: one event loop per process updates them, so they need none of
+``prometheus_client``'s per-update locks (≈ 1 µs per ``inc``, 2.3 µs per ``observe``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import bisect
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from proxy.instances import Instance
@@ -32,39 +44,157 @@ class _InstanceCollector(Collector):
         yield healthy
 
 
+class _Value:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.value -= amount
+
+
+class _Buckets:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class _Family(Collector):
+    """A labelled metric without locks: ``labels()`` returns a child once per label set."""
+
+    def __init__(
+        self, kind: str, name: str, doc: str, labelnames: Sequence[str] = (),
+        registry: CollectorRegistry | None = None, buckets: Sequence[float] = (),
+    ) -> None:  # fmt: skip
+        self.kind = kind
+        self.name = name
+        self.doc = doc
+        self.labelnames = tuple(labelnames)
+        self.buckets = tuple(float(b) for b in buckets)
+        self._children: dict[tuple[str, ...], Any] = {}
+        self._default = self._child() if not labelnames else None
+        if registry is not None:
+            registry.register(self)
+
+    def _child(self) -> Any:
+        return _Buckets(self.buckets) if self.kind == "histogram" else _Value()
+
+    def labels(self, *values: str, **by_name: str) -> Any:
+        key = tuple(values) if values else tuple(by_name[n] for n in self.labelnames)
+        child = self._children.get(key)
+        if child is None:
+            if len(key) != len(self.labelnames):
+                raise ValueError(f"{self.name} takes labels {self.labelnames}")
+            child = self._children[key] = self._child()
+        return child
+
+    # unlabelled use
+    def inc(self, amount: float = 1.0) -> None:
+        assert self._default is not None
+        self._default.value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        assert self._default is not None
+        self._default.value -= amount
+
+    def observe(self, value: float) -> None:
+        assert self._default is not None
+        self._default.observe(value)
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        items = list(self._children.items())
+        if self._default is not None:
+            items.append(((), self._default))
+        family: Any
+        if self.kind == "counter":
+            family = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
+            for key, child in items:
+                family.add_metric(list(key), child.value)
+        elif self.kind == "gauge":
+            family = GaugeMetricFamily(self.name, self.doc, labels=self.labelnames)
+            for key, child in items:
+                family.add_metric(list(key), child.value)
+        else:
+            family = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+            for key, child in items:
+                running, cumulative = 0, []
+                for bound, count in zip((*self.buckets, float("inf")), child.counts, strict=True):
+                    running += count
+                    cumulative.append((_bound(bound), running))
+                family.add_metric(list(key), cumulative, child.sum)
+        yield family
+
+
+def _bound(value: float) -> str:
+    return "+Inf" if value == float("inf") else repr(value)
+
+
+def counter(
+    name: str, doc: str, labelnames: Sequence[str] = (), *, registry: CollectorRegistry
+) -> _Family:
+    return _Family("counter", name.removesuffix("_total"), doc, labelnames, registry)
+
+
+def gauge(
+    name: str, doc: str, labelnames: Sequence[str] = (), *, registry: CollectorRegistry
+) -> _Family:
+    return _Family("gauge", name, doc, labelnames, registry)
+
+
+def histogram(
+    name: str, doc: str, labelnames: Sequence[str] = (), *, buckets: Sequence[float],
+    registry: CollectorRegistry,
+) -> _Family:  # fmt: skip
+    return _Family("histogram", name, doc, labelnames, registry, buckets)
+
+
 class Metrics:
     def __init__(self, instances: Callable[[], Iterable[Instance]]) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter(
+        self.requests = counter(
             "pd_requests_total", "client requests by endpoint, flow and outcome",
             ["endpoint", "flow", "outcome", "status"], registry=r,
         )  # fmt: skip
-        self.decisions = Counter(
+        self.decisions = counter(
             "pd_decision_total", "disaggregate or not, and why", ["decision"], registry=r
         )
-        self.instance_requests = Counter(
+        self.instance_requests = counter(
             "pd_instance_requests_total", "legs sent to each instance by outcome",
             ["role", "instance", "outcome"], registry=r,
         )  # fmt: skip
-        self.retries = Counter("pd_retries_total", "attempts retried", ["reason"], registry=r)
-        self.inflight = Gauge("pd_inflight", "client requests in flight", registry=r)
-        self.rejected = Counter("pd_rejected_total", "requests refused", ["reason"], registry=r)
-        self.prefill_seconds = Histogram(
+        self.retries = counter("pd_retries_total", "attempts retried", ["reason"], registry=r)
+        self.inflight = gauge("pd_inflight", "client requests in flight", registry=r)
+        self.rejected = counter("pd_rejected_total", "requests refused", ["reason"], registry=r)
+        self.prefill_seconds = histogram(
             "pd_prefill_seconds", "prefill leg duration", buckets=_LEG_BUCKETS, registry=r
         )
-        self.binding_wait_seconds = Histogram(
+        self.binding_wait_seconds = histogram(
             "pd_binding_wait_seconds", "time until D's binding was seen", buckets=_LEG_BUCKETS,
             registry=r,
         )  # fmt: skip
-        self.decode_ttft_seconds = Histogram(
+        self.decode_ttft_seconds = histogram(
             "pd_decode_ttft_seconds", "time from sending D to its first byte",
             buckets=_LEG_BUCKETS, registry=r,
         )  # fmt: skip
-        self.total_seconds = Histogram(
+        self.total_seconds = histogram(
             "pd_request_seconds", "whole request, client's view", ["flow"], buckets=_LEG_BUCKETS,
             registry=r,
         )  # fmt: skip
-        self.events_dropped = Counter(
+        self.events_dropped = counter(
             "pd_binding_events_dropped_total", "binding events not sent (queue full)", registry=r
         )
         r.register(_InstanceCollector(instances))

@@ -50,7 +50,7 @@ class ClientRequest:
         body.pop("kv_transfer_params", None)
         return cls(body, chat)
 
-    def for_decode(self, kv: dict[str, Any] | None) -> bytes:
+    def for_decode(self, kv: dict[str, Any] | msgspec.Raw | None) -> bytes:
         if kv is None:
             return _encode(self.body)
         return _encode({**self.body, "kv_transfer_params": kv})

@@ -13,12 +13,14 @@ import aiohttp
 
 from metaserver.client import AsyncMetaserverClient
 from proxy.admission import Admission
+from proxy.aiohttp_backend import AiohttpBackend
 from proxy.backend import Backend
-from proxy.config import Discovery, Flow, ProxySettings
+from proxy.config import Discovery, Flow, HttpClient, ProxySettings
 from proxy.dispatch import Backoff, Decider, Dispatcher
 from proxy.events import EventSink
 from proxy.flows import DecodeFirst, Direct, Legs, PrefillFirst, Timeouts
 from proxy.flows.base import Flow as FlowImpl
+from proxy.flows.bindings import BindingSource
 from proxy.instances import (
     DiscoverySource,
     DnsDiscovery,
@@ -30,6 +32,7 @@ from proxy.instances import (
     run_discovery,
 )
 from proxy.metrics import Metrics
+from proxy.native import NativeBackend, Pools
 from proxy.policies import make_policy
 from proxy.policies.prefix import PrefixAware
 
@@ -51,22 +54,32 @@ class Runtime:
         self.metaserver: AsyncMetaserverClient | None = None
         self.events: EventSink | None = None
         self.dispatcher: Dispatcher | None = None
+        self.backend: Backend | None = None
         self._tasks: list[asyncio.Task[Any]] = []
 
     async def start(self) -> None:
         s = self.settings
         connector = aiohttp.TCPConnector(
-            limit=s.max_connections, limit_per_host=0, ttl_dns_cache=60, keepalive_timeout=30
-        )
+            limit=s.max_connections, limit_per_host=0, ttl_dns_cache=60,
+            keepalive_timeout=s.keepalive_s,
+        )  # fmt: skip
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
         )
+        token = s.metaserver_token.get_secret_value() if s.metaserver_token else None
         if s.metaserver:
-            token = s.metaserver_token.get_secret_value() if s.metaserver_token else None
             self.metaserver = AsyncMetaserverClient(s.metaserver, token=token, session=self.session)
-        backend = Backend(
+        backend: Backend = AiohttpBackend(
             self.session, connect_timeout_s=s.connect_timeout_s, idle_timeout_s=s.idle_timeout_s
         )
+        if s.http_client == HttpClient.NATIVE:
+            pools = Pools(
+                connect_timeout_s=s.connect_timeout_s,
+                keepalive_s=s.keepalive_s,
+                max_idle_per_origin=s.max_connections,
+            )
+            backend = NativeBackend(pools, idle_timeout_s=s.idle_timeout_s, fallback=backend)
+        self.backend = backend
         timeouts = Timeouts(
             s.prefill_timeout_s, s.binding_wait_s, s.first_token_timeout_s, s.request_timeout_s
         )
@@ -76,11 +89,11 @@ class Runtime:
             Flow.PREFILL_FIRST: PrefillFirst(legs),
         }
         if self.metaserver is not None:
+            assert s.metaserver is not None
             self.events = EventSink(self.metaserver)
-            flows[Flow.DECODE_FIRST] = DecodeFirst(legs, self.metaserver, self.events)
-            flows[Flow.CONCURRENT] = DecodeFirst(
-                legs, self.metaserver, self.events, concurrent=True
-            )
+            bindings = BindingSource(backend, s.metaserver, token)
+            flows[Flow.DECODE_FIRST] = DecodeFirst(legs, bindings, self.events)
+            flows[Flow.CONCURRENT] = DecodeFirst(legs, bindings, self.events, concurrent=True)
         prefix = self.decode_policy if isinstance(self.decode_policy, PrefixAware) else None
         decider = Decider(s.disagg_min_tokens, s.cached_skip_ratio, prefix, self.metrics)
         self.dispatcher = Dispatcher(
@@ -124,5 +137,7 @@ class Runtime:
                 await task
         if self.events is not None:
             await self.events.drain()
+        if self.backend is not None:
+            await self.backend.close()
         if self.session is not None:
             await self.session.close()

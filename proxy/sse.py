@@ -12,9 +12,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
-
-from proxy.errors import sse_error_event
+from proxy.errors import UpstreamError, sse_error_event
 from proxy.flows import Upstream
 from proxy.rewrite import decode, encode, merge_usage
 
@@ -27,27 +25,33 @@ def _body(chunk: bytes) -> dict[str, Any]:
     return {"type": "http.response.body", "body": chunk, "more_body": True}
 
 
+def _last(chunk: bytes) -> dict[str, Any]:
+    return {"type": "http.response.body", "body": chunk, "more_body": False}
+
+
 async def relay_stream(up: Upstream, send: Send, merge: bool) -> bool:
-    """Forward the stream; return True when it ended cleanly with ``[DONE]``."""
-    content = up.resp.content
+    """Forward the stream (each chunk as it comes) and end the client's response; return True
+    when D's stream ended cleanly with ``[DONE]``."""
+    next_chunk = up.resp.next_chunk
     fix = _UsageFixer(up.prefill_cached) if merge and up.prefill_cached is not None else None
     chunk = up.first
     tail = b""
     try:
         while chunk:
-            tail = (tail + chunk)[-32:]
+            tail = chunk[-32:] if len(chunk) >= 32 else (tail + chunk)[-32:]
             await send(_body(fix.feed(chunk) if fix else chunk))
-            chunk = await content.readany()
+            chunk = await next_chunk()
         if fix is not None and fix.pending:
             await send(_body(fix.flush()))
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        log.warning("decode stream %s broke: %r", up.tid, exc)
-        await send(_body(sse_error_event(f"decode stream broke: {exc!r}")))
+    except UpstreamError as exc:
+        log.warning("decode stream %s broke: %s", up.tid, exc.message)
+        await send(_last(sse_error_event(f"decode stream broke: {exc.message}")))
         return False
     if _DONE not in tail:
         log.warning("decode stream %s ended without [DONE]", up.tid)
-        await send(_body(sse_error_event("decode stream ended early")))
+        await send(_last(sse_error_event("decode stream ended early")))
         return False
+    await send(_last(b""))
     return True
 
 

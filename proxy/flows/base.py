@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any, Protocol
 
-import aiohttp
+import msgspec
 
-from proxy.backend import Backend, LegError
+from proxy.backend import Backend, LegError, Response
 from proxy.errors import UpstreamError, UpstreamTimeout
 from proxy.instances import Instance
 from proxy.metrics import Metrics
@@ -53,7 +52,7 @@ class Upstream:
 
     __slots__ = ("binding_tracked", "first", "prefill_cached", "resp", "tid")
 
-    def __init__(self, resp: aiohttp.ClientResponse, first: bytes, tid: str) -> None:
+    def __init__(self, resp: Response, first: bytes, tid: str) -> None:
         self.resp = resp
         self.first = first
         self.tid = tid
@@ -62,7 +61,7 @@ class Upstream:
 
     @property
     def content_type(self) -> bytes:
-        return self.resp.headers.get("content-type", "application/json").encode()
+        return self.resp.content_type
 
     def close(self) -> None:
         """Drop the connection (an unfinished D request is aborted by vLLM)."""
@@ -79,6 +78,16 @@ class Flow(Protocol):
     async def open(self, a: Attempt) -> Upstream: ...
 
 
+class PrefillAnswer(msgspec.Struct):
+    """What the proxy reads from P's answer; everything else is skipped unparsed."""
+
+    kv_transfer_params: msgspec.Raw = msgspec.Raw()  # empty when absent
+    usage: Any = None
+
+
+_prefill_answer = msgspec.json.Decoder(PrefillAnswer)
+
+
 class Legs:
     """The two leg primitives, shared by the flows."""
 
@@ -86,50 +95,65 @@ class Legs:
         self.backend = backend
         self.timeouts = timeouts
         self.metrics = metrics
+        self._ttft = metrics.decode_ttft_seconds
+        self._prefill_s = metrics.prefill_seconds
 
     async def decode(self, a: Attempt, body: bytes) -> Upstream:
         d = a.decode
         t0 = time.perf_counter()
-        limit = self.timeouts.first_token if a.req.stream else self.timeouts.request
-        resp: aiohttp.ClientResponse | None = None
+        stream = a.req.stream
+        limit = self.timeouts.first_token if stream else self.timeouts.request
+        resp = await self.backend.post(d.url, a.path, body, a.tid, "decode", limit)
         try:
-            async with asyncio.timeout(limit):
-                resp = await self.backend.open(d.url, a.path, body, a.tid, "decode")
-                first = await (resp.content.readany() if a.req.stream else resp.read())
-        except TimeoutError as exc:
-            if resp is not None:
-                resp.close()
-            raise LegError(UpstreamTimeout(f"no first byte in {limit}s"), d.url, "decode") from exc
-        except aiohttp.ClientError as exc:
-            if resp is not None:
-                resp.close()
-            raise LegError(UpstreamError(f"broken answer: {exc!r}"), d.url, "decode") from exc
+            if stream:
+                first = await resp.next_chunk(limit - (time.perf_counter() - t0))
+            else:
+                first = await resp.read(limit - (time.perf_counter() - t0))
+        except UpstreamTimeout as exc:
+            resp.close()
+            err = UpstreamTimeout(f"no first byte in {limit}s")
+            raise LegError(err, d.url, "decode") from exc
+        except UpstreamError as exc:
+            resp.close()
+            raise LegError(exc, d.url, "decode") from exc
         except BaseException:
-            if resp is not None:
-                resp.close()
+            resp.close()
             raise
         if not first:
             resp.close()
             raise LegError(UpstreamError("empty answer"), d.url, "decode")
-        self.metrics.decode_ttft_seconds.observe(time.perf_counter() - t0)
+        self._ttft.observe(time.perf_counter() - t0)
         return Upstream(resp, first, a.tid)
 
-    async def prefill(self, a: Attempt, kv: dict[str, Any]) -> dict[str, Any]:
+    async def prefill(self, a: Attempt, kv: dict[str, Any]) -> PrefillAnswer:
         p = a.prefill
         assert p is not None
         tokens = a.info.tokens
+        limit = self.timeouts.prefill
         p.acquire(tokens)
         t0 = time.perf_counter()
         try:
-            out = await self.backend.call_json(
-                p.url, a.path, a.req.for_prefill(kv), a.tid, "prefill", self.timeouts.prefill
-            )
+            body = a.req.for_prefill(kv)
+            resp = await self.backend.post(p.url, a.path, body, a.tid, "prefill", limit)
+            try:
+                raw = await resp.read(limit - (time.perf_counter() - t0))
+            except UpstreamError as exc:
+                resp.close()
+                raise LegError(exc, p.url, "prefill") from exc
+            except BaseException:
+                resp.close()
+                raise
+            resp.release()
         finally:
             p.release(tokens)
-        self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
+        try:
+            out = _prefill_answer.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise LegError(UpstreamError("answer is not a JSON object"), p.url, "prefill") from exc
+        self._prefill_s.observe(time.perf_counter() - t0)
         p.circuit.record(True)
         return out
 
 
-def prefill_cached(answer: dict[str, Any]) -> int | None:
-    return cached_tokens_of(answer.get("usage"))
+def prefill_cached(answer: PrefillAnswer) -> int | None:
+    return cached_tokens_of(answer.usage)

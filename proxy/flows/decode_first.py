@@ -2,12 +2,14 @@
 
 1. D gets the request with ``{do_remote_prefill, transfer_id, metaserver}``; its connector
    allocates blocks and writes the binding.
-2. The proxy long-polls the binding, then sends P the prefill request carrying it (``decode``);
-   P pushes KV into D's blocks and signals D. *Concurrent* mode sends P at once, without the
-   binding: P's connector fetches it itself.
-3. Both legs are awaited together; the first failure cancels the other leg (closing D's
-   connection aborts its request, so nothing waits for KV that will never come) and the binding
-   is marked ``failed`` (P errored) or ``aborted`` (anything else), fire-and-forget.
+2. The proxy long-polls the binding, then sends P the prefill request carrying it (``decode``,
+   the metaserver's JSON embedded as it came); P pushes KV into D's blocks and signals D.
+   *Concurrent* mode sends P at once, without the binding: P's connector fetches it itself.
+3. D's leg runs in its own task; the binding wait and P's leg run in the request's task. A D
+   failure meanwhile interrupts them (cancel + ``uncancel``, no extra tasks or ``wait`` sets);
+   any failure drops the other leg (closing D's connection aborts its request, so nothing
+   waits for KV that will never come) and marks the binding ``failed`` (P errored) or
+   ``aborted`` (anything else), fire-and-forget.
 """
 
 from __future__ import annotations
@@ -16,56 +18,88 @@ import asyncio
 import time
 from typing import Any
 
-from metaserver.client import AsyncMetaserverClient, MetaserverClientError, NotFoundError
 from metaserver.models import BindingState
 from proxy.backend import LegError
 from proxy.errors import BindingTimeout, UpstreamError
 from proxy.events import EventSink
-from proxy.flows.base import Attempt, Legs, Upstream, prefill_cached
+from proxy.flows.base import Attempt, Legs, PrefillAnswer, Upstream, prefill_cached
+from proxy.flows.bindings import BindingMissing, BindingSource
+
+
+class _DecodeWatch:
+    """While armed, D's task ending (``any_end``) or failing interrupts the request's task."""
+
+    __slots__ = ("any_end", "armed", "fired", "task")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.armed = False
+        self.any_end = True
+        self.fired = False
+
+    def __call__(self, d_task: asyncio.Task[Upstream]) -> None:
+        if not self.armed or self.fired:
+            return
+        if self.any_end or d_task.cancelled() or d_task.exception() is not None:
+            self.fired = True
+            self.task.cancel()
+
+    def absorb(self) -> bool:
+        """In an ``except CancelledError``: True when the cancel was ours alone."""
+        return self.fired and self.task.uncancel() == 0
 
 
 class DecodeFirst:
     needs_prefill = True
 
     def __init__(
-        self,
-        legs: Legs,
-        metaserver: AsyncMetaserverClient,
-        events: EventSink,
-        *,
-        concurrent: bool = False,
+        self, legs: Legs, bindings: BindingSource, events: EventSink, *, concurrent: bool = False
     ) -> None:
         self._legs = legs
-        self._ms = metaserver
+        self._bindings = bindings
         self._events = events
         self._concurrent = concurrent
+        self._wait_s = legs.timeouts.binding_wait
+        self._binding_hist = legs.metrics.binding_wait_seconds
         self.name = "concurrent" if concurrent else "decode-first"
 
     async def open(self, a: Attempt) -> Upstream:
-        url = self._ms.base_url
+        url = self._bindings.base_url
         d_kv = {"do_remote_prefill": True, "transfer_id": a.tid, "metaserver": url}
         p_kv: dict[str, Any] = {"do_remote_decode": True, "transfer_id": a.tid, "metaserver": url}
-        loop = asyncio.get_running_loop()
-        d_task = loop.create_task(self._legs.decode(a, a.req.for_decode(d_kv)))
-        p_task: asyncio.Task[dict[str, Any]] | None = None
+        task = asyncio.current_task()
+        assert task is not None
+        d_task = asyncio.get_running_loop().create_task(
+            self._legs.decode(a, a.req.for_decode(d_kv))
+        )
+        watch = _DecodeWatch(task)
+        d_task.add_done_callback(watch)
         try:
-            if self._concurrent:
-                p_task = loop.create_task(self._legs.prefill(a, p_kv))
-            else:
-                binding = await self._binding(a, d_task)
-                if binding is None:  # D answered without waiting for KV: nothing to prefill
-                    return d_task.result()
-                p_kv["decode"] = binding
-                p_task = loop.create_task(self._legs.prefill(a, p_kv))
-            done, _ = await asyncio.wait((d_task, p_task), return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                exc = task.exception()
-                if exc is not None:
-                    raise exc
-            answer = await p_task
+            if not self._concurrent:
+                watch.armed = True
+                try:
+                    p_kv["decode"] = await self._binding(a)
+                except asyncio.CancelledError:
+                    if not watch.absorb():
+                        raise
+                    return await d_task  # D answered (or failed) without waiting for KV
+                watch.armed = False
+            watch.any_end = False  # from now on only D's failure interrupts P
+            if d_task.done():
+                watch(d_task)
+            watch.armed = True
+            try:
+                answer: PrefillAnswer = await self._legs.prefill(a, p_kv)
+            except asyncio.CancelledError:
+                if not watch.absorb():
+                    raise
+                await d_task  # raises D's error
+                raise
+            watch.armed = False
             up = await d_task
         except BaseException as exc:
-            _cancel(d_task, p_task)
+            watch.armed = False
+            _drop(d_task)
             failed = isinstance(exc, LegError) and exc.leg == "prefill"
             state = BindingState.FAILED if failed else BindingState.ABORTED
             self._events.post(a.tid, state, str(exc) or type(exc).__name__)
@@ -74,39 +108,23 @@ class DecodeFirst:
         up.binding_tracked = True
         return up
 
-    async def _binding(self, a: Attempt, d_task: asyncio.Task[Upstream]) -> dict[str, Any] | None:
+    async def _binding(self, a: Attempt) -> Any:
         t0 = time.perf_counter()
-        wait = self._legs.timeouts.binding_wait
-        b_task = asyncio.get_running_loop().create_task(self._ms.get_binding(a.tid, wait=wait))
         try:
-            done, _ = await asyncio.wait((b_task, d_task), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            b_task.cancel()
-            raise
-        if b_task not in done:
-            b_task.cancel()
-            d_task.result()  # raises D's error
-            return None
-        try:
-            binding = b_task.result()
-        except NotFoundError as exc:
-            err = BindingTimeout(f"no binding for {a.tid} within {wait}s")
+            raw = await self._bindings.wait(a.tid, self._wait_s)
+        except BindingMissing as exc:
+            err = BindingTimeout(f"no binding for {a.tid} within {self._wait_s}s")
             raise LegError(err, a.decode.url, "binding") from exc
-        except MetaserverClientError as exc:
-            err2 = UpstreamError(f"metaserver: {exc}")
-            raise LegError(err2, self._ms.base_url, "binding") from exc
-        self._legs.metrics.binding_wait_seconds.observe(time.perf_counter() - t0)
-        return binding.model_dump(mode="json")
+        except UpstreamError as exc:
+            err2 = UpstreamError(f"metaserver: {exc.message}")
+            raise LegError(err2, self._bindings.base_url, "binding") from exc
+        self._binding_hist.observe(time.perf_counter() - t0)
+        return raw
 
 
-def _cancel(*tasks: asyncio.Task[Any] | None) -> None:
-    """Cancel what still runs; close a D answer that already came; retrieve every error."""
-    for task in tasks:
-        if task is None:
-            continue
-        if not task.done():
-            task.cancel()
-        elif not task.cancelled() and task.exception() is None:
-            result = task.result()
-            if isinstance(result, Upstream):
-                result.close()
+def _drop(d_task: asyncio.Task[Upstream]) -> None:
+    """Cancel D's leg if it still runs; close its answer if it came; retrieve its error."""
+    if not d_task.done():
+        d_task.cancel()
+    elif not d_task.cancelled() and d_task.exception() is None:
+        d_task.result().close()

@@ -28,8 +28,8 @@ class PrefillFirst:
 
     async def open(self, a: Attempt) -> Upstream:
         answer = await self._legs.prefill(a, PREFILL_PARAMS)
-        kv = answer.get("kv_transfer_params")
-        if not isinstance(kv, dict):
+        kv = answer.kv_transfer_params  # passed to D as it came (msgspec.Raw), never re-encoded
+        if not bytes(kv).lstrip().startswith(b"{"):
             assert a.prefill is not None
             err = UpstreamError("prefill answered without kv_transfer_params")
             raise LegError(err, a.prefill.url, "prefill")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import httptools
 
@@ -81,7 +81,9 @@ class NativeResponse:
         """Wait for the connection to report anything (headers, body, end, error)."""
         fut: asyncio.Future[bool] = self._loop.create_future()
         self._waiter = fut
-        timer = self._loop.call_later(timeout_s, _expire, fut) if timeout_s else None
+        timer = None
+        if timeout_s is not None:
+            timer = self._loop.call_later(max(timeout_s, 0.0), _expire, fut)
         try:
             arrived = await fut
         finally:
@@ -105,7 +107,7 @@ class NativeResponse:
                 raise self.error
             if self.done:
                 return b""
-            await self.wait(timeout_s or self.idle_s, "data")
+            await self.wait(self.idle_s if timeout_s is None else timeout_s, "data")
 
     async def read(self, timeout_s: float) -> bytes:
         if self.done and self.error is None:  # the common case: all in with the headers
@@ -158,8 +160,7 @@ class Connection(asyncio.Protocol):
 
     # ---- asyncio.Protocol -----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
         resp = self.response

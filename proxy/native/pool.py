@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import weakref
 from urllib.parse import urlsplit
 
 from proxy.errors import UpstreamError, UpstreamTimeout
@@ -45,7 +46,7 @@ class Pools:
         self._keepalive = keepalive_s
         self._max_idle = max_idle_per_origin
         self._idle: dict[tuple[str, int], list[Connection]] = {}
-        self._all: set[Connection] = set()
+        self._all: weakref.WeakSet[Connection] = weakref.WeakSet()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.opened = 0  # connections ever opened (tests, stats)
 

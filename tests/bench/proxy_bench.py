@@ -142,18 +142,33 @@ class Stack:
         self.procs.clear()
 
 
-def fake(stack: Stack, role: str, metaserver: str | None) -> str:
+def fake(stack: Stack, role: str, metaserver: str | None) -> tuple[str, Process]:
     port = free_port()
     argv = [sys.executable, "-m", "tests.fakes.vllm", "--role", role, "--port", str(port)]
     argv += ["--no-record"] + (["--metaserver", metaserver] if metaserver else [])
-    stack.start(f"fake-{role}-{port}", argv, f"http://127.0.0.1:{port}/health")
-    return f"http://127.0.0.1:{port}"
+    proc = stack.start(f"fake-{role}-{port}", argv, f"http://127.0.0.1:{port}/health")
+    return f"http://127.0.0.1:{port}", proc
 
 
-def pdgate_argv(port: int, p: str, d: str, flow: str, ms: str | None, workers: int) -> list[str]:
-    argv = [sys.executable, "-m", "proxy.cli", "--port", str(port), "--flow", flow]
-    argv += ["--prefill", p, "--decode", d, "--log-level", "warning", "--workers", str(workers)]
-    argv += ["--prefill-policy", "round_robin", "--decode-policy", "round_robin"]
+def pdgate_argv(
+    port: int,
+    p: str,
+    d: str,
+    flow: str,
+    ms: str | None,
+    workers: int,
+    tree: Path | None = None,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
+    """``tree``: run the ``proxy`` package found there instead (a baseline copy of the code)."""
+    if tree is None:
+        argv = [sys.executable, "-m", "proxy.cli"]
+    else:
+        boot = f"import sys; sys.path[:0] = [{str(tree)!r}]; from proxy.cli import main; main()"
+        argv = [sys.executable, "-c", boot]
+    argv += ["--port", str(port), "--flow", flow, "--prefill", p, "--decode", d]
+    argv += ["--log-level", "warning", "--workers", str(workers)]
+    argv += ["--prefill-policy", "round_robin", "--decode-policy", "round_robin", *extra]
     return argv + (["--metaserver", ms] if ms else [])
 
 
@@ -183,6 +198,14 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1, help="pdgate worker processes")
     ap.add_argument("--only", default="", help="comma-separated subset of targets")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        help="a directory holding an older `proxy` package: adds pdgate@baseline targets",
+    )
+    ap.add_argument(
+        "--aiohttp", action="store_true", help="also run pdgate with --http-client aiohttp"
+    )
     args = ap.parse_args()
     if args.loadgen:
         try:
@@ -207,14 +230,32 @@ def main() -> None:
         stack.start(
             "metaserver", [str(BIN / "pd-metaserver"), "--port", str(ms_port)], ms + "/health"
         )
-        p, d = fake(stack, "prefill", ms), fake(stack, "decode", ms)
+        ms_proc = stack.procs[-1]
+        (p, p_proc), (d, d_proc) = fake(stack, "prefill", ms), fake(stack, "decode", ms)
+        others = {"metaserver": ms_proc, "P": p_proc, "D": d_proc}
+        w = args.workers
         targets: list[tuple[str, list[str] | None, str | None]] = [
             ("direct-D", None, d),
-            ("pdgate", pdgate_argv(0, p, d, "prefill-first", None, args.workers), None),
+            ("pdgate", pdgate_argv(0, p, d, "prefill-first", None, w), None),
             ("sglang-router", router_argv("sglang-router", 0, p, d), None),
             ("vllm-router", router_argv("vllm-router", 0, p, d), None),
-            ("pdgate-decode-first", pdgate_argv(0, p, d, "decode-first", ms, args.workers), None),
+            ("pdgate-decode-first", pdgate_argv(0, p, d, "decode-first", ms, w), None),
         ]
+
+        def variant(name: str, flow: str, m: str | None, tree: Path | None, *extra: str) -> None:
+            entry = (name, pdgate_argv(0, p, d, flow, m, w, tree, extra), None)
+            if flow == "prefill-first":  # next to pdgate
+                targets.insert(1, entry)
+            else:
+                targets.append(entry)
+
+        if args.aiohttp:
+            variant("pdgate@aiohttp", "prefill-first", None, None, "--http-client", "aiohttp")
+            variant("pdgate-decode-first@aiohttp", "decode-first", ms, None, "--http-client",
+                    "aiohttp")  # fmt: skip
+        if args.baseline:
+            variant("pdgate@baseline", "prefill-first", None, args.baseline.resolve())
+            variant("pdgate-decode-first@baseline", "decode-first", ms, args.baseline.resolve())
         for name, argv, url in targets:
             if only and name not in only:
                 continue
@@ -234,16 +275,23 @@ def main() -> None:
                     continue
             for stream in (False, True):
                 cpu0 = cpu_seconds(proc.pid) if proc else 0.0
+                side0 = {k: cpu_seconds(v.pid) for k, v in others.items()}
                 res = run_loadgen(url + "/v1/completions", args, stream)
                 total = res["rps"] * (args.seconds + args.warmup)  # ≈ requests served
                 cpu = (cpu_seconds(proc.pid) - cpu0) if proc else float("nan")
                 res["cpu_us"] = cpu / total * 1e6 if total else float("nan")
+                res["side_cpu_us"] = {
+                    k: (cpu_seconds(v.pid) - side0[k]) / total * 1e6 if total else float("nan")
+                    for k, v in others.items()
+                }
                 row = {"target": name, "mode": "stream" if stream else "non-stream", **res}
                 rows.append(row)
                 print(
                     f"{name:<22} {row['mode']:<11} {res['rps']:>9.0f} req/s  "
                     f"p50 {res['p50']:>7.1f} ms  p99 {res['p99']:>7.1f} ms  "
-                    f"router CPU {res['cpu_us']:>6.0f} us/req  errors {res['errors']}",
+                    f"router CPU {res['cpu_us']:>6.0f} us/req  errors {res['errors']}  (others: "
+                    + ", ".join(f"{k} {v:.0f}" for k, v in res["side_cpu_us"].items())
+                    + " us/req)",
                     flush=True,
                 )
             if proc is not None:
@@ -267,6 +315,17 @@ def report(rows: list[dict[str, Any]]) -> None:
             f"| {r['cpu_us']:.0f} | {r['errors']} |"
         )
     for mode in ("non-stream", "stream"):
+        for name in ("pdgate", "pdgate-decode-first"):
+            new = next((r for r in rows if r["target"] == name and r["mode"] == mode), None)
+            old = next(
+                (r for r in rows if r["target"] == f"{name}@baseline" and r["mode"] == mode), None
+            )
+            if new and old:
+                print(
+                    f"{mode}: {name} vs baseline: {new['rps'] / old['rps']:.2f}x req/s, "
+                    f"CPU {old['cpu_us']:.0f} -> {new['cpu_us']:.0f} us/req, "
+                    f"p99 {old['p99']:.1f} -> {new['p99']:.1f} ms"
+                )
         ours = next((r for r in rows if r["target"] == "pdgate" and r["mode"] == mode), None)
         rivals = [
             r for r in rows if r["target"] in ("sglang-router", "vllm-router") and r["mode"] == mode

@@ -16,6 +16,7 @@ import uvicorn
 
 from proxy import ProxySettings, create_app
 from proxy.runtime import Runtime
+from proxy.server import CoalescingHttpToolsProtocol
 from tests.fakes import FakeVLLM
 from tests.support.procs import free_port
 from tests.support.services import MetaserverProcess
@@ -86,7 +87,9 @@ ProxyFactory = Callable[..., Awaitable[RunningProxy]]
 async def proxy_factory(cluster: Cluster) -> AsyncIterator[ProxyFactory]:
     running: list[RunningProxy] = []
 
-    async def start(**overrides: Any) -> RunningProxy:
+    async def start(
+        uvicorn_http: Any = CoalescingHttpToolsProtocol, **overrides: Any
+    ) -> RunningProxy:
         settings: dict[str, Any] = {
             "prefill": [cluster.prefill[0].url],
             "decode": [cluster.decode[0].url],
@@ -98,8 +101,9 @@ async def proxy_factory(cluster: Cluster) -> AsyncIterator[ProxyFactory]:
         }
         app = create_app(ProxySettings(**settings))
         config = uvicorn.Config(
-            app, host="127.0.0.1", port=settings["port"], log_level="warning", lifespan="on"
-        )
+            app, host="127.0.0.1", port=settings["port"], log_level="warning", lifespan="on",
+            http=uvicorn_http,  # pd-proxy's protocol unless a test asks for uvicorn's own
+        )  # fmt: skip
         server = uvicorn.Server(config)
         task = asyncio.get_running_loop().create_task(server.serve())
         for _ in range(200):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.proxy.conftest import Cluster, ProxyFactory, wait_until
 
@@ -26,10 +27,11 @@ def metric(text: str, line_start: str) -> float:
     return 0.0
 
 
+@pytest.mark.parametrize("http_client", ["native", "aiohttp"])
 async def test_decode_first_stream_chat_hygiene_and_binding(
-    cluster: Cluster, proxy_factory: ProxyFactory
+    cluster: Cluster, proxy_factory: ProxyFactory, http_client: str
 ) -> None:
-    proxy = await proxy_factory()
+    proxy = await proxy_factory(http_client=http_client)
     stream = await proxy.client().chat.completions.create(
         model="fake-model",
         messages=MESSAGES,
@@ -101,10 +103,11 @@ async def test_request_id_echoed_and_internal_id_shared(
     assert d_id.startswith("pd-")
 
 
+@pytest.mark.parametrize("http_client", ["native", "aiohttp"])
 async def test_concurrent_flow_sends_prefill_without_binding(
-    cluster: Cluster, proxy_factory: ProxyFactory
+    cluster: Cluster, proxy_factory: ProxyFactory, http_client: str
 ) -> None:
-    proxy = await proxy_factory(flow="concurrent")
+    proxy = await proxy_factory(flow="concurrent", http_client=http_client)
     out = await proxy.client().completions.create(model="fake-model", prompt=PROMPT, max_tokens=16)
     assert out.choices[0].text == EXPECTED_16
     kv_p = cluster.prefill[0].requests()[-1]["body"]["kv_transfer_params"]
@@ -112,10 +115,11 @@ async def test_concurrent_flow_sends_prefill_without_binding(
     assert cluster.decode[0].stats()["kv_received"] == 1
 
 
+@pytest.mark.parametrize("http_client", ["native", "aiohttp"])
 async def test_prefill_first_relays_kv_params_unchanged(
-    cluster: Cluster, proxy_factory: ProxyFactory
+    cluster: Cluster, proxy_factory: ProxyFactory, http_client: str
 ) -> None:
-    proxy = await proxy_factory(flow="prefill-first")
+    proxy = await proxy_factory(flow="prefill-first", http_client=http_client)
     stream = await proxy.client().completions.create(
         model="fake-model",
         prompt=PROMPT,

@@ -119,11 +119,15 @@ async def test_binding_never_written_times_out_and_aborts_decode(
     await wait_until(lambda: cluster.decode[0].stats()["cancelled"] == 1)
 
 
+@pytest.mark.parametrize("server", ["pd-proxy", "plain-uvicorn"])
 async def test_client_disconnect_cancels_both_legs_and_aborts_binding(
-    cluster: Cluster, proxy_factory: ProxyFactory
+    cluster: Cluster, proxy_factory: ProxyFactory, server: str
 ) -> None:
+    """Noticed by proxy.server's connection_lost hook, or by the receive() watcher task when
+    the app runs under uvicorn's stock protocol."""
     cluster.prefill[0].configure(prefill_delay_ms=10_000)
-    proxy = await proxy_factory()
+    extra = {"uvicorn_http": "httptools"} if server == "plain-uvicorn" else {}
+    proxy = await proxy_factory(**extra)
     body = {"model": "fake-model", "prompt": PROMPT, "max_tokens": 4, "stream": True}
 
     async def go() -> None:
