@@ -1,4 +1,5 @@
-"""Session-wide real services: one redis-server per test session (free port, cleaned up)."""
+"""Session-wide real services: one redis-server per test session (free port, cleaned up), and
+the tiny generated model."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.procs import REPO
 from tests.support.services import MetaserverProcess, RedisServer
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The small random Llama the suite generates (cached under .cache/models)."""
+    from launch.tiny_model import make_tiny_model
+
+    return make_tiny_model(REPO / ".cache" / "models")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,88 @@
+"""Connector settings: ``kv_connector_extra_config`` > ``PDGATE_CONNECTOR_*`` env > YAML > defaults.
+
+Validated once, when vLLM builds the connector, so a typo fails the server at start with a
+message naming the key instead of misbehaving at the first request.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import SettingsConfigDict
+
+from connector.errors import ConfigError
+from metaserver.settings import LayeredSettings
+
+TOKEN_ENV = "PDGATE_METASERVER_TOKEN"
+
+
+class ConnectorSettings(LayeredSettings):
+    model_config = SettingsConfigDict(env_prefix="PDGATE_CONNECTOR_", extra="forbid")
+
+    metaserver_url: str = Field(
+        "", pattern=r"^(https?://[^\s]+)?$", description="metaserver base URL ('' = none)"
+    )
+    metaserver_token: SecretStr | None = Field(None, description=f"bearer token; else ${TOKEN_ENV}")
+    instance_id: str = Field("", pattern=r"^[A-Za-z0-9._:-]{0,128}$")
+    http_url: str = Field(
+        "", description="this vLLM server's own URL, registered in the metaserver"
+    )
+    side_channel_host: str = Field("", description="address P reaches this instance at")
+    side_channel_port: int = Field(5600, ge=1, le=65535 - 1024, description="TP rank r: +r")
+    transport: Literal["mooncake", "inprocess"] = "mooncake"
+    mooncake_protocol: Literal["tcp", "rdma", "ascend"] = "tcp"
+    device_name: str = ""
+    device: Literal["cpu", "cuda", "npu"] = "cpu"
+    kv_load_timeout_s: float = Field(120.0, gt=0, le=86_400)
+    heartbeat_s: float = Field(5.0, gt=0, le=3600)
+    concurrent: bool = False
+    binding_wait_s: float = Field(30.0, gt=0, le=600, description="concurrent mode: long-poll")
+    handshake_timeout_s: float = Field(5.0, gt=0, le=600)
+
+    @field_validator("http_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if v and not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v.rstrip("/")
+
+    @property
+    def token(self) -> str | None:
+        if self.metaserver_token is not None:
+            return self.metaserver_token.get_secret_value()
+        return os.environ.get(TOKEN_ENV) or None
+
+    def resolved_host(self) -> str:
+        return self.side_channel_host or local_ip()
+
+    def resolved_instance_id(self, http_port: int | None = None) -> str:
+        if self.instance_id:
+            return self.instance_id
+        return f"{socket.gethostname()}:{http_port or 8000}"
+
+
+def local_ip() -> str:
+    """This host's outward-facing IP (no packet is sent), loopback when there is no route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
+    """Build settings from ``kv_connector_extra_config``; raise ``ConfigError`` naming the key."""
+    try:
+        return ConnectorSettings(**dict(extra or {}))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(
+            f"invalid kv_connector_extra_config for PdgateConnector: {problems}"
+        ) from None

@@ -1,0 +1,144 @@
+"""``PdgateConnector``: the ``KVConnectorBase_V1`` facade vLLM builds twice.
+
+With ``role=SCHEDULER`` (EngineCore) it holds a ``ConnectorScheduler``; with ``role=WORKER``
+(each TP rank) a ``ConnectorWorker``. Every API call is forwarded to the half that exists.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from connector.config import load_settings
+from connector.metadata import PdgateMetadata
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from connector.scheduler import ConnectorScheduler
+    from connector.worker import ConnectorWorker
+
+
+def _share_vllm_logging() -> None:
+    """Inside vLLM only its own logger has handlers: route ``pdgate.*`` records there too."""
+    ours, theirs = logging.getLogger("pdgate"), logging.getLogger("vllm")
+    if not ours.handlers and not logging.getLogger().handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(os.environ.get("PDGATE_LOG_LEVEL", "INFO").upper())
+        ours.propagate = False
+
+
+class PdgateConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _share_vllm_logging()
+        kv = vllm_config.kv_transfer_config
+        assert kv is not None
+        self.settings = load_settings(kv.kv_connector_extra_config)
+        self.scheduler: ConnectorScheduler | None = None
+        self.worker: ConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            from connector.scheduler import ConnectorScheduler
+
+            self.scheduler = ConnectorScheduler(vllm_config, self.settings)
+        else:
+            from connector.worker import ConnectorWorker
+
+            self.worker = ConnectorWorker(vllm_config, self.settings)
+
+    # ---- scheduler side -------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler is not None:
+            self.scheduler.bind(kv_cache_manager)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    def get_finished_count(self) -> int | None:
+        return self.scheduler.get_finished_count() if self.scheduler is not None else None
+
+    # ---- worker side ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self.worker is not None and isinstance(kv_connector_metadata, PdgateMetadata):
+            self.worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PdgateMetadata)
+        self.worker.start_step(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: KV arrives before the request is scheduled
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PdgateMetadata)
+        self.worker.save_layer(meta, layer_name)
+
+    def wait_for_save(self) -> None:
+        if self.worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, PdgateMetadata)
+            self.worker.end_step(meta)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self.worker is not None
+        sending, recving, failed = self.worker.transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending or None, res.finished_recving or None
+
+    def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+        if self.worker is not None:
+            self.worker.shutdown()

@@ -1,0 +1,40 @@
+"""The connector's exceptions.
+
+ConnectorError
+├── ConfigError           bad kv_connector_extra_config (raised at start)
+├── ParamsError           malformed kv_transfer_params on a request
+├── LayoutError           KV caches P and D cannot exchange (shapes, dtype, TP ratio)
+├── HandshakeError        a decode instance did not answer / refused the handshake
+├── TransferError         the transport failed to write
+└── UntrustedDestination  a binding names an instance the metaserver registry does not know
+"""
+
+from __future__ import annotations
+
+
+class ConnectorError(Exception):
+    pass
+
+
+class ConfigError(ConnectorError):
+    pass
+
+
+class ParamsError(ConnectorError):
+    pass
+
+
+class LayoutError(ConnectorError):
+    pass
+
+
+class HandshakeError(ConnectorError):
+    pass
+
+
+class TransferError(ConnectorError):
+    pass
+
+
+class UntrustedDestination(ConnectorError):
+    pass

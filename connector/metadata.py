@@ -1,0 +1,64 @@
+"""What the scheduler half tells the worker half each step (pickled with ``SchedulerOutput``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from metaserver.models import Binding
+
+
+@dataclass(frozen=True, slots=True)
+class Destination:
+    """A verified decode instance (from its binding), as the P workers need it."""
+
+    instance_id: str
+    engine_id: str
+    host: str
+    port: int  # side-channel base port; D rank r listens on port + r
+    tp_size: int
+    num_kv_heads: int | None
+    use_mla: bool
+    block_size: int
+    deadline: float = 0.0  # wall clock (epoch s) after which D has given up: never write then
+
+    @classmethod
+    def of(cls, b: Binding, window_s: float = 0.0) -> Destination:
+        return cls(
+            b.decode_instance_id,
+            b.engine_id,
+            b.kv_endpoint.host,
+            b.kv_endpoint.port + b.tp_rank_offset,
+            b.tp_size,
+            b.num_kv_heads,
+            b.use_mla,
+            b.block_size,
+            b.created_at + window_s if window_s > 0 else 0.0,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SendChunk:
+    """Blocks of one request that became complete in this step: push them layer by layer."""
+
+    req_id: str
+    transfer_id: str
+    dest: Destination
+    pairs: list[tuple[int, int]]  # (P block id, D block id)
+    last: bool  # the request's prefill ends in this step: signal D after the last layer
+    fail: str = ""  # with ``last``: signal D that this transfer failed (e.g. P preempted)
+
+
+@dataclass(frozen=True, slots=True)
+class RecvEntry:
+    req_id: str
+    transfer_id: str
+    block_ids: list[int]
+
+
+@dataclass
+class PdgateMetadata(KVConnectorMetadata):
+    sends: list[SendChunk] = field(default_factory=list)
+    recvs: list[RecvEntry] = field(default_factory=list)
+    failed_recvs: list[str] = field(default_factory=list)  # req ids whose binding was rejected

@@ -1,0 +1,155 @@
+"""The scheduler half: routes vLLM's scheduler calls to the decode and/or prefill side."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+from connector.config import ConnectorSettings
+from connector.errors import ConfigError
+from connector.metadata import PdgateMetadata
+from connector.scheduler.decode import DecodeSide, Identity
+from connector.scheduler.lookups import Lookups
+from connector.scheduler.prefill import PrefillSide
+from connector.scheduler.registrar import Registrar
+from metaserver.client import AsyncMetaserverClient, BackgroundWriter, MetaserverClient
+from metaserver.models import InstanceRole, InstanceSpec, KVEndpoint
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("pdgate.connector.scheduler")
+
+_ROLES = {
+    "kv_producer": InstanceRole.PREFILL,
+    "kv_consumer": InstanceRole.DECODE,
+    "kv_both": InstanceRole.BOTH,
+}
+
+
+def identity_of(vllm_config: VllmConfig, settings: ConnectorSettings) -> Identity:
+    kv = vllm_config.kv_transfer_config
+    assert kv is not None
+    model = vllm_config.model_config
+    http_port = urlparse(settings.http_url).port if settings.http_url else None
+    return Identity(
+        instance_id=settings.resolved_instance_id(http_port),
+        engine_id=str(kv.engine_id),
+        kv_endpoint=KVEndpoint(host=settings.resolved_host(), port=settings.side_channel_port),
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        num_kv_heads=model.get_total_num_kv_heads() if model is not None else None,
+        use_mla=bool(getattr(model, "use_mla", False)),
+        block_size=vllm_config.cache_config.block_size,
+    )
+
+
+def push_window(kv_load_timeout_s: float) -> float:
+    """How long after its binding was created P may still write into D's blocks: D's deadline
+    (the same ``kv_load_timeout_s``) minus a margin for clock skew and writes in flight."""
+    return kv_load_timeout_s - min(5.0, 0.1 * kv_load_timeout_s)
+
+
+class ConnectorScheduler:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        settings: ConnectorSettings,
+        *,
+        sync_client: Callable[[], MetaserverClient] | None = None,
+        async_client: Callable[[], AsyncMetaserverClient] | None = None,
+    ) -> None:
+        if not settings.metaserver_url:
+            raise ConfigError("kv_connector_extra_config.metaserver_url is required")
+        kv = vllm_config.kv_transfer_config
+        assert kv is not None and kv.kv_role is not None
+        self.settings = settings
+        self.me = identity_of(vllm_config, settings)
+        url, token = settings.metaserver_url, settings.token
+        make_sync = sync_client or (lambda: MetaserverClient(url, token=token))
+        make_async = async_client or (lambda: AsyncMetaserverClient(url, token=token))
+        self.world_size = vllm_config.parallel_config.world_size
+        self.writer = BackgroundWriter(make_sync())
+        self.lookups = Lookups(
+            make_async,
+            binding_wait_s=settings.binding_wait_s,
+            instance_ttl_s=max(settings.heartbeat_s, 1.0),
+        )
+        role = _ROLES[kv.kv_role]
+        spec = InstanceSpec(
+            role=role,
+            url=settings.http_url or f"http://{settings.resolved_host()}:8000",
+            kv_endpoint=self.me.kv_endpoint,
+            model=vllm_config.model_config.model if vllm_config.model_config else None,
+            tp_size=self.me.tp_size,
+            ttl_s=max(3 * settings.heartbeat_s, 1.0),
+        )
+        self.registrar = Registrar(make_sync(), self.me.instance_id, spec, settings.heartbeat_s)
+        self.registrar.start()
+        self.decode = DecodeSide(self.writer, self.me) if role is not InstanceRole.PREFILL else None
+        self.prefill = (
+            PrefillSide(
+                self.lookups,
+                self.me.block_size,
+                concurrent=settings.concurrent,
+                events=self.writer,
+                actor=self.me.instance_id,
+                push_window_s=push_window(settings.kv_load_timeout_s),
+            )
+            if role is not InstanceRole.DECODE
+            else None
+        )
+        log.info("pdgate connector scheduler: %s as %s", self.me, role.value)
+
+    def bind(self, manager: KVCacheManager) -> None:
+        if self.prefill is not None:
+            self.prefill.bind(manager)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if self.decode is not None:
+            count, is_async = self.decode.matched(request, num_computed_tokens)
+            if count:
+                return count, is_async
+        if self.prefill is not None:
+            return self.prefill.matched(request, num_computed_tokens)
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if self.decode is not None:
+            self.decode.after_alloc(request, blocks, num_external_tokens)
+        if self.prefill is not None:
+            self.prefill.after_alloc(request)
+
+    def build_connector_meta(self, out: SchedulerOutput) -> PdgateMetadata:
+        meta = PdgateMetadata()
+        if self.decode is not None:
+            self.decode.fill(meta)
+        if self.prefill is not None:
+            self.prefill.fill(meta, out)
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self.decode is not None:
+            self.decode.finished(request)
+        delay = self.prefill.finished(request) if self.prefill is not None else False
+        return delay, None
+
+    def get_finished_count(self) -> int:
+        # Every worker rank reports each finished id exactly once (replica ranks that push
+        # nothing included), so vLLM's aggregator waits for all ranks of this instance.
+        return int(self.world_size)
+
+    def shutdown(self) -> None:
+        self.registrar.close()
+        self.lookups.close()
+        self.writer.close()

@@ -1,0 +1,131 @@
+"""Non-blocking metaserver reads for the scheduler: one asyncio loop thread, aiohttp client.
+
+``schedule()`` asks, never waits: each method returns what is known now and starts a
+background fetch when needed. Results are read back on a later step. One thread serves any
+number of concurrent long-polls (no thread per request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from metaserver.client import AsyncMetaserverClient, NotFoundError
+from metaserver.models import Binding, Instance, InstanceRole
+
+log = logging.getLogger("pdgate.connector.lookups")
+
+Verdict = bool | None  # True trusted, False rejected, None not known yet
+
+
+class Lookups:
+    def __init__(
+        self,
+        client_factory: Callable[[], AsyncMetaserverClient],
+        *,
+        binding_wait_s: float,
+        instance_ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._factory = client_factory
+        self._wait = binding_wait_s
+        self._ttl = instance_ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._bindings: dict[str, Binding | Exception] = {}
+        self._binding_pending: set[str] = set()
+        self._instances: dict[str, tuple[Instance | None, float]] = {}
+        self._instance_pending: set[str] = set()
+        self._loop = asyncio.new_event_loop()
+        self._client: AsyncMetaserverClient | None = None
+        self._thread = threading.Thread(target=self._run, name="pdgate-lookups", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _http(self) -> AsyncMetaserverClient:
+        if self._client is None:
+            self._client = self._factory()
+        return self._client
+
+    # -- bindings (concurrent mode) ---------------------------------------------------------
+    def binding(self, transfer_id: str) -> Binding | Exception | None:
+        """The binding (or the error fetching it); ``None`` while the fetch is under way."""
+        with self._lock:
+            found = self._bindings.get(transfer_id)
+            if found is not None or transfer_id in self._binding_pending:
+                return found
+            self._binding_pending.add(transfer_id)
+        self._spawn(self._fetch_binding(transfer_id))
+        return None
+
+    def forget_binding(self, transfer_id: str) -> None:
+        with self._lock:
+            self._bindings.pop(transfer_id, None)
+
+    async def _fetch_binding(self, transfer_id: str) -> None:
+        result: Binding | Exception
+        try:
+            result = await self._http().get_binding(transfer_id, wait=self._wait)
+        except Exception as exc:
+            result = exc
+        with self._lock:
+            self._binding_pending.discard(transfer_id)
+            self._bindings[transfer_id] = result
+
+    # -- registry (a request must not pick where P pushes) ---------------------------------
+    def trusted(self, b: Binding) -> Verdict:
+        """Is ``b``'s decode instance registered, as a decoder, at the same KV endpoint?"""
+        now = self._clock()
+        with self._lock:
+            cached = self._instances.get(b.decode_instance_id)
+            fresh = cached is not None and now - cached[1] < self._ttl
+            if not fresh and b.decode_instance_id not in self._instance_pending:
+                self._instance_pending.add(b.decode_instance_id)
+                self._spawn(self._fetch_instance(b.decode_instance_id))
+        if cached is None:
+            return None
+        inst = cached[0]
+        return (
+            inst is not None
+            and inst.role in (InstanceRole.DECODE, InstanceRole.BOTH)
+            and inst.kv_endpoint == b.kv_endpoint
+        )
+
+    async def _fetch_instance(self, instance_id: str) -> None:
+        inst: Instance | None
+        try:
+            inst = await self._http().get_instance(instance_id)
+        except NotFoundError:
+            inst = None
+        except Exception as exc:
+            log.warning("registry lookup of %s failed: %s", instance_id, exc)
+            with self._lock:
+                self._instance_pending.discard(instance_id)
+            return
+        with self._lock:
+            self._instance_pending.discard(instance_id)
+            self._instances[instance_id] = (inst, self._clock())
+
+    def close(self) -> None:
+        async def _close() -> None:
+            if self._client is not None:
+                await self._client.close()
+
+        if self._loop.is_running():
+            fut = asyncio.run_coroutine_threadsafe(_close(), self._loop)
+            try:
+                fut.result(2.0)
+            except Exception:
+                pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(2.0)

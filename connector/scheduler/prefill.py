@@ -1,0 +1,177 @@
+"""Prefill side of the scheduler half: which blocks to push each step, and block lifetime.
+
+Each step, for every request pushing to D, the blocks that became complete in this chunk go to
+the workers (full blocks only; the tail block on the last chunk; blocks D already has are
+skipped). ``finished`` keeps P's blocks (delay-free) until the workers report every push from
+them ended. Without a binding yet (concurrent mode) or before D's registration is confirmed,
+``matched`` answers ``None``: vLLM skips the request this step, so it holds no blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from connector.errors import ParamsError
+from connector.metadata import Destination, PdgateMetadata, SendChunk
+from connector.params import parse_send
+from connector.scheduler.lookups import Lookups
+from metaserver.client import BackgroundWriter
+from metaserver.models import Binding, BindingState
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("pdgate.connector.prefill")
+
+
+@dataclass
+class _Push:
+    request: Request
+    transfer_id: str
+    dest: Destination
+    d_blocks: list[int]
+    prompt_len: int
+    next_block: int  # first block not handed to the workers yet
+    emitted: bool = False
+    closed: bool = False
+
+
+class PrefillSide:
+    def __init__(
+        self,
+        lookups: Lookups,
+        block_size: int,
+        *,
+        concurrent: bool,
+        events: BackgroundWriter | None,
+        actor: str,
+        push_window_s: float = 0.0,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._lookups = lookups
+        self._block_size = block_size
+        self._concurrent = concurrent
+        self._events = events
+        self._actor = actor
+        self._window = push_window_s
+        self._wall = wall_clock
+        self.expired = 0
+        self._pushes: dict[str, _Push] = {}
+        self._manager: KVCacheManager | None = None
+        self.untrusted = 0
+
+    def bind(self, manager: KVCacheManager) -> None:
+        self._manager = manager
+
+    def _binding(self, request: Request) -> tuple[str, Binding | None] | None:
+        """(transfer id, binding or None while unknown); ``None``: no push for this request."""
+        try:
+            params = parse_send(request.kv_transfer_params)
+        except ParamsError as exc:
+            log.warning("request %s: %s; no push", request.request_id, exc)
+            return None
+        if params is None:
+            return None
+        if params.binding is not None:
+            return params.transfer_id, params.binding
+        if not self._concurrent:
+            log.warning("request %s has no binding and concurrent mode is off", request.request_id)
+            return None
+        got = self._lookups.binding(params.transfer_id)
+        if isinstance(got, Exception):
+            log.warning("binding %s unavailable (%s); no push", params.transfer_id, got)
+            return None
+        return params.transfer_id, got
+
+    def matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if request.request_id in self._pushes:
+            return 0, False
+        found = self._binding(request)
+        if found is None:
+            return 0, False
+        binding = found[1]
+        if binding is None or self._lookups.trusted(binding) is None:
+            return None, False  # ask again next step; nothing allocated meanwhile
+        return 0, False
+
+    def after_alloc(self, request: Request) -> None:
+        if request.request_id in self._pushes:
+            return
+        found = self._binding(request)
+        if found is None or found[1] is None:
+            return
+        tid, binding = found[0], found[1]
+        if self._lookups.trusted(binding) is not True:
+            self.untrusted += 1
+            log.warning(
+                "transfer %s names %s at %s, which the registry does not vouch for; no push",
+                tid,
+                binding.decode_instance_id,
+                binding.kv_endpoint,
+            )
+            return
+        dest = Destination.of(binding, self._window)
+        if dest.deadline and self._wall() >= dest.deadline:
+            self.expired += 1
+            log.warning("transfer %s: D's load deadline already passed; no push", tid)
+            return
+        if binding.block_size != self._block_size:
+            log.error(
+                "transfer %s: D block size %d != %d", tid, binding.block_size, self._block_size
+            )
+            return
+        self._pushes[request.request_id] = _Push(
+            request=request,
+            transfer_id=tid,
+            dest=dest,
+            d_blocks=list(binding.block_ids[0]),
+            prompt_len=len(request.prompt_token_ids or ()),
+            next_block=binding.num_cached_tokens // self._block_size,
+        )
+
+    def fill(self, meta: PdgateMetadata, out: SchedulerOutput) -> None:
+        for req_id in out.preempted_req_ids or ():
+            push = self._pushes.get(req_id)
+            if push is not None and not push.closed:
+                self._close(meta, push, [], fail="prefill preempted")
+        for req_id, count in out.num_scheduled_tokens.items():
+            push = self._pushes.get(req_id)
+            if push is None or push.closed:
+                continue
+            end = push.request.num_computed_tokens + count
+            last = end >= push.prompt_len
+            bs = self._block_size
+            upto = -(-push.prompt_len // bs) if last else end // bs
+            assert self._manager is not None
+            p_blocks = self._manager.get_block_ids(req_id)[0]
+            upto = min(upto, len(push.d_blocks), len(p_blocks))
+            pairs = [(p_blocks[i], push.d_blocks[i]) for i in range(push.next_block, upto)]
+            push.next_block = max(push.next_block, upto)
+            if not push.emitted and self._events is not None:
+                self._events.post_event(push.transfer_id, BindingState.PREFILL_STARTED, self._actor)
+            if last:
+                self._close(meta, push, pairs)
+            elif pairs:
+                meta.sends.append(SendChunk(req_id, push.transfer_id, push.dest, pairs, False))
+                push.emitted = True
+
+    def _close(
+        self, meta: PdgateMetadata, push: _Push, pairs: list[tuple[int, int]], fail: str = ""
+    ) -> None:
+        rid = push.request.request_id
+        meta.sends.append(SendChunk(rid, push.transfer_id, push.dest, pairs, True, fail))
+        push.emitted = True
+        push.closed = True
+
+    def finished(self, request: Request) -> bool:
+        """Whether to delay freeing the request's blocks (the workers report when to free)."""
+        push = self._pushes.pop(request.request_id, None)
+        if push is not None:
+            self._lookups.forget_binding(push.transfer_id)
+        return push is not None and push.emitted

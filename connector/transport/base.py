@@ -1,0 +1,30 @@
+"""The transport interface and its factory (``import mooncake`` happens only when chosen)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Transport(Protocol):
+    @property
+    def session(self) -> str:
+        """Address peers pass to ``write`` to reach this process's registered memory."""
+        ...
+
+    def register(self, ptr: int, length: int) -> None: ...
+
+    def write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
+        """Copy ``lengths[i]`` bytes local ``src[i]`` → peer ``dst[i]``; raise TransferError."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def make_transport(kind: str, host: str, protocol: str, device_name: str) -> Transport:
+    if kind == "inprocess":
+        from connector.transport.inprocess import InProcessTransport
+
+        return InProcessTransport()
+    from connector.transport.mooncake import MooncakeTransport
+
+    return MooncakeTransport(host, protocol, device_name)

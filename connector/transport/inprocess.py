@@ -1,0 +1,56 @@
+"""A transport between threads of one process (tests): memmove into registered regions.
+
+Every write is bounds-checked against the regions both sides registered, so a wrong offset
+fails loudly instead of corrupting memory. ``fail_writes_to`` injects faults.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+
+from connector.errors import TransferError
+
+_REGISTRY: dict[str, InProcessTransport] = {}
+_LOCK = threading.Lock()
+_IDS = itertools.count()
+
+
+class InProcessTransport:
+    def __init__(self) -> None:
+        self._session = f"inprocess:{next(_IDS)}"
+        self._regions: list[tuple[int, int]] = []
+        self.fail_writes_to: set[str] = set()
+        self.bytes_written = 0
+        self.calls = 0
+        with _LOCK:
+            _REGISTRY[self._session] = self
+
+    @property
+    def session(self) -> str:
+        return self._session
+
+    def register(self, ptr: int, length: int) -> None:
+        self._regions.append((ptr, length))
+
+    def _inside(self, ptr: int, length: int) -> bool:
+        return any(base <= ptr and ptr + length <= base + n for base, n in self._regions)
+
+    def write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
+        with _LOCK:
+            peer = _REGISTRY.get(session)
+        if peer is None or session in self.fail_writes_to:
+            raise TransferError(f"in-process peer {session} unreachable")
+        self.calls += 1
+        for s, d, n in zip(src, dst, lengths, strict=True):
+            if not self._inside(s, n):
+                raise TransferError(f"source {s:#x}+{n} not in registered memory")
+            if not peer._inside(d, n):
+                raise TransferError(f"destination {d:#x}+{n} not in {session}'s registered memory")
+            ctypes.memmove(d, s, n)
+            self.bytes_written += n
+
+    def close(self) -> None:
+        with _LOCK:
+            _REGISTRY.pop(self._session, None)

@@ -1,0 +1,14 @@
+"""Worker half of the connector (one per TP rank).
+
+* ``ConnectorWorker`` (half.py) — the API vLLM calls on each rank.
+* ``Sender`` (sender.py) — P: event-synchronised, coalesced, batched writes + done signals.
+* ``RecvTracker`` (receiver.py) — D: signal counting, early/late signals, deadlines.
+* ``HandshakeCache`` (handshake.py), ``SideChannelServer`` (side_channel.py) — P ↔ D control.
+* ``KVMemory`` (memory.py) — this rank's KV tensors, layout and registration.
+"""
+
+from __future__ import annotations
+
+from connector.worker.half import ConnectorWorker
+
+__all__ = ["ConnectorWorker"]

@@ -1,0 +1,239 @@
+"""The worker half: P ranks push (``Sender``), D ranks receive (``RecvTracker``)."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from connector import wire
+from connector.config import ConnectorSettings
+from connector.device import Device, make_device
+from connector.metadata import PdgateMetadata
+from connector.transport import Transport, make_transport
+from connector.worker.memory import KVMemory
+from connector.worker.receiver import RecvTracker
+from connector.worker.sender import Sender, Transfer
+from connector.worker.side_channel import SideChannelServer
+from metaserver.client import BackgroundWriter, MetaserverClient
+from metaserver.models import BindingState, EventDetail
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger("pdgate.connector.worker")
+
+PREEMPT_WAIT_S = 30.0
+
+
+class ConnectorWorker:
+    def __init__(
+        self,
+        vllm_config: VllmConfig | None,
+        settings: ConnectorSettings,
+        *,
+        rank: int | None = None,
+        tp_size: int | None = None,
+        engine_id: str | None = None,
+        total_kv_heads: int | None = None,
+        use_mla: bool | None = None,
+        role: str | None = None,
+        transport: Transport | None = None,
+        device: Device | None = None,
+        events: BackgroundWriter | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """vLLM passes ``vllm_config``; tests may pass the identity keywords instead."""
+        self.settings = settings
+        if vllm_config is not None:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            kv = vllm_config.kv_transfer_config
+            assert kv is not None and vllm_config.model_config is not None
+            rank = get_tensor_model_parallel_rank() if rank is None else rank
+            tp_size = vllm_config.parallel_config.tensor_parallel_size
+            engine_id = str(kv.engine_id)
+            total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+            use_mla = bool(vllm_config.model_config.use_mla)
+            role = kv.kv_role
+        assert rank is not None and tp_size is not None and engine_id is not None
+        self.rank, self.tp_size, self.engine_id = rank, tp_size, engine_id
+        self.total_kv_heads = total_kv_heads or 1
+        self.use_mla = bool(use_mla)
+        self.role = role or "kv_both"
+        self.epoch = secrets.token_hex(8)
+        self.device = device or make_device(settings.device)
+        self._transport = transport
+        self._clock = clock
+        self._events = events
+        if events is None and settings.metaserver_url and rank == 0:
+            self._events = BackgroundWriter(
+                MetaserverClient(settings.metaserver_url, token=settings.token)
+            )
+        self.memory: KVMemory | None = None
+        self.sender: Sender | None = None
+        self.server: SideChannelServer | None = None
+        self.tracker = RecvTracker(settings.kv_load_timeout_s, clock)
+        self._absorbed: PdgateMetadata | None = None
+        self._sends: set[str] = set()  # req ids this rank knows as sending
+        self._last_queued: set[str] = set()  # req ids whose end (done/failed) is queued
+        self._finished: set[str] = set()  # finished on P, waiting for pushes to settle
+
+    @property
+    def transport(self) -> Transport:
+        if self._transport is None:
+            s = self.settings
+            self._transport = make_transport(
+                s.transport, s.resolved_host(), s.mooncake_protocol, s.device_name
+            )
+        return self._transport
+
+    # ---- setup ----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        self._kv_caches = dict(kv_caches)  # registered memory must outlive us, whoever owns it
+        self.memory = KVMemory.of(kv_caches, self.settings.device)
+        self.memory.register(self.transport)
+        log.info(
+            "rank %d registered %d KV layers (%s) with %s",
+            self.rank,
+            len(self.memory.layer_names),
+            self.memory.layout,
+            self.transport.session,
+        )
+        if self.role in ("kv_consumer", "kv_both"):
+            port = self.settings.side_channel_port + self.rank
+            self.server = SideChannelServer(
+                self.settings.side_channel_host or "0.0.0.0",
+                port,
+                self._welcome,
+                self.tracker.on_signal,
+            )
+        if self.role in ("kv_producer", "kv_both"):
+            self.sender = Sender(
+                self.transport,
+                self.memory,
+                self.rank,
+                self.tp_size,
+                self.total_kv_heads,
+                self.use_mla,
+                self.engine_id,
+                self.settings.handshake_timeout_s,
+                on_end=self._report_end,
+                on_first_write=self._report_pushing,
+            )
+
+    def _welcome(self, hello: wire.Hello) -> wire.Welcome | wire.Refused:
+        if self.memory is None:
+            return wire.Refused("KV caches not registered yet")
+        return wire.Welcome(
+            engine_id=self.engine_id,
+            epoch=self.epoch,
+            tp_rank=self.rank,
+            tp_size=self.tp_size,
+            session=self.transport.session,
+            layer_names=self.memory.layer_names,
+            layer_bases=self.memory.bases,
+            layout=wire.LayoutMsg.of(self.memory.layout),
+        )
+
+    # ---- per step -------------------------------------------------------------------------
+    def _absorb(self, meta: PdgateMetadata) -> None:
+        """Take in a step's metadata once (whichever hook sees it first)."""
+        if meta is self._absorbed:
+            return
+        self._absorbed = meta
+        for recv in meta.recvs:
+            self.tracker.expect(recv.req_id, recv.transfer_id)
+        for req_id in meta.failed_recvs:
+            self.tracker.fail(req_id)
+        if self.sender is not None:
+            for chunk in meta.sends:
+                log.debug(
+                    "step: %s pushes %d blocks (last=%s)",
+                    chunk.transfer_id,
+                    len(chunk.pairs),
+                    chunk.last,
+                )
+                self._sends.add(chunk.req_id)
+                self.sender.prefetch(chunk)
+
+    def handle_preemptions(self, meta: PdgateMetadata) -> None:
+        """Before the forward may reuse a preempted request's blocks, let its pushes drain."""
+        self._absorb(meta)
+        if self.sender is None:
+            return
+        for chunk in meta.sends:
+            if chunk.fail and not self.sender.wait_quiet(chunk.req_id, PREEMPT_WAIT_S):
+                log.error(
+                    "pushes of preempted %s still running after %ss", chunk.req_id, PREEMPT_WAIT_S
+                )
+
+    def start_step(self, meta: PdgateMetadata) -> None:
+        self._absorb(meta)
+
+    def save_layer(self, meta: PdgateMetadata, layer_name: str) -> None:
+        self._absorb(meta)
+        if self.sender is None or not meta.sends or self.memory is None:
+            return
+        layer = self.memory.index().get(layer_name)
+        if layer is None:
+            return
+        event = self.device.record_event()
+        for chunk in meta.sends:
+            self.sender.push_layer(chunk, layer, event)
+
+    def end_step(self, meta: PdgateMetadata) -> None:
+        """After the step's last layer: queue the end of transfers whose prefill ended."""
+        self._absorb(meta)
+        if self.sender is None:
+            return
+        for chunk in meta.sends:
+            if chunk.last and chunk.req_id not in self._last_queued:
+                self._last_queued.add(chunk.req_id)
+                self.sender.end(chunk.req_id, chunk.fail)
+
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        sending: set[str] = set()
+        if self.sender is not None:
+            ended = finished_req_ids & self._sends
+            for req_id in ended - self._last_queued:  # aborted before its prefill completed
+                self._last_queued.add(req_id)
+                self.sender.end(req_id, "prefill request ended before its last chunk")
+            self._finished |= ended
+            for req_id in list(self._finished):
+                if self.sender.settled(req_id):
+                    sending.add(req_id)
+                    self._finished.discard(req_id)
+                    self._sends.discard(req_id)
+                    self._last_queued.discard(req_id)
+                    self.sender.forget(req_id)
+        self.tracker.aborted(finished_req_ids)
+        recving, failed = self.tracker.poll()
+        return sending, recving, failed
+
+    def _report_pushing(self, tr: Transfer) -> None:
+        if self._events is not None:
+            detail = EventDetail(bytes_pushed=tr.bytes)
+            self._events.post_event(tr.transfer_id, BindingState.PUSHING, self.engine_id, detail)
+
+    def _report_end(self, tr: Transfer) -> None:
+        if self._events is None:
+            return
+        if tr.error:
+            detail = EventDetail(error=tr.error[:4000], bytes_pushed=tr.bytes)
+            self._events.post_event(tr.transfer_id, BindingState.FAILED, self.engine_id, detail)
+        else:
+            detail = EventDetail(bytes_pushed=tr.bytes)
+            self._events.post_event(tr.transfer_id, BindingState.DONE, self.engine_id, detail)
+
+    def shutdown(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        if self.server is not None:
+            self.server.close()
+        if self._events is not None:
+            self._events.close(1.0)
+        if self._transport is not None:
+            self._transport.close()

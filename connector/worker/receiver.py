@@ -1,0 +1,147 @@
+"""D side bookkeeping: which requests wait for KV, their done signals, their deadlines.
+
+Signals are counted per transfer id and sender. One that arrives before the request is known
+is buffered (for up to the deadline); one for a transfer already finished (late, duplicate, an
+old attempt) is ignored. A request whose signals do not all arrive by its deadline is reported
+failed, so vLLM recomputes or fails it; an aborted request is released (without failure) only
+once P confirmed or the deadline passed — until then P may still be writing its blocks.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from connector import wire
+
+log = logging.getLogger("pdgate.connector.receiver")
+
+
+@dataclass
+class _Recv:
+    req_id: str
+    transfer_id: str
+    deadline: float
+    aborted: bool = False
+
+
+@dataclass
+class _Signals:
+    first_at: float
+    by_sender: dict[str, wire.Signal] = field(default_factory=dict)
+
+
+class RecvTracker:
+    def __init__(
+        self,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        retired_max: int = 65_536,
+    ) -> None:
+        self._timeout = timeout_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._recvs: dict[str, _Recv] = {}  # by req id
+        self._tid_to_req: dict[str, str] = {}
+        self._signals: dict[str, _Signals] = {}  # by transfer id (early ones included)
+        self._retired: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._retired_max = retired_max
+        self._failed_now: set[str] = set()
+        self.ignored_signals = 0
+        self.expired = 0
+
+    def expect(self, req_id: str, transfer_id: str) -> None:
+        with self._lock:
+            if req_id in self._recvs or transfer_id in self._retired:
+                return
+            self._recvs[req_id] = _Recv(req_id, transfer_id, self._clock() + self._timeout)
+            self._tid_to_req[transfer_id] = req_id
+
+    def fail(self, req_id: str) -> None:
+        """The binding was rejected: P cannot have it, so fail without waiting."""
+        with self._lock:
+            if req_id in self._recvs:
+                self._failed_now.add(req_id)
+
+    def aborted(self, req_ids: set[str]) -> None:
+        with self._lock:
+            for req_id in req_ids:
+                recv = self._recvs.get(req_id)
+                if recv is not None:
+                    recv.aborted = True
+
+    def on_signal(self, sig: wire.Signal) -> None:
+        log.debug(
+            "signal %s from %s ok=%s expected=%d", sig.transfer_id, sig.sender, sig.ok, sig.expected
+        )
+        with self._lock:
+            if sig.transfer_id in self._retired:
+                self.ignored_signals += 1
+                return
+            entry = self._signals.get(sig.transfer_id)
+            if entry is None:
+                entry = self._signals[sig.transfer_id] = _Signals(self._clock())
+            if sig.sender in entry.by_sender:
+                self.ignored_signals += 1  # duplicate
+                return
+            entry.by_sender[sig.sender] = sig
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._recvs)
+
+    def poll(self) -> tuple[set[str], set[str]]:
+        """(finished, failed): failed ids are in finished too, as vLLM expects."""
+        now = self._clock()
+        finished: set[str] = set()
+        failed: set[str] = set()
+        with self._lock:
+            for req_id, recv in list(self._recvs.items()):
+                verdict = self._verdict(recv, now)
+                if verdict is None:
+                    continue
+                finished.add(req_id)
+                if not verdict and not recv.aborted:
+                    failed.add(req_id)
+                self._retire(recv)
+            for tid, entry in list(self._signals.items()):  # early signals nobody claimed
+                if tid not in self._tid_to_req and now - entry.first_at > self._timeout:
+                    del self._signals[tid]
+        return finished, failed
+
+    def _verdict(self, recv: _Recv, now: float) -> bool | None:
+        """True: all KV arrived; False: failed or expired; None: keep waiting."""
+        if recv.req_id in self._failed_now:
+            return False
+        entry = self._signals.get(recv.transfer_id)
+        if entry is not None and entry.by_sender:
+            sigs = entry.by_sender.values()
+            if any(not s.ok for s in sigs):
+                return False
+            if len(entry.by_sender) >= max(s.expected for s in sigs):
+                return True
+        if now >= recv.deadline:
+            self.expired += 1
+            got = len(entry.by_sender) if entry is not None else 0
+            log.warning(
+                "transfer %s (%s): %d done signal(s) by the %.0fs deadline; failing the load",
+                recv.transfer_id,
+                recv.req_id,
+                got,
+                self._timeout,
+            )
+            return False
+        return None
+
+    def _retire(self, recv: _Recv) -> None:
+        del self._recvs[recv.req_id]
+        self._failed_now.discard(recv.req_id)
+        self._tid_to_req.pop(recv.transfer_id, None)
+        self._signals.pop(recv.transfer_id, None)
+        self._retired[recv.transfer_id] = None
+        while len(self._retired) > self._retired_max:
+            self._retired.popitem(last=False)

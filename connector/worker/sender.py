@@ -1,0 +1,325 @@
+"""P side sender thread: waits for each layer's KV-written event, writes D's blocks, signals.
+
+``save_kv_layer`` only queues (layer, chunk, event). The thread drains the queue, waits on each
+task's event (never a stream sync), turns the chunk's block pairs into coalesced pieces, and
+issues one batched write per destination. Tasks whose D handshake is still running are parked
+(not blocked on) and resumed when it ends. After a transfer's last layer of its last chunk the
+done signal goes to D; on any failure a failed signal goes instead and the rest is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from connector import tp, wire
+from connector.device import Event
+from connector.errors import LayoutError, TransferError
+from connector.layout import LayerLayout, check_compatible, pair_pieces
+from connector.metadata import Destination, SendChunk
+from connector.transport import Transport
+from connector.worker.handshake import HandshakeCache
+from connector.worker.memory import KVMemory
+from connector.worker.side_channel import SignalClient
+
+log = logging.getLogger("pdgate.connector.sender")
+
+
+@dataclass
+class Transfer:
+    req_id: str
+    transfer_id: str
+    dest: Destination
+    route: tp.Route | None
+    queued: int = 0  # tasks not processed yet
+    ended: bool = False  # signal sent (done or failed), or nothing to signal
+    announced: bool = False  # the first write landed (a "pushing" event went out)
+    error: str = ""
+    bytes: int = 0
+    # pieces of the chunk being pushed (the same for every layer): (pairs object, pieces)
+    cached: tuple[object, list[tuple[int, int, int, int]]] | None = None
+
+    @property
+    def d_port(self) -> int:
+        assert self.route is not None
+        return self.dest.port + self.route.d_rank
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    transfer: Transfer
+    pairs: list[tuple[int, int]]
+    layer: int
+    event: Event
+
+
+@dataclass(frozen=True, slots=True)
+class _End:
+    transfer: Transfer
+    fail: str
+
+
+_Task = _Layer | _End
+Outcome = Callable[[Transfer], None]
+
+
+class Sender:
+    def __init__(
+        self,
+        transport: Transport,
+        memory: KVMemory,
+        rank: int,
+        tp_size: int,
+        total_kv_heads: int,
+        use_mla: bool,
+        engine_id: str,
+        handshakes_timeout_s: float,
+        on_end: Outcome | None = None,
+        on_first_write: Outcome | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._transport = transport
+        self._memory = memory
+        self._rank = rank
+        self._tp = tp_size
+        self._heads = total_kv_heads
+        self._mla = use_mla
+        self._me = f"{engine_id}/{rank}"
+        self._on_end = on_end
+        self._on_first_write = on_first_write
+        self._wall = wall_clock
+        self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self.transfers: dict[str, Transfer] = {}
+        self.handshakes = HandshakeCache(engine_id, handshakes_timeout_s, self._wake)
+        self._signals: SignalClient | None = None
+        self._parked: list[_Task] = []
+        self._chunks = 0
+        self._stop = False
+        self.writes = 0
+        self._thread = threading.Thread(target=self._run, name="pdgate-sender", daemon=True)
+        self._thread.start()
+
+    # ---- forward thread -------------------------------------------------------------------
+    def transfer(self, chunk: SendChunk) -> Transfer:
+        with self._lock:
+            tr = self.transfers.get(chunk.req_id)
+            if tr is None:
+                d = chunk.dest
+                route = tp.route(
+                    self._rank, self._tp, d.tp_size, d.num_kv_heads or self._heads, d.use_mla
+                )
+                tr = Transfer(chunk.req_id, chunk.transfer_id, d, route)
+                self.transfers[chunk.req_id] = tr
+                if route is None:
+                    tr.ended = True  # a replica: another rank writes these heads
+            return tr
+
+    def prefetch(self, chunk: SendChunk) -> None:
+        """Start the D handshake early (first layer of the step); never waits."""
+        tr = self.transfer(chunk)
+        if tr.route is not None:
+            self.handshakes.get(tr.dest.host, tr.d_port, tr.dest.engine_id)
+
+    def push_layer(self, chunk: SendChunk, layer: int, event: Event) -> None:
+        tr = self.transfer(chunk)
+        if tr.route is None or tr.ended or not chunk.pairs:
+            return
+        self._put(_Layer(tr, chunk.pairs, layer, event))
+
+    def end(self, req_id: str, fail: str = "") -> None:
+        """No more layers for this transfer: signal D (done, or failed with ``fail``)."""
+        with self._lock:
+            tr = self.transfers.get(req_id)
+        if tr is None or tr.route is None or tr.ended:
+            return
+        self._put(_End(tr, fail))
+
+    def _put(self, task: _Task) -> None:
+        with self._lock:
+            task.transfer.queued += 1
+        self._queue.put(task)
+
+    def settled(self, req_id: str) -> bool:
+        with self._lock:
+            tr = self.transfers.get(req_id)
+            return tr is None or (tr.queued == 0 and tr.ended)
+
+    def quiet(self, req_id: str) -> bool:
+        with self._lock:
+            tr = self.transfers.get(req_id)
+            return tr is None or tr.queued == 0
+
+    def wait_quiet(self, req_id: str, timeout_s: float) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self._quiet_locked(req_id), timeout_s)
+
+    def _quiet_locked(self, req_id: str) -> bool:
+        tr = self.transfers.get(req_id)
+        return tr is None or tr.queued == 0
+
+    def forget(self, req_id: str) -> None:
+        with self._lock:
+            self.transfers.pop(req_id, None)
+
+    def _wake(self) -> None:
+        self._queue.put(None)
+
+    # ---- sender thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        self._signals = SignalClient()
+        while not self._stop:
+            first = self._queue.get()
+            tasks = self._parked
+            self._parked = []
+            if first is not None:
+                tasks.append(first)
+            while True:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is not None:
+                    tasks.append(nxt)
+            if tasks:
+                try:
+                    self._process(tasks)
+                except Exception:
+                    log.exception("sender batch failed")
+        self._signals.close()
+
+    def _process(self, tasks: list[_Task]) -> None:
+        batches: dict[str, tuple[list[int], list[int], list[int], list[tuple[_Layer, int]]]] = {}
+        ends: list[_End] = []
+        parked_tids: set[str] = set()
+        for task in tasks:
+            tr = task.transfer
+            if tr.transfer_id in parked_tids:
+                self._parked.append(task)
+                continue
+            if tr.error:
+                if isinstance(task, _End):
+                    ends.append(task)
+                else:
+                    self._done(task)
+                continue
+            hs = self.handshakes.get(tr.dest.host, tr.d_port, tr.dest.engine_id)
+            if hs is None:
+                log.debug("transfer %s waits for its handshake", tr.transfer_id)
+                parked_tids.add(tr.transfer_id)
+                self._parked.append(task)
+                continue
+            if isinstance(hs, Exception):
+                tr.error = f"handshake: {hs}"
+                if isinstance(task, _End):
+                    ends.append(task)
+                else:
+                    self._done(task)
+                continue
+            if isinstance(task, _End):
+                ends.append(task)
+                continue
+            if tr.dest.deadline and self._wall() >= tr.dest.deadline:
+                tr.error = "push deadline passed: D has given up on this transfer"
+                self._done(task)
+                continue
+            try:
+                src, dst, lengths = self._pieces(task, hs)
+            except (LayoutError, KeyError) as exc:
+                tr.error = f"layout: {exc}"
+                self._done(task)
+                continue
+            task.event.synchronize()
+            b = batches.setdefault(hs.session, ([], [], [], []))
+            b[0].extend(src)
+            b[1].extend(dst)
+            b[2].extend(lengths)
+            b[3].append((task, sum(lengths)))
+        for session, (src, dst, lengths, layer_tasks) in batches.items():
+            try:
+                t0 = time.perf_counter()
+                self._transport.write(session, src, dst, lengths)
+                self.writes += 1
+                log.debug(
+                    "wrote %d pieces, %d bytes to %s in %.3fs",
+                    len(src),
+                    sum(lengths),
+                    session,
+                    time.perf_counter() - t0,
+                )
+                for t, n in layer_tasks:
+                    t.transfer.bytes += n
+                    if not t.transfer.announced:
+                        t.transfer.announced = True
+                        self._notify(self._on_first_write, t.transfer)
+            except TransferError as exc:
+                for t, _ in layer_tasks:
+                    t.transfer.error = str(exc)
+                    d = t.transfer.dest
+                    self.handshakes.forget(d.host, t.transfer.d_port, d.engine_id)
+            for t, _ in layer_tasks:
+                self._done(t)
+        for end in ends:
+            self._signal(end)
+
+    def _pieces(self, task: _Layer, hs: wire.Welcome) -> tuple[list[int], list[int], list[int]]:
+        tr = task.transfer
+        assert tr.route is not None
+        if tr.cached is not None and tr.cached[0] is task.pairs:
+            pieces = tr.cached[1]
+        else:
+            d_layout: LayerLayout = hs.layout.to_layout()
+            check_compatible(self._memory.layout, d_layout)
+            heads = (0, tr.route.num_heads)
+            pieces = pair_pieces(
+                self._memory.layout, d_layout, task.pairs, heads, tr.route.d_head_start
+            )
+            tr.cached = (task.pairs, pieces)
+        name = self._memory.layer_names[task.layer]
+        d_index = hs.layer_names.index(name)
+        src_bases = self._memory.bases[task.layer]
+        dst_bases = hs.layer_bases[d_index]
+        return (
+            [src_bases[p] + s for p, s, _, _ in pieces],
+            [dst_bases[p] + t for p, _, t, _ in pieces],
+            [n for *_, n in pieces],
+        )
+
+    def _signal(self, end: _End) -> None:
+        tr = end.transfer
+        log.debug("transfer %s ends (%s)", tr.transfer_id, tr.error or end.fail or "ok")
+        assert tr.route is not None and self._signals is not None
+        error = tr.error or end.fail
+        sig = wire.Signal(tr.transfer_id, self._me, not error, tr.route.expected, error)
+        if not self._signals.send(tr.dest.host, tr.d_port, sig):
+            tr.error = tr.error or "signal not sent"
+        with self._lock:
+            tr.ended = True
+        if error:
+            log.warning("transfer %s (%s) failed: %s", tr.transfer_id, tr.req_id, error)
+        self._done(end)
+        self._notify(self._on_end, tr)
+
+    @staticmethod
+    def _notify(callback: Outcome | None, tr: Transfer) -> None:
+        if callback is not None:
+            try:
+                callback(tr)
+            except Exception:
+                log.exception("transfer callback failed")
+
+    def _done(self, task: _Task) -> None:
+        with self._cv:
+            task.transfer.queued -= 1
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake()
+        self._thread.join(2.0)
+        self.handshakes.close()

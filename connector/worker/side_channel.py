@@ -1,0 +1,139 @@
+"""The direct P ↔ D side channel (ZeroMQ): D serves handshakes and receives done signals.
+
+D rank r binds a ROUTER socket on ``side_channel_port + r``. P asks for the handshake from a
+pool thread (own socket, timeout) and sends signals from its sender thread through one DEALER
+per D rank (fire-and-forget; ZeroMQ queues while connecting).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from connector import wire
+from connector.errors import HandshakeError
+
+log = logging.getLogger("pdgate.connector.side_channel")
+
+
+def _zmq() -> Any:
+    import zmq
+
+    return zmq
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+class SideChannelServer:
+    """D rank's ROUTER socket: answers ``Hello`` with ``make_welcome()``, hands ``Signal`` on."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        make_welcome: Callable[[wire.Hello], wire.Welcome | wire.Refused],
+        on_signal: Callable[[wire.Signal], None],
+    ) -> None:
+        zmq = _zmq()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        bind_host = "*" if host in ("0.0.0.0", "") else _host(host)
+        self._sock.bind(f"tcp://{bind_host}:{port}")
+        self.port = port
+        self._welcome = make_welcome
+        self._on_signal = on_signal
+        self._stop = threading.Event()
+        self.bad_messages = 0
+        self._thread = threading.Thread(target=self._run, name=f"pdgate-side-{port}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        zmq = _zmq()
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not dict(poller.poll(100)):
+                continue
+            frames = self._sock.recv_multipart()
+            if len(frames) < 2:
+                continue
+            ident, payload = frames[0], frames[-1]
+            try:
+                msg = wire.decode(payload)
+            except Exception:
+                self.bad_messages += 1
+                continue
+            if isinstance(msg, wire.Hello):
+                try:
+                    reply: wire.Message = self._welcome(msg)
+                except Exception as exc:
+                    reply = wire.Refused(str(exc))
+                self._sock.send_multipart([ident, wire.encode(reply)])
+            elif isinstance(msg, wire.Signal):
+                try:
+                    self._on_signal(msg)
+                except Exception:
+                    log.exception("signal handler failed")
+            else:
+                self.bad_messages += 1
+        self._sock.close(0)
+        self._ctx.term()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
+
+
+def handshake(host: str, port: int, hello: wire.Hello, timeout_s: float) -> wire.Welcome:
+    """Ask D rank at ``host:port`` for its KV description (blocking; run it off-thread)."""
+    zmq = _zmq()
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{_host(host)}:{port}")
+        sock.send(wire.encode(hello))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise HandshakeError(f"no handshake answer from {host}:{port} in {timeout_s}s")
+        msg = wire.decode(sock.recv())
+    finally:
+        sock.close(0)
+    if isinstance(msg, wire.Refused):
+        raise HandshakeError(f"{host}:{port} refused the handshake: {msg.reason}")
+    if not isinstance(msg, wire.Welcome):
+        raise HandshakeError(f"{host}:{port} answered the handshake with {type(msg).__name__}")
+    return msg
+
+
+class SignalClient:
+    """Done/failed signals to D ranks (use from one thread: ZeroMQ sockets are not shared)."""
+
+    def __init__(self) -> None:
+        zmq = _zmq()
+        self._ctx = zmq.Context.instance()
+        self._socks: dict[tuple[str, int], Any] = {}
+
+    def send(self, host: str, port: int, signal: wire.Signal) -> bool:
+        zmq = _zmq()
+        sock = self._socks.get((host, port))
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(f"tcp://{_host(host)}:{port}")
+            self._socks[(host, port)] = sock
+        try:
+            sock.send(wire.encode(signal), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            log.warning("signal queue to %s:%d full; dropped %s", host, port, signal)
+            return False
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close()
+        self._socks.clear()

@@ -1,0 +1,240 @@
+"""Decode-side scheduler half, driven by vLLM's real Scheduler against a real metaserver."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from connector.metadata import PdgateMetadata
+from tests.connector import harness as H
+from tests.connector.slow_proxy import SlowProxy
+from tests.support.services import MetaserverProcess
+
+TOKEN = "t0ken"
+
+
+def _wait_binding(url: str, tid: str, timeout: float = 10.0) -> dict[str, Any]:
+    r = httpx.get(f"{url}/v1/bindings/{tid}", params={"wait": timeout}, timeout=timeout + 5)
+    assert r.status_code == 200, r.text
+    body: dict[str, Any] = r.json()
+    return body
+
+
+def _recv_params(tid: str, url: str = "http://ignored") -> dict[str, Any]:
+    return {"do_remote_prefill": True, "transfer_id": tid, "metaserver": url}
+
+
+@pytest.fixture
+def make_decoder(tiny_model: Path) -> Iterator[Callable[..., Scheduler]]:
+    made: list[Scheduler] = []
+
+    def make(url: str, *, register: bool = True, **extra: Any) -> Scheduler:
+        cfg = H.vllm_config(
+            tiny_model,
+            "kv_consumer",
+            {
+                "metaserver_url": url,
+                "metaserver_token": TOKEN,
+                "instance_id": "decoder-0",
+                "side_channel_host": "127.0.0.1",
+                "side_channel_port": 5700,
+                "heartbeat_s": 0.5,
+                **extra,
+            },
+        )
+        s = H.scheduler(cfg)
+        made.append(s)
+        if register:
+            assert H.connector_of(s).scheduler.registrar.registered.wait(10)  # type: ignore[union-attr]
+        return s
+
+    try:
+        yield make
+    finally:
+        for s in made:
+            H.connector_of(s).shutdown()
+
+
+def test_decode_matching_is_side_effect_free(
+    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+) -> None:
+    s = make_decoder(metaserver.url)
+    conn = H.connector_of(s)
+    req = H.request(H.prompt(50), _recv_params("tid-pure"))
+    answers = {conn.get_num_new_matched_tokens(req, 0) for _ in range(5)}
+    assert answers == {(50, True)}
+    assert conn.get_num_new_matched_tokens(req, 32) == (18, True)
+    assert conn.scheduler is not None and conn.scheduler.decode is not None
+    assert conn.scheduler.decode.bindings_sent == 0
+    assert conn.scheduler.writer.pending() == 0
+    r = httpx.get(f"{metaserver.url}/v1/bindings/tid-pure")
+    assert r.status_code == 404
+    plain = H.request(H.prompt(50), None)
+    assert conn.get_num_new_matched_tokens(plain, 0) == (0, False)
+
+
+def test_decode_binding_carries_blocks_endpoint_and_identity(
+    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+) -> None:
+    s = make_decoder(metaserver.url)
+    req = H.request(H.prompt(40), _recv_params("tid-bind"))
+    s.add_request(req)
+    _, meta = H.step(s)
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    blocks = H.block_ids(s, req.request_id)
+    assert [(r.req_id, r.transfer_id, r.block_ids) for r in meta.recvs] == [
+        (req.request_id, "tid-bind", blocks)
+    ]
+    b = _wait_binding(metaserver.url, "tid-bind")
+    assert b["request_id"] == req.request_id
+    assert b["decode_instance_id"] == "decoder-0"
+    assert b["engine_id"] == s.vllm_config.kv_transfer_config.engine_id  # type: ignore[union-attr]
+    assert b["kv_endpoint"] == {"host": "127.0.0.1", "port": 5700}
+    assert b["block_ids"] == [blocks] and len(blocks) == 3  # ceil(40 / 16)
+    assert b["block_size"] == H.BLOCK
+    assert b["num_prompt_tokens"] == 40 and b["num_cached_tokens"] == 0
+    assert b["num_kv_heads"] == 2 and b["tp_size"] == 1 and b["use_mla"] is False
+
+
+def test_decode_prefix_cache_hit_is_not_requested_from_prefill(
+    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+) -> None:
+    s = make_decoder(metaserver.url)
+    shared = H.prompt(40, seed=1)
+    local = H.request(shared, None, max_tokens=1)
+    s.add_request(local)
+    for _ in range(3):
+        H.step(s)
+    assert not s.requests  # finished, its full blocks stay in the prefix cache
+    req = H.request(shared[:32] + H.prompt(20, seed=2), _recv_params("tid-cached"))
+    s.add_request(req)
+    _, meta = H.step(s)
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert meta.recvs and meta.recvs[0].req_id == req.request_id
+    b = _wait_binding(metaserver.url, "tid-cached")
+    assert b["num_cached_tokens"] == 32  # two full cached blocks: P skips them
+    assert b["num_prompt_tokens"] == 52
+    assert len(b["block_ids"][0]) == 4
+
+
+def test_decode_schedule_never_waits_for_a_slow_metaserver(
+    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+) -> None:
+    slow = SlowProxy(metaserver.url, delay_s=2.0)
+    try:
+        s = make_decoder(slow.url, register=False, heartbeat_s=10.0)
+        httpx.put(  # register directly so the (slow) binding write is accepted later
+            f"{metaserver.url}/v1/instances/decoder-0",
+            json={
+                "role": "decode",
+                "url": "http://127.0.0.1:8000",
+                "kv_endpoint": {"host": "127.0.0.1", "port": 5700},
+            },
+            headers={"authorization": f"Bearer {TOKEN}"},
+        ).raise_for_status()
+        reqs = [H.request(H.prompt(30, seed=i), _recv_params(f"tid-slow-{i}")) for i in range(4)]
+        for r in reqs:
+            s.add_request(r)
+        t0 = time.monotonic()
+        out, meta = H.step(s)
+        elapsed = time.monotonic() - t0
+        # schedule() returned before the metaserver could have answered a single write:
+        missing = httpx.get(f"{metaserver.url}/v1/bindings/tid-slow-0")
+        assert missing.status_code == 404
+        assert elapsed < 2.0
+        assert len(meta.recvs) == 4
+        assert all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in reqs)
+        for i in range(4):  # ... and every write still lands afterwards
+            assert _wait_binding(metaserver.url, f"tid-slow-{i}", 20)["request_id"]
+    finally:
+        slow.close()
+
+
+def test_decode_rejected_binding_fails_the_load_at_once(
+    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+) -> None:
+    # registered at another KV endpoint than the binding names -> 422 from the metaserver
+    s = make_decoder(metaserver.url, register=False)
+    conn = H.connector_of(s)
+    assert conn.scheduler is not None
+    conn.scheduler.registrar.close(deregister=False)
+    httpx.put(
+        f"{metaserver.url}/v1/instances/decoder-0",
+        json={
+            "role": "decode",
+            "url": "http://127.0.0.1:8000",
+            "kv_endpoint": {"host": "127.0.0.1", "port": 9999},
+        },
+        headers={"authorization": f"Bearer {TOKEN}"},
+    ).raise_for_status()
+    req = H.request(H.prompt(30), _recv_params("tid-rejected"))
+    s.add_request(req)
+    H.step(s)
+    failed: list[str] = []
+    deadline = time.monotonic() + 10
+    while not failed and time.monotonic() < deadline:
+        time.sleep(0.05)
+        _, meta = H.step(s)
+        failed = meta.failed_recvs
+    assert failed == [req.request_id]
+
+
+def test_decode_abort_while_waiting_keeps_blocks_until_worker_releases(
+    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+) -> None:
+    s = make_decoder(metaserver.url)
+    before = H.free_blocks(s)
+    req = H.request(H.prompt(40), _recv_params("tid-abort"))
+    s.add_request(req)
+    H.step(s)
+    assert H.free_blocks(s) == before - 3
+    s.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    H.step(s)
+    assert H.free_blocks(s) == before - 3  # P may still be writing: blocks stay
+    assert H.connector_of(s).request_finished(req, []) == (False, None)
+    H.step(s, recving={req.request_id})  # worker: P confirmed or deadline passed
+    H.step(s)
+    H.assert_empty(s)
+
+
+def test_decode_request_loads_then_decodes_and_is_not_claimed_twice(
+    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+) -> None:
+    s = make_decoder(metaserver.url)
+    conn = H.connector_of(s)
+    req = H.request(H.prompt(40), _recv_params("tid-ok"), max_tokens=3)
+    s.add_request(req)
+    H.step(s)
+    H.step(s, recving={req.request_id})
+    out, meta = H.step(s)
+    assert req.request_id in out.num_scheduled_tokens
+    assert out.num_scheduled_tokens[req.request_id] == 1  # only the last prompt token
+    assert meta == PdgateMetadata()
+    # a recompute after a failure must not ask P again
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    for _ in range(4):
+        H.step(s)
+    H.assert_empty(s)
+
+
+def test_decode_failed_load_is_recomputed_locally(
+    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+) -> None:
+    s = make_decoder(metaserver.url)
+    req = H.request(H.prompt(40), _recv_params("tid-fail"), max_tokens=2)
+    s.add_request(req)
+    H.step(s)
+    H.step(s, recving={req.request_id}, failed={req.request_id})
+    out, meta = H.step(s)
+    assert out.num_scheduled_tokens.get(req.request_id) == 40  # whole prompt, locally
+    assert meta.recvs == []
+    for _ in range(4):
+        H.step(s)
+    H.assert_empty(s)

@@ -1,0 +1,249 @@
+"""Prefill-side scheduler half, driven by vLLM's real Scheduler against a real metaserver."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from connector.metadata import SendChunk
+from tests.connector import harness as H
+from tests.support.services import MetaserverProcess
+
+TOKEN = "t0ken"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+D_ENDPOINT = {"host": "127.0.0.1", "port": 5800}
+
+
+def _register_decoder(url: str, instance: str = "dec-1") -> None:
+    httpx.put(
+        f"{url}/v1/instances/{instance}",
+        json={"role": "decode", "url": "http://127.0.0.1:8001", "kv_endpoint": D_ENDPOINT},
+        headers=AUTH,
+    ).raise_for_status()
+
+
+def _bind(
+    url: str, tid: str, prompt_len: int, *, cached: int = 0, first: int = 100
+) -> dict[str, Any]:
+    n = -(-prompt_len // H.BLOCK)
+    spec = {
+        "request_id": f"d-{tid}",
+        "decode_instance_id": "dec-1",
+        "engine_id": "d-engine",
+        "kv_endpoint": D_ENDPOINT,
+        "block_size": H.BLOCK,
+        "block_ids": [list(range(first, first + n))],
+        "num_cached_tokens": cached,
+        "num_prompt_tokens": prompt_len,
+        "num_kv_heads": 2,
+    }
+    r = httpx.put(f"{url}/v1/bindings/{tid}", json=spec, headers=AUTH)
+    assert r.status_code in (200, 201), r.text
+    body: dict[str, Any] = httpx.get(f"{url}/v1/bindings/{tid}").json()
+    return body
+
+
+def _send_params(tid: str, binding: dict[str, Any] | None) -> dict[str, Any]:
+    p: dict[str, Any] = {"do_remote_decode": True, "transfer_id": tid, "metaserver": "x"}
+    if binding is not None:
+        p["decode"] = binding
+    return p
+
+
+@pytest.fixture
+def make_prefiller(tiny_model: Path) -> Iterator[Callable[..., Scheduler]]:
+    made: list[Scheduler] = []
+
+    def make(url: str, *, batched: int = 40, **extra: Any) -> Scheduler:
+        cfg = H.vllm_config(
+            tiny_model,
+            "kv_producer",
+            {
+                "metaserver_url": url,
+                "metaserver_token": TOKEN,
+                "instance_id": "pre-1",
+                "side_channel_host": "127.0.0.1",
+                **extra,
+            },
+            batched_tokens=batched,
+        )
+        s = H.scheduler(cfg)
+        made.append(s)
+        return s
+
+    try:
+        yield make
+    finally:
+        for s in made:
+            H.connector_of(s).shutdown()
+
+
+def _step_until_scheduled(s: Scheduler, req_id: str, limit: float = 10.0) -> tuple[Any, Any]:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        out, meta = H.step(s)
+        if req_id in out.num_scheduled_tokens:
+            return out, meta
+        time.sleep(0.02)
+    raise AssertionError(f"{req_id} never scheduled")
+
+
+def _pushes(meta: Any, req_id: str) -> list[SendChunk]:
+    return [c for c in meta.sends if c.req_id == req_id]
+
+
+def test_prefill_chunks_push_complete_blocks_and_tail_last(
+    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    _register_decoder(metaserver.url)
+    s = make_prefiller(metaserver.url, batched=40)  # chunks 0-40, 40-80, 80-100
+    b = _bind(metaserver.url, "tid-chunks", 100)
+    req = H.request(H.prompt(100), _send_params("tid-chunks", b), max_tokens=1)
+    s.add_request(req)
+    out, meta = _step_until_scheduled(s, req.request_id)
+    p = H.block_ids(s, req.request_id)
+    d = b["block_ids"][0]
+    seen: list[tuple[list[tuple[int, int]], bool]] = []
+    c = _pushes(meta, req.request_id)
+    seen.append((c[0].pairs, c[0].last))
+    for _ in range(2):
+        out, meta = H.step(s)
+        p = H.block_ids(s, req.request_id)
+        c = _pushes(meta, req.request_id)
+        seen.append((c[0].pairs, c[0].last))
+    assert seen == [
+        ([(p[i], d[i]) for i in range(2)], False),  # 40 tokens: 2 full blocks
+        ([(p[i], d[i]) for i in range(2, 5)], False),  # up to 80: blocks 2..4
+        ([(p[i], d[i]) for i in range(5, 7)], True),  # last chunk: block 5 + tail block 6
+    ]
+    assert c[0].dest.host == "127.0.0.1" and c[0].dest.port == 5800
+    assert c[0].dest.engine_id == "d-engine" and c[0].transfer_id == "tid-chunks"
+
+
+def test_prefill_skips_blocks_decode_already_caches(
+    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    _register_decoder(metaserver.url)
+    s = make_prefiller(metaserver.url, batched=64)
+    b = _bind(metaserver.url, "tid-skip", 70, cached=32)
+    req = H.request(H.prompt(70), _send_params("tid-skip", b), max_tokens=1)
+    s.add_request(req)
+    _, meta = _step_until_scheduled(s, req.request_id)
+    p, d = H.block_ids(s, req.request_id), b["block_ids"][0]
+    first = _pushes(meta, req.request_id)[0]
+    assert first.pairs == [(p[i], d[i]) for i in range(2, 4)]  # blocks 0,1 are on D already
+    _, meta = H.step(s)
+    p = H.block_ids(s, req.request_id)
+    last = _pushes(meta, req.request_id)[0]
+    assert last.last and last.pairs == [(p[4], d[4])]
+
+
+def test_prefill_keeps_blocks_until_every_push_ended(
+    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    _register_decoder(metaserver.url)
+    s = make_prefiller(metaserver.url, batched=64)
+    before = H.free_blocks(s)
+    b = _bind(metaserver.url, "tid-free", 50)
+    req = H.request(H.prompt(50), _send_params("tid-free", b), max_tokens=1)
+    s.add_request(req)
+    _step_until_scheduled(s, req.request_id)
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    for _ in range(3):
+        H.step(s)
+    assert H.free_blocks(s) < before  # finished, but pushes may still read the blocks
+    H.step(s, sending={req.request_id})
+    H.assert_empty(s)
+
+
+def test_prefill_concurrent_mode_asks_later_until_binding_arrives(
+    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    _register_decoder(metaserver.url)
+    s = make_prefiller(metaserver.url, batched=64, concurrent=True)
+    before = H.free_blocks(s)
+    req = H.request(H.prompt(50), _send_params("tid-conc", None), max_tokens=1)
+    s.add_request(req)
+    for _ in range(5):
+        out, meta = H.step(s)
+        assert req.request_id not in out.num_scheduled_tokens
+        assert H.free_blocks(s) == before  # holds no blocks while waiting
+        time.sleep(0.05)
+    b = _bind(metaserver.url, "tid-conc", 50, first=7)
+    out, meta = _step_until_scheduled(s, req.request_id)
+    chunk = _pushes(meta, req.request_id)[0]
+    assert chunk.last and [dst for _, dst in chunk.pairs] == b["block_ids"][0]
+
+
+def test_prefill_refuses_destinations_the_registry_does_not_vouch_for(
+    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    _register_decoder(metaserver.url)
+    s = make_prefiller(metaserver.url, batched=64)
+    b = _bind(metaserver.url, "tid-forged", 40)
+    forged = {**b, "kv_endpoint": {"host": "10.6.6.6", "port": 5800}}
+    req = H.request(H.prompt(40), _send_params("tid-forged", forged), max_tokens=1)
+    s.add_request(req)
+    out, meta = _step_until_scheduled(s, req.request_id)
+    assert meta.sends == []  # computed, answered, but nothing pushed anywhere
+    unknown = {**b, "decode_instance_id": "nobody"}
+    req2 = H.request(H.prompt(40, seed=3), _send_params("tid-forged", unknown), max_tokens=1)
+    s.add_request(req2)
+    out, meta = _step_until_scheduled(s, req2.request_id)
+    assert meta.sends == []
+    for _ in range(2):
+        H.step(s)
+    H.assert_empty(s)  # no delay-free for requests that never pushed
+
+
+def test_prefill_abort_mid_prefill_holds_blocks_until_workers_release(
+    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    _register_decoder(metaserver.url)
+    s = make_prefiller(metaserver.url, batched=40)
+    b = _bind(metaserver.url, "tid-pabort", 100)
+    req = H.request(H.prompt(100), _send_params("tid-pabort", b), max_tokens=1)
+    s.add_request(req)
+    _, meta = _step_until_scheduled(s, req.request_id)
+    assert _pushes(meta, req.request_id)
+    s.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    out, meta = H.step(s)
+    assert req.request_id in out.finished_req_ids
+    assert req.request_id in s.requests  # delay-freed
+    H.step(s, sending={req.request_id})
+    H.assert_empty(s)
+
+
+def test_prefill_abort_before_binding_arrived_holds_nothing(
+    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    s = make_prefiller(metaserver.url, batched=64, concurrent=True)
+    req = H.request(H.prompt(50), _send_params("tid-never", None), max_tokens=1)
+    s.add_request(req)
+    H.step(s)
+    s.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    H.step(s)
+    H.assert_empty(s)
+
+
+def test_prefill_never_pushes_after_decodes_deadline(
+    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    _register_decoder(metaserver.url)
+    s = make_prefiller(metaserver.url, batched=64, kv_load_timeout_s=1.0)
+    b = _bind(metaserver.url, "tid-late", 40)
+    time.sleep(1.0)  # D (same kv_load_timeout_s) has given up by now
+    req = H.request(H.prompt(40), _send_params("tid-late", b), max_tokens=1)
+    s.add_request(req)
+    out, meta = _step_until_scheduled(s, req.request_id)
+    assert meta.sends == []
+    for _ in range(2):
+        H.step(s)
+    H.assert_empty(s)

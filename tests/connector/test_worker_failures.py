@@ -1,0 +1,259 @@
+"""Failure paths of the worker halves: each ends with blocks released and no hung request."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from connector import wire
+from connector.transport import InProcessTransport
+from connector.worker.receiver import RecvTracker
+from connector.worker.side_channel import handshake
+from tests.connector import cluster as C
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _sig(tid: str, sender: str, ok: bool = True, expected: int = 1) -> wire.Signal:
+    return wire.Signal(tid, sender, ok, expected, "" if ok else "boom")
+
+
+def test_receiver_early_signal_is_buffered_until_the_request_is_known() -> None:
+    t = RecvTracker(10.0, FakeClock())
+    t.on_signal(_sig("t1", "p/0"))
+    assert t.poll() == (set(), set())
+    t.expect("r1", "t1")
+    assert t.poll() == ({"r1"}, set())
+
+
+def test_receiver_duplicate_signal_counts_once() -> None:
+    t = RecvTracker(10.0, FakeClock())
+    t.expect("r1", "t1")
+    t.on_signal(_sig("t1", "p/0", expected=2))
+    t.on_signal(_sig("t1", "p/0", expected=2))
+    assert t.poll() == (set(), set()) and t.ignored_signals == 1
+    t.on_signal(_sig("t1", "p/1", expected=2))
+    assert t.poll() == ({"r1"}, set())
+
+
+def test_receiver_late_signal_of_an_old_attempt_never_completes_a_new_one() -> None:
+    clock = FakeClock()
+    t = RecvTracker(5.0, clock)
+    t.expect("r1", "attempt-1")
+    clock.now += 6
+    assert t.poll() == ({"r1"}, {"r1"})  # expired
+    t.on_signal(_sig("attempt-1", "p/0"))  # late: ignored
+    t.expect("r1", "attempt-2")  # the retry of the same request, new transfer id
+    assert t.poll() == (set(), set())
+    assert t.ignored_signals == 1
+    t.expect("r2", "attempt-1")  # a stale transfer id is never waited on again
+    assert t.pending() == 1
+
+
+def test_receiver_deadline_turns_silence_into_a_failed_load() -> None:
+    clock = FakeClock()
+    t = RecvTracker(120.0, clock)
+    t.expect("r1", "t1")
+    clock.now += 119.9
+    assert t.poll() == (set(), set())
+    clock.now += 0.2
+    assert t.poll() == ({"r1"}, {"r1"}) and t.expired == 1
+
+
+def test_receiver_aborted_request_waits_for_p_or_deadline_then_releases_without_failure() -> None:
+    clock = FakeClock()
+    t = RecvTracker(30.0, clock)
+    t.expect("r1", "t1")
+    t.expect("r2", "t2")
+    t.aborted({"r1", "r2"})
+    assert t.poll() == (set(), set())  # P may still be writing these blocks
+    t.on_signal(_sig("t1", "p/0", ok=False))  # P confirms it stopped
+    assert t.poll() == ({"r1"}, set())
+    clock.now += 31
+    assert t.poll() == ({"r2"}, set())
+
+
+def test_worker_handshake_with_nobody_listening_fails_and_releases_p() -> None:
+    port = C.free_port_range(1)
+    p = C.make_instance("p-eng", "kv_producer", 1)
+    try:
+        C.fill_prefill(p)
+        dest = C.destination(C.Instance("d-eng", 1, 8, False, 32, 16, 32), port)
+        C.push(p, "preq", "tnobody", dest, [[(0, 1)]])
+        C.poll(p, {"preq"}, lambda acc: "preq" in acc[0][0])
+        sender = p.workers[0].sender
+        assert sender is not None and sender.writes == 0
+    finally:
+        C.close(p)
+
+
+def test_worker_handshake_refused_for_a_different_engine_fails_d_at_once() -> None:
+    port = C.free_port_range(1)
+    d = C.make_instance("d-eng", "kv_consumer", 1, port=port)
+    p = C.make_instance("p-eng", "kv_producer", 1)
+    try:
+        C.fill_prefill(p)
+        C.expect(d, "dreq", "tstale", [1])
+        stale = C.destination(d, port)
+        stale = type(stale)(
+            **{**{f: getattr(stale, f) for f in stale.__slots__}, "engine_id": "old"}
+        )
+        C.push(p, "preq", "tstale", stale, [[(0, 1)]])
+        C.poll(p, {"preq"}, lambda acc: "preq" in acc[0][0])
+        got = C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
+        assert got[0][2] == {"dreq"}  # failed -> vLLM recomputes, long before the deadline
+        assert not d.caches[0][C.LAYERS[0]].any()
+    finally:
+        C.close(p, d)
+
+
+def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_worker_decoder_gone_mid_push_fails_the_transfer_on_both_sides() -> None:
+    port = C.free_port_range(1)
+    d = C.make_instance("d-eng", "kv_consumer", 1, port=port)
+    p_transport = InProcessTransport()
+    p = C.make_instance("p-eng", "kv_producer", 1, transports=[p_transport])
+    try:
+        full = C.fill_prefill(p)
+        C.expect(d, "dreq", "tgone", [1, 2, 3])
+        dest = C.destination(d, port)
+        C.push(p, "preq", "tgone", dest, [[(0, 1)]], final=False)
+        last_layer = d.caches[0][C.LAYERS[-1]]
+        _until(lambda: torch.equal(last_layer[1], full[C.LAYERS[-1]][0]))
+        p_transport.fail_writes_to.add(d.workers[0].transport.session)  # D's memory is gone
+        C.push(p, "preq", "tgone", dest, [[(1, 2)], [(2, 3)]])
+        sent = C.poll(p, {"preq"}, lambda acc: "preq" in acc[0][0])
+        assert sent[0][0] == {"preq"}  # P's blocks released
+        got = C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
+        assert got[0][2] == {"dreq"}  # D recomputes instead of waiting for the deadline
+        assert not last_layer[3].any()
+    finally:
+        C.close(p, d)
+
+
+def test_worker_prefill_abort_before_last_chunk_signals_failure() -> None:
+    port = C.free_port_range(1)
+    d = C.make_instance("d-eng", "kv_consumer", 1, port=port)
+    p = C.make_instance("p-eng", "kv_producer", 1)
+    try:
+        C.fill_prefill(p)
+        C.expect(d, "dreq", "tpabort", [1, 2])
+        C.push(p, "preq", "tpabort", C.destination(d, port), [[(0, 1)]], final=False)
+        sent = C.poll(p, {"preq"}, lambda acc: "preq" in acc[0][0])  # P request ended early
+        assert sent[0][0] == {"preq"}
+        got = C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
+        assert got[0][2] == {"dreq"}
+    finally:
+        C.close(p, d)
+
+
+def test_worker_decode_abort_holds_blocks_until_p_confirms() -> None:
+    port = C.free_port_range(1)
+    d = C.make_instance("d-eng", "kv_consumer", 1, port=port)
+    p = C.make_instance("p-eng", "kv_producer", 1)
+    try:
+        C.fill_prefill(p)
+        C.expect(d, "dreq", "tdabort", [1, 2])
+        for _ in range(3):
+            assert d.workers[0].transfer_results({"dreq"}) == (set(), set(), set())
+        C.push(p, "preq", "tdabort", C.destination(d, port), [[(0, 1), (1, 2)]])
+        got = C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
+        assert got[0][2] == set()  # released (not a load failure: the request is gone)
+        C.poll(p, {"preq"}, lambda acc: "preq" in acc[0][0])
+    finally:
+        C.close(p, d)
+
+
+def test_worker_waits_for_handshake_in_background_and_redoes_it_after_restart() -> None:
+    port = C.free_port_range(1)
+    d = C.make_instance("d-eng", "kv_consumer", 1, port=port)
+    p = C.make_instance("p-eng", "kv_producer", 1)
+    gate = threading.Event()
+    try:
+        full = C.fill_prefill(p)
+        sender = p.workers[0].sender
+        assert sender is not None
+
+        def slow(host: str, port_: int, hello: wire.Hello, timeout: float) -> wire.Welcome:
+            gate.wait(10)
+            return handshake(host, port_, hello, timeout)
+
+        sender.handshakes._ask = slow
+        C.expect(d, "dreq", "tslow", [4])
+        C.push(p, "preq", "tslow", C.destination(d, port), [[(0, 4)]])  # returns: not blocked
+        assert not d.caches[0][C.LAYERS[0]].any()
+        assert not sender.settled("preq")
+        gate.set()
+        C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
+        assert torch.equal(d.caches[0][C.LAYERS[0]][4], full[C.LAYERS[0]][0])
+        C.poll(p, {"preq"}, lambda acc: "preq" in acc[0][0])
+        assert sender.handshakes.count == 1
+        C.close(d)  # D restarts on the same port with a new engine id
+        d2 = C.make_instance("d-eng-2", "kv_consumer", 1, port=port)
+        try:
+            C.expect(d2, "dreq2", "tnew", [6])
+            C.push(p, "preq2", "tnew", C.destination(d2, port), [[(1, 6)]])
+            C.poll(d2, set(), lambda acc: "dreq2" in acc[0][1])
+            assert torch.equal(d2.caches[0][C.LAYERS[2]][6], full[C.LAYERS[2]][1])
+            assert sender.handshakes.count == 2
+        finally:
+            C.close(d2)
+    finally:
+        gate.set()
+        C.close(p, d)
+
+
+def test_worker_push_deadline_passed_writes_nothing_and_fails_d() -> None:
+    port = C.free_port_range(1)
+    d = C.make_instance("d-eng", "kv_consumer", 1, port=port)
+    p = C.make_instance("p-eng", "kv_producer", 1)
+    try:
+        C.fill_prefill(p)
+        C.expect(d, "dreq", "tlate", [1, 2])
+        dest = C.destination(d, port)
+        late = type(dest)(**{**{f: getattr(dest, f) for f in dest.__slots__}, "deadline": 1.0})
+        C.push(p, "preq", "tlate", late, [[(0, 1), (1, 2)]])
+        C.poll(p, {"preq"}, lambda acc: "preq" in acc[0][0])
+        got = C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
+        assert got[0][2] == {"dreq"}
+        assert not d.caches[0][C.LAYERS[0]].any()
+    finally:
+        C.close(p, d)
+
+
+def test_worker_failed_handshake_is_retried_after_a_pause() -> None:
+    port = C.free_port_range(1)
+    p = C.make_instance("p-eng", "kv_producer", 1)
+    d: C.Instance | None = None
+    try:
+        full = C.fill_prefill(p)
+        sender = p.workers[0].sender
+        assert sender is not None
+        sender.handshakes.retry_after_s = 0.2
+        ghost = C.destination(C.Instance("d-eng", 1, 8, False, 32, 16, 32), port)
+        C.push(p, "preq", "tfirst", ghost, [[(0, 1)]])  # nobody listens yet
+        C.poll(p, {"preq"}, lambda acc: "preq" in acc[0][0])
+        d = C.make_instance("d-eng", "kv_consumer", 1, port=port)  # D comes up
+        time.sleep(0.3)
+        C.expect(d, "dreq", "tsecond", [1])
+        C.push(p, "preq2", "tsecond", C.destination(d, port), [[(0, 1)]])
+        got = C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
+        assert got[0][2] == set()
+        assert torch.equal(d.caches[0][C.LAYERS[1]][1], full[C.LAYERS[1]][0])
+    finally:
+        C.close(p, *([d] if d else []))

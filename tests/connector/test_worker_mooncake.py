@@ -1,0 +1,127 @@
+"""P and D in two OS processes over the real Mooncake TCP transport on loopback, with KV caches
+allocated by vLLM's own CPU allocator: D's blocks must hold exactly P's bytes."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.connector.mooncake_peer import LAYERS, expected
+from tests.support.procs import Process, free_port
+
+pytest.importorskip("mooncake.engine")
+
+PEER = [sys.executable, "-m", "tests.connector.mooncake_peer"]
+
+
+def _wait_line(proc: Process, text: str, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in proc.tail(200).splitlines():
+            if line.startswith(text):
+                return line
+        if not proc.alive():
+            raise AssertionError(f"peer exited early:\n{proc.tail()}")
+        time.sleep(0.05)
+    raise AssertionError(f"no {text!r} from peer:\n{proc.tail()}")
+
+
+def _run(tmp_path: Path, chunks: list[list[tuple[int, int]]], seed: int) -> dict[str, torch.Tensor]:
+    port = free_port()
+    out = tmp_path / "d.pt"
+    dst = [d for chunk in chunks for _, d in chunk]
+    d = Process(
+        [
+            *PEER,
+            "d",
+            "--port",
+            str(port),
+            "--tid",
+            f"t{seed}",
+            "--dst",
+            ",".join(map(str, dst)),
+            "--out",
+            str(out),
+        ],
+        log=tmp_path / "d.log",
+    )
+    p: Process | None = None
+    try:
+        _wait_line(d, "READY")
+        spec = ";".join(",".join(f"{s}:{t}" for s, t in chunk) for chunk in chunks)
+        p = Process(
+            [
+                *PEER,
+                "p",
+                "--d-port",
+                str(port),
+                "--tid",
+                f"t{seed}",
+                "--chunks",
+                spec,
+                "--seed",
+                str(seed),
+            ],
+            log=tmp_path / "p.log",
+        )
+        _wait_line(p, "SENT")
+        assert _wait_line(d, "RECEIVED").startswith("RECEIVED ok")
+        deadline = time.monotonic() + 20
+        while d.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        got: dict[str, torch.Tensor] = torch.load(out)
+        return got
+    finally:
+        d.stop()
+        if p is not None:
+            p.stop()
+
+
+def _assert_placed(
+    got: dict[str, torch.Tensor], chunks: list[list[tuple[int, int]]], seed: int
+) -> None:
+    want = expected(seed, tuple(got[LAYERS[0]].shape), LAYERS)
+    pairs = [pair for chunk in chunks for pair in chunk]
+    written = {d for _, d in pairs}
+    for name in LAYERS:
+        for s, d in pairs:
+            assert torch.equal(got[name][d], want[name][s]), (name, s, d)
+        for b in range(got[name].shape[0]):
+            if b not in written:
+                assert not got[name][b].any(), (name, b)
+
+
+def test_mooncake_push_single_chunk_lands_exactly(tmp_path: Path) -> None:
+    chunks = [[(0, 5), (1, 6), (2, 7), (3, 11)]]
+    _assert_placed(_run(tmp_path, chunks, seed=1), chunks, seed=1)
+
+
+def test_mooncake_push_several_chunks_tail_and_skipped_cached_blocks(tmp_path: Path) -> None:
+    # blocks 0-1 are cached on D (never sent); three chunks; the last carries the tail block
+    chunks = [[(2, 12), (3, 13)], [(4, 14), (5, 20), (6, 21)], [(7, 22)]]
+    _assert_placed(_run(tmp_path, chunks, seed=2), chunks, seed=2)
+
+
+def test_mooncake_handshake_to_a_dead_decoder_fails_without_hanging(tmp_path: Path) -> None:
+    port = free_port()
+    d = Process(
+        [*PEER, "d", "--port", str(port), "--tid", "tdead", "--dst", "1"], log=tmp_path / "d.log"
+    )
+    try:
+        _wait_line(d, "READY")
+    finally:
+        d.stop(signal.SIGKILL)
+    p = Process(
+        [*PEER, "p", "--d-port", str(port), "--tid", "tdead", "--chunks", "0:1"],
+        log=tmp_path / "p.log",
+    )
+    try:
+        line = _wait_line(p, "SENT", timeout=30)  # P releases its blocks: no hang
+        assert "writes=0" in line
+    finally:
+        p.stop()
