@@ -45,6 +45,7 @@ class Supervisor:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # own process group: we can stop its whole tree
+                preexec_fn=_die_with_parent,
             )
             self.out(f"started {child.name} (pid {self.procs[child.name].pid}), log: {log.name}")
 
@@ -134,6 +135,19 @@ class Supervisor:
         if not path.exists():
             return ""
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM it if the supervisor dies, even by
+    SIGKILL — the one exit the supervisor cannot clean up after."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the group stop in stop() still applies
+        pass
 
 
 def group_alive(pgid: int) -> bool:

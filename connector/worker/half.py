@@ -7,6 +7,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
 
 from connector import wire
 from connector.config import ConnectorSettings
@@ -60,6 +61,8 @@ class ConnectorWorker:
             role = kv.kv_role
         assert rank is not None and tp_size is not None and engine_id is not None
         self.rank, self.tp_size, self.engine_id = rank, tp_size, engine_id
+        http_port = urlparse(settings.http_url).port if settings.http_url else None
+        self.actor = settings.resolved_instance_id(http_port)  # as the scheduler half names it
         self.total_kv_heads = total_kv_heads or 1
         self.use_mla = bool(use_mla)
         self.role = role or "kv_both"
@@ -216,17 +219,17 @@ class ConnectorWorker:
     def _report_pushing(self, tr: Transfer) -> None:
         if self._events is not None:
             detail = EventDetail(bytes_pushed=tr.bytes)
-            self._events.post_event(tr.transfer_id, BindingState.PUSHING, self.engine_id, detail)
+            self._events.post_event(tr.transfer_id, BindingState.PUSHING, self.actor, detail)
 
     def _report_end(self, tr: Transfer) -> None:
         if self._events is None:
             return
         if tr.error:
             detail = EventDetail(error=tr.error[:4000], bytes_pushed=tr.bytes)
-            self._events.post_event(tr.transfer_id, BindingState.FAILED, self.engine_id, detail)
+            self._events.post_event(tr.transfer_id, BindingState.FAILED, self.actor, detail)
         else:
             detail = EventDetail(bytes_pushed=tr.bytes)
-            self._events.post_event(tr.transfer_id, BindingState.DONE, self.engine_id, detail)
+            self._events.post_event(tr.transfer_id, BindingState.DONE, self.actor, detail)
 
     def shutdown(self) -> None:
         if self.sender is not None:

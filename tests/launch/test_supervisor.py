@@ -156,3 +156,39 @@ def test_supervisor_checks_a_gate_only_after_the_others(tmp_path: Path) -> None:
         sup.stop(grace_s=5)
     ready = [line.split("] ")[1] for line in lines if "is ready" in line]
     assert ready == ["engine is ready", "gate is ready"]
+
+
+def test_supervisor_children_die_with_a_killed_supervisor(tmp_path: Path) -> None:
+    """Even SIGKILL of pd-launch itself leaves no engine behind (Linux parent-death signal)."""
+    pidfile = tmp_path / "child.pid"
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from launch.plan import Child\n"
+        "from launch.supervisor import Supervisor\n"
+        f"child = Child('c', [sys.executable, '-c', 'import time; time.sleep(600)'], 'http://x')\n"
+        f"sup = Supervisor([child], Path({str(tmp_path)!r}), lambda s: None)\n"
+        "sup.start()\n"
+        f"Path({str(pidfile)!r}).write_text(str(sup.procs['c'].pid))\n"
+        "time.sleep(600)\n"
+    )
+    import signal
+    import subprocess
+
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).parents[2])
+    try:
+        deadline = time.monotonic() + 20
+        while not pidfile.exists() or not pidfile.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        child_pid = int(pidfile.read_text())
+        assert alive(child_pid)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while alive(child_pid):
+            assert time.monotonic() < deadline, "child outlived its killed supervisor"
+            time.sleep(0.05)
+    finally:
+        if parent.poll() is None:
+            parent.kill()

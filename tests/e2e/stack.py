@@ -1,0 +1,77 @@
+"""Real deployments for end-to-end tests, built with pd-launch's own plan and supervisor."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from launch.plan import Child, LaunchOptions, LaunchPlan, build_plan
+from launch.supervisor import Supervisor
+from tests.support.procs import free_port
+
+# Engine settings shared by the monolithic reference and the P/D engines: everything that can
+# change numerics must be identical. Chunks of 56 tokens are deliberately not block-aligned.
+BLOCK_SIZE = 32
+CHUNK_TOKENS = 56
+MAX_MODEL_LEN = 2048
+
+
+def base_options(model: Path, **over: object) -> LaunchOptions:
+    opts = LaunchOptions(
+        model=str(model),
+        proxy_port=free_port(),
+        metaserver_port=free_port(),
+        engine_base_port=free_port(),
+        side_channel_base_port=free_port(),
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=CHUNK_TOKENS,
+        block_size=BLOCK_SIZE,
+        kv_load_timeout_s=60.0,
+        extra_proxy_args=("--disagg-min-tokens", "0"),
+    )
+    return replace(opts, **over)  # type: ignore[arg-type]
+
+
+def monolithic_child(model: Path) -> Child:
+    """A plain vLLM server (no connector) with the same engine settings: the reference."""
+    port = free_port()
+    opts = base_options(model)
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", model.name,
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", str(CHUNK_TOKENS),
+        "--block-size", str(BLOCK_SIZE), "--gpu-memory-utilization", "0.1", "--dtype", "float32",
+    ]  # fmt: skip
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    del opts
+    return Child("monolithic", argv, f"http://127.0.0.1:{port}/health", env, kind="engine")
+
+
+@dataclass
+class Deployment:
+    plan: LaunchPlan
+    supervisor: Supervisor
+
+    @property
+    def proxy(self) -> str:
+        return self.plan.proxy_url
+
+    @property
+    def metaserver(self) -> str:
+        return self.plan.metaserver_url
+
+    def url_of(self, name: str) -> str:
+        child = next(c for c in self.plan.children if c.name == name)
+        return child.health_url.removesuffix("/health").removesuffix("/ready")
+
+
+def start(children: list[Child], log_dir: Path) -> Supervisor:
+    sup = Supervisor(children, log_dir, out=lambda line: print(f"[e2e] {line}", flush=True))
+    sup.start()
+    return sup
+
+
+def deployment(opts: LaunchOptions, log_dir: Path) -> Deployment:
+    plan = build_plan(opts)
+    return Deployment(plan, start(plan.children, log_dir))

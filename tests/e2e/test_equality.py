@@ -1,0 +1,104 @@
+"""Greedy output through P/D is token-for-token identical to a monolithic engine."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+import pytest
+
+from tests.e2e.client import Generation, chat, client, complete
+from tests.e2e.conftest import Engines
+from tests.e2e.stack import BLOCK_SIZE, CHUNK_TOKENS
+
+pytestmark = pytest.mark.e2e
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    """A prompt of exactly ``n`` token ids (ids 3.. avoid the special tokens)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def assert_same(pd: Generation, ref: Generation) -> None:
+    assert pd.token_ids == ref.token_ids
+    assert pd.text == ref.text
+    assert len(pd.logprobs) == len(ref.logprobs)
+    for a, b in zip(pd.logprobs, ref.logprobs, strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+# (name, prompt length in tokens)
+CASES = [
+    ("shorter-than-a-block", BLOCK_SIZE - 5),
+    ("partial-tail-block", 3 * BLOCK_SIZE + 7),
+    ("three-chunks", 3 * CHUNK_TOKENS + 11),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize(("name", "length"), CASES, ids=[c[0] for c in CASES])
+async def test_e2e_completion_equals_monolithic(
+    engines: Engines, name: str, length: int, stream: bool
+) -> None:
+    prompt = prompt_ids(length, seed=length)
+    ref = await complete(client(engines.mono_url), engines.model, prompt, stream=stream)
+    got = await complete(client(engines.pd.proxy), engines.model, prompt, stream=stream)
+    assert len(ref.token_ids) == 16
+    assert_same(got, ref)
+
+
+async def test_e2e_outputs_depend_on_the_prompt(engines: Engines) -> None:
+    """Guards the equality tests: if every prompt gave the same answer they would prove nothing."""
+    c = client(engines.mono_url)
+    a = await complete(c, engines.model, prompt_ids(40, seed=1))
+    b = await complete(c, engines.model, prompt_ids(40, seed=2))
+    changed_start = prompt_ids(40, seed=1)
+    changed_start[:2] = [5, 6]
+    d = await complete(c, engines.model, changed_start)
+    assert a.token_ids != b.token_ids
+    assert a.token_ids != d.token_ids
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_e2e_chat_equals_monolithic(engines: Engines, stream: bool) -> None:
+    text = "Prefill and decode run on different machines; the KV cache travels between them. " * 3
+    ref = await chat(client(engines.mono_url), engines.model, text, stream=stream)
+    got = await chat(client(engines.pd.proxy), engines.model, text, stream=stream)
+    assert_same(got, ref)
+
+
+async def test_e2e_prefix_cache_hit_on_decode_is_skipped_and_still_equal(engines: Engines) -> None:
+    base = prompt_ids(4 * BLOCK_SIZE + 3, seed=77)
+    pd = client(engines.pd.proxy)
+    await complete(pd, engines.model, base, max_tokens=2)  # D now holds base's full blocks
+    longer = base + prompt_ids(2 * BLOCK_SIZE + 5, seed=78)
+    ref = await complete(client(engines.mono_url), engines.model, longer)
+    got = await complete(pd, engines.model, longer)
+    assert_same(got, ref)
+    async with httpx.AsyncClient(base_url=engines.pd.metaserver, timeout=10) as ms:
+        latest = (await ms.get("/v1/bindings", params={"limit": 1})).json()["bindings"][0]
+    assert latest["num_prompt_tokens"] == len(longer)
+    assert latest["num_cached_tokens"] >= 4 * BLOCK_SIZE  # P skipped the blocks D had
+    assert latest["state"] == "done"
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="known bug under investigation (issue 5 note): under concurrency one request in 32 "
+    "occasionally diverges after a few tokens; no warning is logged by either engine",
+)
+async def test_e2e_concurrent_mixed_lengths_equal_monolithic(engines: Engines) -> None:
+    lengths = [random.Random(i).randrange(5, 400) for i in range(32)]
+    prompts = [prompt_ids(n, seed=1000 + i) for i, n in enumerate(lengths)]
+    mono, pd = client(engines.mono_url), client(engines.pd.proxy)
+    refs = await asyncio.gather(*(complete(mono, engines.model, p, max_tokens=8) for p in prompts))
+    gots = await asyncio.gather(
+        *(
+            complete(pd, engines.model, p, max_tokens=8, stream=i % 2 == 0)
+            for i, p in enumerate(prompts)
+        )
+    )
+    for got, ref in zip(gots, refs, strict=True):
+        assert_same(got, ref)

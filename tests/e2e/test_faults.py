@@ -1,0 +1,72 @@
+"""Prefill killed while it pushes: the client gets a correct answer (D recomputes) or a clear
+error within the deadline, and D is left with nothing running."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import APIError
+
+from launch.supervisor import ChildFailed
+from tests.e2e.client import client, complete
+from tests.e2e.conftest import LOG_DIR, Engines
+from tests.e2e.engine_metrics import wait_idle
+from tests.e2e.stack import Deployment, base_options, deployment
+from tests.e2e.test_equality import assert_same, prompt_ids
+
+pytestmark = pytest.mark.e2e
+KV_LOAD_TIMEOUT_S = 8.0
+
+
+@pytest.fixture(scope="module")
+def fragile(tiny_model: Path) -> Iterator[Deployment]:
+    """A 1P1D deployment of its own (its P gets killed), with a short KV-load deadline."""
+    dep = deployment(
+        base_options(tiny_model, kv_load_timeout_s=KV_LOAD_TIMEOUT_S), LOG_DIR / "fragile"
+    )
+    try:
+        try:
+            dep.supervisor.wait_ready(900)
+        except ChildFailed as exc:
+            pytest.fail(f"deployment did not start: {exc}")
+        yield dep
+    finally:
+        dep.supervisor.stop()
+
+
+async def test_e2e_prefill_killed_mid_push(fragile: Deployment, engines: Engines) -> None:
+    prompt = prompt_ids(1800, seed=99)  # ~33 chunks of 56 tokens: a long prefill to interrupt
+    ref = await complete(client(engines.mono_url), engines.model, prompt, max_tokens=8)
+    d_url = fragile.url_of("decode-0")
+    request = asyncio.create_task(
+        complete(client(fragile.proxy), engines.model, prompt, max_tokens=8)
+    )
+    started = time.monotonic()
+    async with httpx.AsyncClient(base_url=fragile.metaserver, timeout=10) as ms:
+        while True:  # kill P once it has started pushing this transfer
+            assert time.monotonic() - started < 120, "prefill never started"
+            if request.done():
+                pytest.fail(f"request ended before P was killed: {request.result()!r}")
+            bindings = (await ms.get("/v1/bindings", params={"limit": 1})).json()["bindings"]
+            if bindings and bindings[0]["state"] in ("prefill_started", "pushing"):
+                break
+            await asyncio.sleep(0.02)
+        p = fragile.supervisor.procs["prefill-0"]
+        fragile.supervisor._signal(p, signal.SIGKILL)
+        killed_at = time.monotonic()
+        try:
+            got = await asyncio.wait_for(request, KV_LOAD_TIMEOUT_S + 60)
+        except APIError as exc:  # a clear error is acceptable …
+            assert exc.message, "the error must say what went wrong"
+        else:  # … and so is the right answer, recomputed by D
+            assert_same(got, ref)
+        assert time.monotonic() - killed_at < KV_LOAD_TIMEOUT_S + 60
+        await wait_idle(d_url, 30)
+        final = (await ms.get(f"/v1/bindings/{bindings[0]['transfer_id']}")).json()
+        assert final["state"] in ("failed", "aborted", "done"), final["state"]

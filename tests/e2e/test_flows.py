@@ -1,0 +1,63 @@
+"""Flows and placement on the 2P+2D deployment: concurrent mode, direct, requests spread over
+all four engines, and each request's binding history in the metaserver."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.e2e.client import client, complete
+from tests.e2e.conftest import Engines
+from tests.e2e.test_equality import assert_same, prompt_ids
+
+pytestmark = pytest.mark.e2e
+
+
+async def latest_binding(engines: Engines) -> dict[str, object]:
+    async with httpx.AsyncClient(base_url=engines.pd.metaserver, timeout=10) as ms:
+        bindings = (await ms.get("/v1/bindings", params={"limit": 1})).json()["bindings"]
+    assert bindings, "no binding recorded"
+    binding: dict[str, object] = bindings[0]
+    return binding
+
+
+@pytest.mark.parametrize("flow", ["concurrent", "decode-first", "direct"])
+async def test_e2e_flow_equals_monolithic(engines: Engines, flow: str) -> None:
+    prompt = prompt_ids(150, seed={"concurrent": 11, "decode-first": 12, "direct": 13}[flow])
+    ref = await complete(client(engines.mono_url), engines.model, prompt)
+    got = await complete(
+        client(engines.pd.proxy), engines.model, prompt, headers={"x-pd-flow": flow}
+    )
+    assert_same(got, ref)
+    if flow != "direct":
+        b = await latest_binding(engines)
+        assert b["num_prompt_tokens"] == 150 and b["state"] == "done"
+
+
+async def test_e2e_binding_history_is_inspectable(engines: Engines) -> None:
+    prompt = prompt_ids(200, seed=21)
+    await complete(client(engines.pd.proxy), engines.model, prompt, max_tokens=4)
+    b = await latest_binding(engines)
+    events = b["events"]
+    assert isinstance(events, list)
+    states = [e["state"] for e in events]
+    assert states[0] == "bound" and states[-1] == "done"
+    actors = {e["state"]: e["actor"] for e in events}
+    assert actors["bound"] == b["decode_instance_id"]
+    assert str(actors["done"]).startswith("prefill-")  # the P instance that pushed
+    assert all(events[i]["at"] <= events[i + 1]["at"] for i in range(len(events) - 1))
+    assert b["block_ids"] and b["block_size"] == 32
+
+
+async def test_e2e_requests_spread_over_all_four_engines(engines: Engines) -> None:
+    pd = client(engines.pd.proxy)
+    prompts = [prompt_ids(60 + i, seed=300 + i) for i in range(12)]
+    await asyncio.gather(*(complete(pd, engines.model, p, max_tokens=2) for p in prompts))
+    async with httpx.AsyncClient(base_url=engines.pd.metaserver, timeout=10) as ms:
+        bindings = (await ms.get("/v1/bindings", params={"limit": 12})).json()["bindings"]
+    decoders = {b["decode_instance_id"] for b in bindings}
+    prefillers = {e["actor"] for b in bindings for e in b["events"] if e["state"] != "bound"}
+    assert decoders == {"decode-0", "decode-1"}
+    assert {"prefill-0", "prefill-1"} <= prefillers
