@@ -4,7 +4,7 @@ uvicorn writes a response's status line and headers (``http.response.start``) an
 body part with separate ``transport.write`` calls: two socket writes for every non-streamed
 answer. On ``/v1/completions`` and ``/v1/chat/completions`` the proxy's handler always sends
 the first body part right after the start, so the head is held back and written together with
-it (one syscall less per response; measured in ``docs/benchmarks-proxy.md``). The hot
+it (one syscall less per response; measured in ``docs/benchmarks.md``). The hot
 requests' scope also gets an ``ON_DISCONNECT`` slot, called from ``connection_lost``, so the
 handler notices a client that went away without a watcher task per request. Other paths are
 left exactly as uvicorn serves them.
