@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
-
-from pydantic import ValidationError
 
 from metaserver.config import MetaserverSettings
-from metaserver.settings import redact_url
+from metaserver.settings import SettingsParser, redact_url
 
 DESCRIPTION = """\
 pdgate metaserver: records which decode instance (KV endpoint, block ids) each transfer must
@@ -22,52 +18,25 @@ Every option can also come from the environment (PD_METASERVER_<NAME>) or a YAML
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pd-metaserver", description=DESCRIPTION)
-    fields = MetaserverSettings.model_fields
-    p.add_argument("--config", dest="config_file", help="YAML file with settings")
-
-    def opt(flag: str, name: str, kind: Any = str, **kw: Any) -> None:
-        help_text = fields[name].description or ""
-        default = fields[name].default
-        p.add_argument(
-            flag,
-            dest=name,
-            type=kind,
-            default=argparse.SUPPRESS,
-            help=f"{help_text} (default: {default})",
-            **kw,
-        )
-
-    opt("--host", "host")
-    opt("--port", "port", int)
-    opt("--store", "store")
-    opt("--namespace", "namespace")
-    opt("--token", "token")
-    p.add_argument(
-        "--protect-reads",
-        dest="protect_reads",
-        action="store_true",
-        default=argparse.SUPPRESS,
-        help="require the token for GET requests too",
-    )
-    opt("--ttl", "binding_ttl_s", float)
-    opt("--retain", "retain_s", float)
-    opt("--instance-ttl", "instance_ttl_s", float)
-    opt("--max-body-bytes", "max_body_bytes", int)
-    opt("--max-wait", "max_wait_s", float)
-    opt("--log-level", "log_level")
+def build_parser() -> SettingsParser[MetaserverSettings]:
+    p = SettingsParser(MetaserverSettings, prog="pd-metaserver", description=DESCRIPTION)
+    p.option("--host", "host")
+    p.option("--port", "port", int)
+    p.option("--store", "store")
+    p.option("--namespace", "namespace")
+    p.option("--token", "token")
+    p.switch("--protect-reads", "protect_reads")
+    p.option("--ttl", "binding_ttl_s", float)
+    p.option("--retain", "retain_s", float)
+    p.option("--instance-ttl", "instance_ttl_s", float)
+    p.option("--max-body-bytes", "max_body_bytes", int)
+    p.option("--max-wait", "max_wait_s", float)
+    p.option("--log-level", "log_level")
     return p
 
 
 def load_settings(argv: Sequence[str] | None = None) -> MetaserverSettings:
-    parser = build_parser()
-    args = vars(parser.parse_args(argv))
-    try:
-        return MetaserverSettings(**args)
-    except (ValidationError, FileNotFoundError) as exc:
-        parser.error(f"invalid settings:\n{exc}")
-        raise  # unreachable: parser.error exits
+    return build_parser().load(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

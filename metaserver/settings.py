@@ -7,10 +7,14 @@ in the environment). Secret fields are ``SecretStr`` and URLs with credentials a
 
 from __future__ import annotations
 
+import argparse
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
+from pydantic import ValidationError
+from pydantic_core import PydanticUndefined
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -50,3 +54,41 @@ class LayeredSettings(BaseSettings):
                 raise FileNotFoundError(f"config file {path} does not exist")
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
         return tuple(sources)
+
+
+S = TypeVar("S", bound=LayeredSettings)
+
+
+class SettingsParser(argparse.ArgumentParser, Generic[S]):
+    """The command line of a ``LayeredSettings`` class. Flags are added one by one and only
+    those given reach the settings (so environment, YAML and defaults fill the rest); help
+    texts come from the fields' descriptions; bad values end in a clear usage error."""
+
+    def __init__(self, settings_cls: type[S], **parser_kw: Any) -> None:
+        super().__init__(**parser_kw)
+        self.settings_cls = settings_cls
+        self.add_argument("--config", dest="config_file", help="YAML file with settings")
+
+    def option(self, flag: str, name: str, kind: Any = str, **kw: Any) -> None:
+        field = self.settings_cls.model_fields[name]
+        default = field.default
+        hidden = default is None or default is PydanticUndefined
+        shown = "" if hidden else f" (default: {getattr(default, 'value', default)})"
+        self.add_argument(
+            flag, dest=name, type=kind, default=argparse.SUPPRESS,
+            help=f"{field.description or ''}{shown}", **kw,
+        )  # fmt: skip
+
+    def switch(self, flag: str, name: str) -> None:
+        """A boolean setting turned on by a bare flag."""
+        help_text = self.settings_cls.model_fields[name].description or ""
+        self.add_argument(
+            flag, dest=name, action="store_true", default=argparse.SUPPRESS, help=help_text
+        )
+
+    def load(self, argv: Sequence[str] | None = None) -> S:
+        args = vars(self.parse_args(argv))
+        try:
+            return self.settings_cls(**args)
+        except (ValidationError, FileNotFoundError, ValueError) as exc:
+            self.error(f"invalid settings:\n{exc}")

@@ -10,9 +10,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import SecretStr, ValidationError
-from pydantic_core import PydanticUndefined
+from pydantic import SecretStr
 
+from metaserver.settings import SettingsParser
 from proxy.config import ProxySettings
 from proxy.policies import POLICIES
 
@@ -39,26 +39,14 @@ Every option can also come from the environment (PD_PROXY_<NAME>) or a YAML file
 _SETTINGS_ENV = "PDGATE_PROXY_SETTINGS_JSON"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="pd-proxy", description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter
+def build_parser() -> SettingsParser[ProxySettings]:
+    p = SettingsParser(
+        ProxySettings,
+        prog="pd-proxy",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawTextHelpFormatter,
     )
-    fields = ProxySettings.model_fields
-    p.add_argument("--config", dest="config_file", help="YAML file with settings")
-
-    def opt(flag: str, name: str, kind: Any = str, **kw: Any) -> None:
-        default = fields[name].default
-        hidden = default is None or default is PydanticUndefined
-        shown = "" if hidden else f" (default: {getattr(default, 'value', default)})"
-        p.add_argument(
-            flag,
-            dest=name,
-            type=kind,
-            default=argparse.SUPPRESS,
-            help=f"{fields[name].description or ''}{shown}",
-            **kw,
-        )
-
+    opt = p.option
     opt("--host", "host")
     opt("--port", "port", int)
     opt("--workers", "workers", int)
@@ -72,13 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--metaserver", "metaserver", metavar="URL")
     opt("--metaserver-token", "metaserver_token")
     opt("--flow", "flow", choices=["decode-first", "concurrent", "prefill-first", "direct"])
-    p.add_argument(
-        "--flow-header",
-        dest="flow_header",
-        action="store_true",
-        default=argparse.SUPPRESS,
-        help="let clients pick the flow per request with an x-pd-flow header",
-    )
+    p.switch("--flow-header", "flow_header")
     opt("--disagg-min-tokens", "disagg_min_tokens", int)
     opt("--cached-skip-ratio", "cached_skip_ratio", float)
     policies = sorted(POLICIES)
@@ -106,13 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_settings(argv: Sequence[str] | None = None) -> ProxySettings:
-    parser = build_parser()
-    args = vars(parser.parse_args(argv))
-    try:
-        return ProxySettings(**args)
-    except (ValidationError, FileNotFoundError, ValueError) as exc:
-        parser.error(f"invalid settings:\n{exc}")
-        raise  # unreachable: parser.error exits
+    return build_parser().load(argv)
 
 
 def _reveal(value: Any) -> Any:
