@@ -42,6 +42,9 @@ class ConnectorSettings(LayeredSettings):
     concurrent: bool = False
     binding_wait_s: float = Field(30.0, gt=0, le=600, description="concurrent mode: long-poll")
     handshake_timeout_s: float = Field(5.0, gt=0, le=600)
+    verify_kv: bool = Field(
+        False, description="P sends a crc32 per pushed piece, D checks them (cpu memory only)"
+    )
 
     @field_validator("http_url")
     @classmethod

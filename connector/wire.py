@@ -71,6 +71,8 @@ class Signal(msgspec.Struct, tag="signal", frozen=True):
     ok: bool
     expected: int
     error: str = ""
+    # with ``verify_kv``: (D layer index, D address, length, crc32) of every piece written
+    digests: list[tuple[int, int, int, int]] = []
 
 
 Message = Hello | Welcome | Refused | Signal

@@ -35,6 +35,7 @@ class Supervisor:
     # ---- start ----------------------------------------------------------------------------
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        in_main_thread = threading.current_thread() is threading.main_thread()
         for child in self.children:
             log = open(self.log_dir / f"{child.name}.log", "a")
             self._logs.append(log)
@@ -45,7 +46,8 @@ class Supervisor:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # own process group: we can stop its whole tree
-                preexec_fn=_die_with_parent,
+                # the parent-death signal follows the *thread* that forks: only from the main one
+                preexec_fn=_die_with_parent if in_main_thread else None,
             )
             self.out(f"started {child.name} (pid {self.procs[child.name].pid}), log: {log.name}")
 

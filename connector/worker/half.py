@@ -14,6 +14,7 @@ from connector.config import ConnectorSettings
 from connector.device import Device, make_device
 from connector.metadata import PdgateMetadata
 from connector.transport import Transport, make_transport
+from connector.worker import digest
 from connector.worker.memory import KVMemory
 from connector.worker.receiver import RecvTracker
 from connector.worker.sender import Sender, Transfer
@@ -98,6 +99,11 @@ class ConnectorWorker:
         self._kv_caches = dict(kv_caches)  # registered memory must outlive us, whoever owns it
         self.memory = KVMemory.of(kv_caches, self.settings.device)
         self.memory.register(self.transport)
+        verify = self.settings.verify_kv and self.settings.device == "cpu"
+        if self.settings.verify_kv and not verify:
+            log.warning("verify_kv checks host memory only; off for device %s", self.device.name)
+        elif verify:
+            log.info("rank %d: verify_kv on (crc32 of every pushed piece, checked on D)", self.rank)
         log.info(
             "rank %d registered %d KV layers (%s) with %s",
             self.rank,
@@ -106,6 +112,9 @@ class ConnectorWorker:
             self.transport.session,
         )
         if self.role in ("kv_consumer", "kv_both"):
+            if verify:
+                memory = self.memory
+                self.tracker.verify = lambda sig: digest.check(memory, sig.digests)
             port = self.settings.side_channel_port + self.rank
             self.server = SideChannelServer(
                 self.settings.side_channel_host or "0.0.0.0",
@@ -125,6 +134,7 @@ class ConnectorWorker:
                 self.settings.handshake_timeout_s,
                 on_end=self._report_end,
                 on_first_write=self._report_pushing,
+                verify=verify,
             )
 
     def _welcome(self, hello: wire.Hello) -> wire.Welcome | wire.Refused:

@@ -13,7 +13,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from connector import wire
@@ -53,6 +53,10 @@ class RecvTracker:
         self._failed_now: set[str] = set()
         self.ignored_signals = 0
         self.expired = 0
+        self.corrupt = 0
+        self.verified = 0  # transfers whose digests all matched
+        # ``verify_kv``: checks a complete transfer's digests ("" = the KV landed intact)
+        self.verify: Callable[[wire.Signal], str] | None = None
 
     def expect(self, req_id: str, transfer_id: str) -> None:
         with self._lock:
@@ -123,7 +127,7 @@ class RecvTracker:
             if any(not s.ok for s in sigs):
                 return False
             if len(entry.by_sender) >= max(s.expected for s in sigs):
-                return True
+                return self._intact(recv, sigs)
         if now >= recv.deadline:
             self.expired += 1
             got = len(entry.by_sender) if entry is not None else 0
@@ -136,6 +140,30 @@ class RecvTracker:
             )
             return False
         return None
+
+    def _intact(self, recv: _Recv, sigs: Iterable[wire.Signal]) -> bool:
+        """With ``verify``: whether what landed matches every P rank's digests."""
+        if self.verify is None:
+            return True
+        checked = False
+        for sig in sigs:
+            if not sig.digests:
+                continue  # that P rank runs without verify_kv
+            checked = True
+            problem = self.verify(sig)
+            if problem:
+                self.corrupt += 1
+                log.error(
+                    "transfer %s (%s): KV from %s does not match what P pushed: %s; "
+                    "failing the load",
+                    recv.transfer_id,
+                    recv.req_id,
+                    sig.sender,
+                    problem,
+                )
+                return False
+        self.verified += checked
+        return True
 
     def _retire(self, recv: _Recv) -> None:
         del self._recvs[recv.req_id]

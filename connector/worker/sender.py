@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from connector import tp, wire
 from connector.device import Event
@@ -22,6 +22,7 @@ from connector.errors import LayoutError, TransferError
 from connector.layout import LayerLayout, check_compatible, pair_pieces
 from connector.metadata import Destination, SendChunk
 from connector.transport import Transport
+from connector.worker import digest
 from connector.worker.handshake import HandshakeCache
 from connector.worker.memory import KVMemory
 from connector.worker.side_channel import SignalClient
@@ -42,6 +43,7 @@ class Transfer:
     bytes: int = 0
     # pieces of the chunk being pushed (the same for every layer): (pairs object, pieces)
     cached: tuple[object, list[tuple[int, int, int, int]]] | None = None
+    written: list[digest.Written] = field(default_factory=list)  # with ``verify``
 
     @property
     def d_port(self) -> int:
@@ -81,8 +83,10 @@ class Sender:
         on_end: Outcome | None = None,
         on_first_write: Outcome | None = None,
         wall_clock: Callable[[], float] = time.time,
+        verify: bool = False,
     ) -> None:
         self._transport = transport
+        self._verify = verify
         self._memory = memory
         self._rank = rank
         self._tp = tp_size
@@ -195,6 +199,7 @@ class Sender:
 
     def _process(self, tasks: list[_Task]) -> None:
         batches: dict[str, tuple[list[int], list[int], list[int], list[tuple[_Layer, int]]]] = {}
+        mine: dict[int, tuple[int, list[int], list[int], list[int]]] = {}  # id(task): its pieces
         ends: list[_End] = []
         parked_tids: set[str] = set()
         for task in tasks:
@@ -235,6 +240,9 @@ class Sender:
                 self._done(task)
                 continue
             task.event.synchronize()
+            if self._verify:
+                mine[id(task)] = (hs.layer_names.index(self._memory.layer_names[task.layer]),
+                                  src, dst, lengths)  # fmt: skip
             b = batches.setdefault(hs.session, ([], [], [], []))
             b[0].extend(src)
             b[1].extend(dst)
@@ -254,6 +262,8 @@ class Sender:
                 )
                 for t, n in layer_tasks:
                     t.transfer.bytes += n
+                    if self._verify:
+                        self._record(t.transfer, *mine[id(t)])
                     if not t.transfer.announced:
                         t.transfer.announced = True
                         self._notify(self._on_first_write, t.transfer)
@@ -290,12 +300,36 @@ class Sender:
             [n for *_, n in pieces],
         )
 
+    @staticmethod
+    def _record(
+        tr: Transfer, d_layer: int, src: list[int], dst: list[int], lengths: list[int]
+    ) -> None:
+        for s, d, n in zip(src, dst, lengths, strict=True):
+            tr.written.append((d_layer, s, d, n, digest.crc(s, n)))
+
+    def _digests(self, tr: Transfer) -> list[tuple[int, int, int, int]]:
+        digests, changed = digest.sign(tr.written)
+        if changed:
+            layer, src, _, n, _ = changed[0]
+            log.error(
+                "transfer %s (%s): %d pushed piece(s) of P's KV changed after the push, first "
+                "D layer #%d at P %#x+%d: a block was pushed before its KV was final or reused",
+                tr.transfer_id,
+                tr.req_id,
+                len(changed),
+                layer,
+                src,
+                n,
+            )
+        return digests
+
     def _signal(self, end: _End) -> None:
         tr = end.transfer
         log.debug("transfer %s ends (%s)", tr.transfer_id, tr.error or end.fail or "ok")
         assert tr.route is not None and self._signals is not None
         error = tr.error or end.fail
-        sig = wire.Signal(tr.transfer_id, self._me, not error, tr.route.expected, error)
+        digests = self._digests(tr) if self._verify and not error else []
+        sig = wire.Signal(tr.transfer_id, self._me, not error, tr.route.expected, error, digests)
         if not self._signals.send(tr.dest.host, tr.d_port, sig):
             tr.error = tr.error or "signal not sent"
         with self._lock:

@@ -1,0 +1,64 @@
+"""Optional end-to-end KV check (``verify_kv``): P signs what it pushed, D checks what landed.
+
+P records every piece it wrote (D layer, source, destination, length) with a CRC32 of the
+source at write time. With the done signal it sends, per piece, (D layer, destination, length,
+CRC32 of the source *then*: after the prefill's last layer). A source that changed after it was
+pushed (pushed before its KV was final, or its block reused) is logged on P; D recomputes each
+CRC over its own memory before it reports the load complete, logs the first mismatching
+(layer, blocks) and fails the load, so vLLM recomputes instead of decoding from wrong KV.
+
+Host memory only (``device: cpu``). Cost: two CRC passes over the pushed bytes on P, one on D.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import zlib
+
+from connector.worker.memory import KVMemory
+
+Written = tuple[int, int, int, int, int]  # D layer index, src addr, dst addr, length, crc
+Digest = tuple[int, int, int, int]  # D layer index, dst addr, length, crc
+
+
+def crc(addr: int, length: int) -> int:
+    """CRC32 of ``length`` bytes of this process's memory at ``addr`` (no copy)."""
+    return zlib.crc32((ctypes.c_char * length).from_address(addr))
+
+
+def sign(written: list[Written]) -> tuple[list[Digest], list[Written]]:
+    """(digests of the sources as they are now, pieces whose source changed since written)."""
+    digests: list[Digest] = []
+    changed: list[Written] = []
+    for layer, src, dst, n, at_write in written:
+        now = crc(src, n)
+        if now != at_write:
+            changed.append((layer, src, dst, n, at_write))
+        digests.append((layer, dst, n, now))
+    return digests, changed
+
+
+def where(memory: KVMemory, layer: int, addr: int, length: int) -> str:
+    """``layer NAME blocks a..b`` for a region of this instance's KV memory."""
+    if not 0 <= layer < len(memory.layer_names):
+        return f"layer #{layer} (unknown) at {addr:#x}+{length}"
+    name = memory.layer_names[layer]
+    lay = memory.layout
+    for plane, base in enumerate(memory.bases[layer]):
+        if base <= addr < base + lay.span:
+            first = (addr - base) // lay.stride
+            last = (addr + length - 1 - base) // lay.stride
+            return f"layer {name} plane {plane} blocks {first}..{last}"
+    return f"layer {name} at {addr:#x}+{length} (outside its planes)"
+
+
+def check(memory: KVMemory, digests: list[Digest]) -> str:
+    """``""`` when every digest matches this instance's memory, else the first mismatch."""
+    regions = memory.regions()
+    for layer, dst, n, want in digests:
+        if n <= 0 or not any(b <= dst and dst + n <= b + size for b, size in regions):
+            return f"{dst:#x}+{n} (layer #{layer}) is outside this instance's KV memory"
+        got = crc(dst, n)
+        if got != want:
+            return f"{where(memory, layer, dst, n)}: crc32 {got:#010x}, P sent {want:#010x}"
+    return ""
