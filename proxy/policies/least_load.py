@@ -13,12 +13,20 @@ def load_key(inst: Instance) -> tuple[int, int]:
 
 
 class LeastLoad:
+    """Ties (e.g. every instance idle) rotate, so an idle pool is still spread evenly."""
+
     name = "least_load"
+
+    def __init__(self) -> None:
+        self._turn = 0
 
     def choose(self, candidates: Sequence[Instance], req: RequestInfo) -> Instance:
         if len(candidates) == 1:
             return candidates[0]
-        return min(candidates, key=load_key)
+        best = min(load_key(i) for i in candidates)
+        tied = [i for i in candidates if load_key(i) == best]
+        self._turn += 1
+        return tied[self._turn % len(tied)]
 
     def on_routed(self, inst: Instance, req: RequestInfo) -> None:
         pass
