@@ -123,10 +123,14 @@ class Dispatcher:
             )
             a = Attempt(req, info, path, d, p, self._ids.next())
             d.acquire(info.tokens)
+            if p is not None:  # reserved now, so a burst's later picks already see it
+                p.acquire(info.tokens)
             try:
                 up = await impl.open(a)
             except LegError as exc:
                 d.release(info.tokens)
+                if p is not None:
+                    p.release(info.tokens)
                 self._charge(exc, d, p)
                 give_up = not exc.retryable or attempt >= self._retries
                 log.warning(
@@ -143,7 +147,11 @@ class Dispatcher:
                 continue
             except BaseException:
                 d.release(info.tokens)
+                if p is not None:
+                    p.release(info.tokens)
                 raise
+            if p is not None:
+                p.release(info.tokens)  # its leg is over once D's first byte is in
             d.circuit.record(True)
             self._d_policy.on_routed(d, info)
             self._count_ok(d)

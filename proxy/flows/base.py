@@ -128,24 +128,19 @@ class Legs:
     async def prefill(self, a: Attempt, kv: dict[str, Any]) -> PrefillAnswer:
         p = a.prefill
         assert p is not None
-        tokens = a.info.tokens
         limit = self.timeouts.prefill
-        p.acquire(tokens)
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # P's load is held by the dispatcher for the whole attempt
+        body = a.req.for_prefill(kv)
+        resp = await self.backend.post(p.url, a.path, body, a.tid, "prefill", limit)
         try:
-            body = a.req.for_prefill(kv)
-            resp = await self.backend.post(p.url, a.path, body, a.tid, "prefill", limit)
-            try:
-                raw = await resp.read(limit - (time.perf_counter() - t0))
-            except UpstreamError as exc:
-                resp.close()
-                raise LegError(exc, p.url, "prefill") from exc
-            except BaseException:
-                resp.close()
-                raise
-            resp.release()
-        finally:
-            p.release(tokens)
+            raw = await resp.read(limit - (time.perf_counter() - t0))
+        except UpstreamError as exc:
+            resp.close()
+            raise LegError(exc, p.url, "prefill") from exc
+        except BaseException:
+            resp.close()
+            raise
+        resp.release()
         try:
             out = _prefill_answer.decode(raw)
         except msgspec.DecodeError as exc:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from proxy.instances import Instance
 from proxy.policies.base import RequestInfo
-from proxy.policies.least_load import load_key
+from proxy.policies.least_load import LeastLoad
 
 
 class PrefixAware:
@@ -24,6 +24,7 @@ class PrefixAware:
         self._max = max_blocks
         self._min_match = min_match
         self._balance = balance
+        self._fallback = LeastLoad()  # rotates among idle ties, like the default policy
 
     def __len__(self) -> int:
         return len(self._owner)
@@ -37,7 +38,7 @@ class PrefixAware:
         return n
 
     def choose(self, candidates: Sequence[Instance], req: RequestInfo) -> Instance:
-        least = min(candidates, key=load_key)
+        least = self._fallback.choose(candidates, req)
         if not req.hashes:
             return least
         by_url = {c.url: c for c in candidates}

@@ -28,7 +28,7 @@ def base_options(model: Path, **over: object) -> LaunchOptions:
         max_num_batched_tokens=CHUNK_TOKENS,
         block_size=BLOCK_SIZE,
         kv_load_timeout_s=60.0,
-        extra_proxy_args=("--disagg-min-tokens", "0"),
+        extra_proxy_args=("--disagg-min-tokens", "0", "--decode-policy", "prefix"),
     )
     return replace(opts, **over)  # type: ignore[arg-type]
 

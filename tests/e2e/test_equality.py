@@ -21,6 +21,14 @@ def prompt_ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 1000) for _ in range(n)]
 
 
+async def latest_binding(engines: Engines) -> dict[str, object]:
+    async with httpx.AsyncClient(base_url=engines.pd.metaserver, timeout=10) as ms:
+        bindings = (await ms.get("/v1/bindings", params={"limit": 1})).json()["bindings"]
+    assert bindings, "no binding recorded"
+    binding: dict[str, object] = bindings[0]
+    return binding
+
+
 def assert_same(pd: Generation, ref: Generation) -> None:
     assert pd.token_ids == ref.token_ids
     assert pd.text == ref.text
@@ -73,15 +81,16 @@ async def test_e2e_prefix_cache_hit_on_decode_is_skipped_and_still_equal(engines
     base = prompt_ids(4 * BLOCK_SIZE + 3, seed=77)
     pd = client(engines.pd.proxy)
     await complete(pd, engines.model, base, max_tokens=2)  # D now holds base's full blocks
+    first = await latest_binding(engines)
     longer = base + prompt_ids(2 * BLOCK_SIZE + 5, seed=78)
     ref = await complete(client(engines.mono_url), engines.model, longer)
     got = await complete(pd, engines.model, longer)
     assert_same(got, ref)
-    async with httpx.AsyncClient(base_url=engines.pd.metaserver, timeout=10) as ms:
-        latest = (await ms.get("/v1/bindings", params={"limit": 1})).json()["bindings"][0]
-    assert latest["num_prompt_tokens"] == len(longer)
-    assert latest["num_cached_tokens"] >= 4 * BLOCK_SIZE  # P skipped the blocks D had
-    assert latest["state"] == "done"
+    second = await latest_binding(engines)
+    assert second["decode_instance_id"] == first["decode_instance_id"]  # the prefix policy
+    assert second["num_prompt_tokens"] == len(longer)
+    assert second["num_cached_tokens"] >= 4 * BLOCK_SIZE  # P skipped the blocks D had
+    assert second["state"] == "done"
 
 
 @pytest.mark.xfail(

@@ -10,17 +10,9 @@ import pytest
 
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import Engines
-from tests.e2e.test_equality import assert_same, prompt_ids
+from tests.e2e.test_equality import assert_same, latest_binding, prompt_ids
 
 pytestmark = pytest.mark.e2e
-
-
-async def latest_binding(engines: Engines) -> dict[str, object]:
-    async with httpx.AsyncClient(base_url=engines.pd.metaserver, timeout=10) as ms:
-        bindings = (await ms.get("/v1/bindings", params={"limit": 1})).json()["bindings"]
-    assert bindings, "no binding recorded"
-    binding: dict[str, object] = bindings[0]
-    return binding
 
 
 @pytest.mark.parametrize("flow", ["concurrent", "decode-first", "direct"])
@@ -51,12 +43,11 @@ async def test_e2e_binding_history_is_inspectable(engines: Engines) -> None:
     assert b["block_ids"] and b["block_size"] == 32
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known gap (issue 3 note): least_load breaks ties by list order, so an idle pool "
-    "may send every request of a burst to one instance",
-)
 async def test_e2e_requests_spread_over_all_four_engines(engines: Engines) -> None:
+    async with httpx.AsyncClient(base_url=engines.pd.proxy, timeout=10) as px:
+        before = (await px.get("/v1/instances")).json()
+    assert before["inflight"] == 0 and all(i["inflight"] == 0 for i in before["instances"]), before
+    assert all(i["healthy"] and i["circuit"] == "closed" for i in before["instances"]), before
     pd = client(engines.pd.proxy)
     prompts = [prompt_ids(60 + i, seed=300 + i) for i in range(12)]
     await asyncio.gather(*(complete(pd, engines.model, p, max_tokens=2) for p in prompts))
@@ -64,5 +55,5 @@ async def test_e2e_requests_spread_over_all_four_engines(engines: Engines) -> No
         bindings = (await ms.get("/v1/bindings", params={"limit": 12})).json()["bindings"]
     decoders = {b["decode_instance_id"] for b in bindings}
     prefillers = {e["actor"] for b in bindings for e in b["events"] if e["state"] != "bound"}
-    assert decoders == {"decode-0", "decode-1"}
+    assert decoders == {"decode-0", "decode-1"}, before
     assert {"prefill-0", "prefill-1"} <= prefillers
