@@ -11,13 +11,14 @@ import socket
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from connector.errors import ConfigError
 from metaserver.settings import LayeredSettings
 
 TOKEN_ENV = "PDGATE_METASERVER_TOKEN"
+TEST_HOOKS_ENV = "PDGATE_ALLOW_TEST_HOOKS"  # must be "1" for any test_* key to be on
 
 
 class ConnectorSettings(LayeredSettings):
@@ -45,6 +46,17 @@ class ConnectorSettings(LayeredSettings):
     verify_kv: bool = Field(
         False, description="P sends a crc32 per pushed piece, D checks them (cpu memory only)"
     )
+    landing_wait_s: float = Field(
+        10.0,
+        ge=0,
+        le=600,
+        description="D: how long KV whose digests do not match yet may still be landing",
+    )
+    test_corrupt_push: bool = Field(
+        False,
+        description="TEST ONLY: P sends garbage for the first block of layer 0 of every "
+        f"transfer (negative control of the e2e tests); needs ${TEST_HOOKS_ENV}=1",
+    )
 
     @field_validator("http_url")
     @classmethod
@@ -52,6 +64,15 @@ class ConnectorSettings(LayeredSettings):
         if v and not v.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
         return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _test_hooks(self) -> ConnectorSettings:
+        if self.test_corrupt_push and os.environ.get(TEST_HOOKS_ENV) != "1":
+            raise ValueError(
+                f"test_corrupt_push is a test-only hook that corrupts the KV P pushes; it is "
+                f"refused unless the environment has {TEST_HOOKS_ENV}=1"
+            )
+        return self
 
     @property
     def token(self) -> str | None:

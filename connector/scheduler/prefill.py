@@ -15,12 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from connector.errors import ParamsError
+from connector import tp
+from connector.errors import LayoutError, ParamsError
 from connector.metadata import Destination, PdgateMetadata, SendChunk
 from connector.params import parse_send
 from connector.scheduler.lookups import Lookups
 from metaserver.client import BackgroundWriter
-from metaserver.models import Binding, BindingState
+from metaserver.models import Binding, BindingState, EventDetail
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -53,7 +54,10 @@ class PrefillSide:
         actor: str,
         push_window_s: float = 0.0,
         wall_clock: Callable[[], float] = time.time,
+        tp_size: int = 1,
     ) -> None:
+        self._tp = tp_size
+        self.refused = 0  # bindings this P cannot serve (block size, TP pairing)
         self._lookups = lookups
         self._block_size = block_size
         self._concurrent = concurrent
@@ -121,10 +125,20 @@ class PrefillSide:
             self.expired += 1
             log.warning("transfer %s: D's load deadline already passed; no push", tid)
             return
+        problem = ""
         if binding.block_size != self._block_size:
-            log.error(
-                "transfer %s: D block size %d != %d", tid, binding.block_size, self._block_size
-            )
+            problem = f"D block size {binding.block_size} != P block size {self._block_size}"
+        else:
+            try:
+                tp.ratio_of(self._tp, binding.tp_size)
+            except LayoutError as exc:
+                problem = str(exc)
+        if problem:  # refuse here: the worker must never meet a pairing it cannot route
+            self.refused += 1
+            log.error("transfer %s: %s; no push (D recomputes at its deadline)", tid, problem)
+            if self._events is not None:
+                detail = EventDetail(error=problem)
+                self._events.post_event(tid, BindingState.FAILED, self._actor, detail)
             return
         self._pushes[request.request_id] = _Push(
             request=request,

@@ -11,6 +11,14 @@ class Transport(Protocol):
         """Address peers pass to ``write`` to reach this process's registered memory."""
         ...
 
+    @property
+    def lands_on_completion(self) -> bool:
+        """Whether a finished ``write`` means the bytes are in the peer's memory. Mooncake's old
+        tcp protocol (``MC_TCP_PROTO=1``) finishes once the bytes are handed to the socket; the
+        peer's receive thread applies them later, so a done signal on another connection can
+        overtake them."""
+        ...
+
     def register(self, ptr: int, length: int) -> None: ...
 
     def write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:

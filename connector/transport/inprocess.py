@@ -31,6 +31,10 @@ class InProcessTransport:
     def session(self) -> str:
         return self._session
 
+    @property
+    def lands_on_completion(self) -> bool:
+        return True  # memmove
+
     def register(self, ptr: int, length: int) -> None:
         self._regions.append((ptr, length))
 

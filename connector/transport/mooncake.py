@@ -6,6 +6,7 @@ Peers are addressed as ``host:rpc_port`` (P2P handshake mode: no etcd/metadata s
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any
 
@@ -27,12 +28,19 @@ class MooncakeTransport:
         if rc != 0:
             raise ConfigError(f"mooncake initialize({host}, {protocol}, {device_name!r}) -> {rc}")
         self._session = f"{host}:{self._engine.get_rpc_port()}"
+        # rdma / ascend complete once the bytes are placed; so does tcp's default acknowledged
+        # protocol, but not the old one (MC_TCP_PROTO=1), which completes on send
+        self._lands = protocol != "tcp" or os.environ.get("MC_TCP_PROTO", "").strip() != "1"
         self._lock = threading.Lock()
         log.info("mooncake transfer engine up at %s (%s)", self._session, protocol)
 
     @property
     def session(self) -> str:
         return self._session
+
+    @property
+    def lands_on_completion(self) -> bool:
+        return self._lands
 
     def register(self, ptr: int, length: int) -> None:
         rc = self._engine.register_memory(ptr, length)

@@ -79,7 +79,9 @@ class ConnectorWorker:
         self.memory: KVMemory | None = None
         self.sender: Sender | None = None
         self.server: SideChannelServer | None = None
-        self.tracker = RecvTracker(settings.kv_load_timeout_s, clock)
+        self.tracker = RecvTracker(
+            settings.kv_load_timeout_s, clock, landing_wait_s=settings.landing_wait_s
+        )
         self._absorbed: PdgateMetadata | None = None
         self._sends: set[str] = set()  # req ids this rank knows as sending
         self._last_queued: set[str] = set()  # req ids whose end (done/failed) is queued
@@ -99,11 +101,7 @@ class ConnectorWorker:
         self._kv_caches = dict(kv_caches)  # registered memory must outlive us, whoever owns it
         self.memory = KVMemory.of(kv_caches, self.settings.device)
         self.memory.register(self.transport)
-        verify = self.settings.verify_kv and self.settings.device == "cpu"
-        if self.settings.verify_kv and not verify:
-            log.warning("verify_kv checks host memory only; off for device %s", self.device.name)
-        elif verify:
-            log.info("rank %d: verify_kv on (crc32 of every pushed piece, checked on D)", self.rank)
+        verify = self._digests_on()
         log.info(
             "rank %d registered %d KV layers (%s) with %s",
             self.rank,
@@ -112,7 +110,7 @@ class ConnectorWorker:
             self.transport.session,
         )
         if self.role in ("kv_consumer", "kv_both"):
-            if verify:
+            if self.settings.device == "cpu":  # check whatever digests P ranks send
                 memory = self.memory
                 self.tracker.verify = lambda sig: digest.check(memory, sig.digests)
             port = self.settings.side_channel_port + self.rank
@@ -135,7 +133,38 @@ class ConnectorWorker:
                 on_end=self._report_end,
                 on_first_write=self._report_pushing,
                 verify=verify,
+                recheck_sources=self.settings.verify_kv,
+                corrupt=self.settings.test_corrupt_push,
             )
+
+    def _digests_on(self) -> bool:
+        """P signs its pieces with ``verify_kv``, and always when the transport's writes finish
+        before they land (the digests then double as D's proof of arrival)."""
+        s = self.settings
+        host = s.device == "cpu"
+        lands = self.transport.lands_on_completion
+        if not host:
+            if s.verify_kv:
+                log.warning("verify_kv checks host memory only; off for device %s", s.device)
+            if not lands:
+                log.warning(
+                    "rank %d: %s writes finish before the bytes land and %s memory cannot be "
+                    "checked: D may decode from KV still in flight; use rdma or ascend",
+                    self.rank,
+                    s.mooncake_protocol,
+                    s.device,
+                )
+            return False
+        if s.verify_kv:
+            log.info("rank %d: verify_kv on (crc32 of every pushed piece, checked on D)", self.rank)
+        elif not lands:
+            log.info(
+                "rank %d: %s writes finish before they land; P signs each piece so that D "
+                "waits for its bytes (crc32, checked on D)",
+                self.rank,
+                s.mooncake_protocol,
+            )
+        return s.verify_kv or not lands
 
     def _welcome(self, hello: wire.Hello) -> wire.Welcome | wire.Refused:
         if self.memory is None:
@@ -238,7 +267,7 @@ class ConnectorWorker:
             detail = EventDetail(error=tr.error[:4000], bytes_pushed=tr.bytes)
             self._events.post_event(tr.transfer_id, BindingState.FAILED, self.actor, detail)
         else:
-            detail = EventDetail(bytes_pushed=tr.bytes)
+            detail = EventDetail(bytes_pushed=tr.bytes, message=tr.overlap().message())
             self._events.post_event(tr.transfer_id, BindingState.DONE, self.actor, detail)
 
     def shutdown(self) -> None:

@@ -5,6 +5,11 @@ is buffered (for up to the deadline); one for a transfer already finished (late,
 old attempt) is ignored. A request whose signals do not all arrive by its deadline is reported
 failed, so vLLM recomputes or fails it; an aborted request is released (without failure) only
 once P confirmed or the deadline passed — until then P may still be writing its blocks.
+
+With digests in the signals (``verify_kv``, or always over a transport whose writes finish
+before they land, like Mooncake tcp), a mismatch first means "not landed yet": the request keeps
+waiting and is re-checked every poll for up to ``landing_wait_s`` (never past its deadline);
+only then is the load failed as corrupt.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class _Recv:
     transfer_id: str
     deadline: float
     aborted: bool = False
+    signalled_at: float | None = None  # all done signals in, digests not matching yet
 
 
 @dataclass
@@ -41,8 +47,10 @@ class RecvTracker:
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         retired_max: int = 65_536,
+        landing_wait_s: float = 10.0,
     ) -> None:
         self._timeout = timeout_s
+        self._landing_wait = landing_wait_s
         self._clock = clock
         self._lock = threading.Lock()
         self._recvs: dict[str, _Recv] = {}  # by req id
@@ -55,6 +63,7 @@ class RecvTracker:
         self.expired = 0
         self.corrupt = 0
         self.verified = 0  # transfers whose digests all matched
+        self.late_landings = 0  # of those: matched only after their done signals
         # ``verify_kv``: checks a complete transfer's digests ("" = the KV landed intact)
         self.verify: Callable[[wire.Signal], str] | None = None
 
@@ -127,7 +136,7 @@ class RecvTracker:
             if any(not s.ok for s in sigs):
                 return False
             if len(entry.by_sender) >= max(s.expected for s in sigs):
-                return self._intact(recv, sigs)
+                return self._intact(recv, sigs, now)
         if now >= recv.deadline:
             self.expired += 1
             got = len(entry.by_sender) if entry is not None else 0
@@ -141,27 +150,42 @@ class RecvTracker:
             return False
         return None
 
-    def _intact(self, recv: _Recv, sigs: Iterable[wire.Signal]) -> bool:
-        """With ``verify``: whether what landed matches every P rank's digests."""
+    def _intact(self, recv: _Recv, sigs: Iterable[wire.Signal], now: float) -> bool | None:
+        """With ``verify``: whether what landed matches every P rank's digests (None: not yet,
+        keep waiting — bytes may still be on their way)."""
         if self.verify is None:
             return True
         checked = False
         for sig in sigs:
             if not sig.digests:
-                continue  # that P rank runs without verify_kv
+                continue  # that P rank runs without digests
             checked = True
             problem = self.verify(sig)
-            if problem:
-                self.corrupt += 1
-                log.error(
-                    "transfer %s (%s): KV from %s does not match what P pushed: %s; "
-                    "failing the load",
-                    recv.transfer_id,
-                    recv.req_id,
-                    sig.sender,
-                    problem,
-                )
-                return False
+            if not problem:
+                continue
+            if recv.signalled_at is None:
+                recv.signalled_at = now
+            if now - recv.signalled_at < self._landing_wait and now < recv.deadline:
+                return None
+            self.corrupt += 1
+            log.error(
+                "transfer %s (%s): KV from %s does not match what P pushed %.1fs after its done "
+                "signal: %s; failing the load",
+                recv.transfer_id,
+                recv.req_id,
+                sig.sender,
+                now - recv.signalled_at,
+                problem,
+            )
+            return False
+        if recv.signalled_at is not None:
+            self.late_landings += 1
+            log.info(
+                "transfer %s (%s): KV landed %.1f ms after its done signal (which overtook it)",
+                recv.transfer_id,
+                recv.req_id,
+                (now - recv.signalled_at) * 1e3,
+            )
         self.verified += checked
         return True
 

@@ -25,7 +25,9 @@ from connector.transport import Transport
 from connector.worker import digest
 from connector.worker.handshake import HandshakeCache
 from connector.worker.memory import KVMemory
+from connector.worker.overlap import PushOverlap, overlap
 from connector.worker.side_channel import SignalClient
+from connector.worker.tamper import Tamper
 
 log = logging.getLogger("pdgate.connector.sender")
 
@@ -44,11 +46,20 @@ class Transfer:
     # pieces of the chunk being pushed (the same for every layer): (pairs object, pieces)
     cached: tuple[object, list[tuple[int, int, int, int]]] | None = None
     written: list[digest.Written] = field(default_factory=list)  # with ``verify``
+    # push-overlap bookkeeping (perf_counter): each write's span, P's compute end, signal sent
+    write_spans: list[tuple[float, float]] = field(default_factory=list)
+    compute_end: float = 0.0
+    ended_at: float = 0.0
+    tampered: bool = False  # test hook ``test_corrupt_push``: its first block went out wrong
 
     @property
     def d_port(self) -> int:
         assert self.route is not None
         return self.dest.port + self.route.d_rank
+
+    def overlap(self) -> PushOverlap:
+        offset = time.time() - time.perf_counter()
+        return overlap(self.write_spans, self.compute_end, self.ended_at, offset)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,15 +95,20 @@ class Sender:
         on_first_write: Outcome | None = None,
         wall_clock: Callable[[], float] = time.time,
         verify: bool = False,
+        corrupt: bool = False,
+        recheck_sources: bool = True,
     ) -> None:
         self._transport = transport
         self._verify = verify
+        self._recheck = recheck_sources  # second CRC pass at the end (``verify_kv`` only)
         self._memory = memory
         self._rank = rank
         self._tp = tp_size
         self._heads = total_kv_heads
         self._mla = use_mla
         self._me = f"{engine_id}/{rank}"
+        # TEST ONLY (``test_corrupt_push``): D gets garbage for a block; see worker/tamper.py
+        self._tamper = Tamper(transport, memory.layout.block_bytes, self._me) if corrupt else None
         self._on_end = on_end
         self._on_first_write = on_first_write
         self._wall = wall_clock
@@ -142,6 +158,7 @@ class Sender:
             tr = self.transfers.get(req_id)
         if tr is None or tr.route is None or tr.ended:
             return
+        tr.compute_end = time.perf_counter()  # called after the forward's last layer
         self._put(_End(tr, fail))
 
     def _put(self, task: _Task) -> None:
@@ -243,6 +260,11 @@ class Sender:
             if self._verify:
                 mine[id(task)] = (hs.layer_names.index(self._memory.layer_names[task.layer]),
                                   src, dst, lengths)  # fmt: skip
+            if self._tamper is not None and task.layer == 0 and not tr.tampered:
+                tr.tampered = True  # ``mine`` keeps the true pieces: verify_kv signs P's KV
+                src, dst, lengths = self._tamper.apply(src, dst, lengths)
+                if self._verify and not self._recheck:  # arrival digests: what was sent
+                    mine[id(task)] = (mine[id(task)][0], src, dst, lengths)
             b = batches.setdefault(hs.session, ([], [], [], []))
             b[0].extend(src)
             b[1].extend(dst)
@@ -252,16 +274,20 @@ class Sender:
             try:
                 t0 = time.perf_counter()
                 self._transport.write(session, src, dst, lengths)
+                span = (t0, time.perf_counter())
                 self.writes += 1
                 log.debug(
                     "wrote %d pieces, %d bytes to %s in %.3fs",
                     len(src),
                     sum(lengths),
                     session,
-                    time.perf_counter() - t0,
+                    span[1] - t0,
                 )
                 for t, n in layer_tasks:
                     t.transfer.bytes += n
+                    spans = t.transfer.write_spans
+                    if not spans or spans[-1] is not span:
+                        spans.append(span)
                     if self._verify:
                         self._record(t.transfer, *mine[id(t)])
                     if not t.transfer.announced:
@@ -308,6 +334,8 @@ class Sender:
             tr.written.append((d_layer, s, d, n, digest.crc(s, n)))
 
     def _digests(self, tr: Transfer) -> list[tuple[int, int, int, int]]:
+        if not self._recheck:  # digests as proof of arrival: the CRCs taken at write time
+            return [(layer, dst, n, c) for layer, _, dst, n, c in tr.written]
         digests, changed = digest.sign(tr.written)
         if changed:
             layer, src, _, n, _ = changed[0]
@@ -332,6 +360,7 @@ class Sender:
         sig = wire.Signal(tr.transfer_id, self._me, not error, tr.route.expected, error, digests)
         if not self._signals.send(tr.dest.host, tr.d_port, sig):
             tr.error = tr.error or "signal not sent"
+        tr.ended_at = time.perf_counter()
         with self._lock:
             tr.ended = True
         if error:

@@ -30,7 +30,7 @@ def _register_decoder(url: str, instance: str = "dec-1") -> None:
 
 
 def _bind(
-    url: str, tid: str, prompt_len: int, *, cached: int = 0, first: int = 100
+    url: str, tid: str, prompt_len: int, *, cached: int = 0, first: int = 100, tp_size: int = 1
 ) -> dict[str, Any]:
     n = -(-prompt_len // H.BLOCK)
     spec = {
@@ -43,6 +43,7 @@ def _bind(
         "num_cached_tokens": cached,
         "num_prompt_tokens": prompt_len,
         "num_kv_heads": 2,
+        "tp_size": tp_size,
     }
     r = httpx.put(f"{url}/v1/bindings/{tid}", json=spec, headers=AUTH)
     assert r.status_code in (200, 201), r.text
@@ -247,3 +248,27 @@ def test_prefill_never_pushes_after_decodes_deadline(
     for _ in range(2):
         H.step(s)
     H.assert_empty(s)
+
+
+def test_prefill_refuses_a_decoder_with_more_tp_ranks_before_computing(
+    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    """P tp=1 cannot feed D tp=2 (each P rank must cover whole D ranks): no push is planned, the
+    binding says why, and the request is still served (its KV just never leaves P)."""
+    _register_decoder(metaserver.url)
+    s = make_prefiller(metaserver.url, batched=64)
+    b = _bind(metaserver.url, "tid-tp", 40, tp_size=2)
+    req = H.request(H.prompt(40), _send_params("tid-tp", b), max_tokens=1)
+    s.add_request(req)
+    out, meta = _step_until_scheduled(s, req.request_id)
+    assert meta.sends == []
+    half = H.connector_of(s).scheduler
+    assert half is not None and half.prefill is not None and half.prefill.refused == 1
+    deadline = time.monotonic() + 10
+    while True:
+        events = httpx.get(f"{metaserver.url}/v1/bindings/tid-tp").json()["events"]
+        failed = [e for e in events if e["state"] == "failed"]
+        if failed or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert failed and "multiple of D tp 2" in failed[0]["detail"]["error"]

@@ -36,6 +36,7 @@ class LosesLastPiece(InProcessTransport):
 def _run(
     monkeypatch: pytest.MonkeyPatch, verify: bool, transport: InProcessTransport | None = None
 ) -> tuple[C.Instance, C.Instance, set[str], int]:
+    monkeypatch.setenv("PDGATE_CONNECTOR_LANDING_WAIT_S", "0.3")  # a lost piece never lands
     if verify:
         monkeypatch.setenv("PDGATE_CONNECTOR_VERIFY_KV", "1")
     port = C.free_port_range(1)
@@ -103,6 +104,7 @@ def test_verify_kv_p_reports_kv_that_changed_after_it_was_pushed(
     """A block pushed before its KV was final: P logs it, D fails the load."""
     caplog.set_level(logging.ERROR, logger="pdgate")
     monkeypatch.setenv("PDGATE_CONNECTOR_VERIFY_KV", "1")
+    monkeypatch.setenv("PDGATE_CONNECTOR_LANDING_WAIT_S", "0.3")
     port = C.free_port_range(1)
     d = C.make_instance("d-eng", "kv_consumer", 1, port=port)
     p = C.make_instance("p-eng", "kv_producer", 1)
