@@ -45,6 +45,7 @@ test: install lint
 bench: install
 	$(PY) tests/bench/metaserver_bench.py
 	$(PY) tests/bench/proxy_bench.py
+	$(PY) tests/bench/ttft_bench.py
 
 demo: install
 	$(BIN)/pd-launch --tiny-model .cache/models --prefill 1 --decode 1 --demo \

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from launch.plan import LaunchOptions, LaunchPlan, build_plan
+from launch.plan import LaunchOptions, LaunchPlan, build_plan, default_flow
 from launch.supervisor import ChildFailed, Printer, Supervisor
 
 DESCRIPTION = """\
@@ -48,8 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--flow",
         choices=["decode-first", "concurrent", "prefill-first", "direct"],
-        default="decode-first",
-        help="the proxy's P/D flow",
+        default=None,
+        help="the proxy's P/D flow (default: decode-first; prefill-first with --connector nixl)",
+    )
+    p.add_argument(
+        "--connector",
+        choices=["pdgate", "nixl"],
+        default="pdgate",
+        help="KV connector of the engines: pdgate (push) or vLLM's NixlConnector (pull, needs "
+        "the nixl package)",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="proxy port")
@@ -107,7 +114,8 @@ def options_from(args: argparse.Namespace, redis_url: str | None) -> LaunchOptio
         side_channel_base_port=args.side_channel_base_port,
         redis_url=redis_url,
         token=args.token,
-        flow=args.flow,
+        flow=args.flow or default_flow(args.connector),
+        connector=args.connector,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
@@ -148,7 +156,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     redis_url = args.redis
     if args.local_redis:
         redis_sup, redis_url = start_local_redis(log_dir, out)
-    plan = build_plan(options_from(args, redis_url))
+    try:
+        plan = build_plan(options_from(args, redis_url))
+    except ValueError as exc:  # e.g. --connector nixl with a push flow
+        if redis_sup is not None:
+            redis_sup.stop()
+        raise SystemExit(f"pd-launch: {exc}") from None
     sup = Supervisor(plan.children, log_dir, out)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 Device = Literal["cpu", "cuda", "npu"]
+# "pdgate": our PdgateConnector (D first: push flows). "nixl": vLLM's own NixlConnector, which
+# pulls KV that P announces in its answer, so the proxy runs the prefill-first flow.
+Connector = Literal["pdgate", "nixl"]
+PUSH_FLOWS = ("decode-first", "concurrent")  # need PdgateConnector (bindings in the metaserver)
 
 
 @dataclass(frozen=True)
@@ -16,6 +21,8 @@ class DevicePreset:
     protocol: str
     flags: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    # the variable that gives each engine its own devices ("" = engines share the host)
+    visible_devices_env: str = ""
 
 
 # Per device: transfer-engine protocol and extra vLLM flags/environment.
@@ -25,9 +32,24 @@ _DEVICE = {
         ("--gpu-memory-utilization", "0.1", "--dtype", "float32"),
         {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
     ),
-    "cuda": DevicePreset("rdma"),
-    "npu": DevicePreset("ascend"),
+    "cuda": DevicePreset("rdma", visible_devices_env="CUDA_VISIBLE_DEVICES"),
+    "npu": DevicePreset("ascend", visible_devices_env="ASCEND_RT_VISIBLE_DEVICES"),
 }
+
+
+def device_env(device: Device, first: int, count: int) -> dict[str, str]:
+    """One engine's devices: ``count`` of them from index ``first`` of the visible list (the
+    parent's ``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES`` when set, else 0, 1, …)."""
+    var = _DEVICE[device].visible_devices_env
+    if not var:
+        return {}
+    visible = [d.strip() for d in os.environ.get(var, "").split(",") if d.strip()]
+    if visible and first + count > len(visible):
+        raise ValueError(f"{var}={','.join(visible)} has too few devices: need {first + count}")
+    ids = (
+        visible[first : first + count] if visible else [str(i) for i in range(first, first + count)]
+    )
+    return {var: ",".join(ids)}
 
 
 @dataclass(frozen=True)
@@ -63,6 +85,10 @@ class LaunchOptions:
     extra_engine_args: tuple[str, ...] = ()
     extra_proxy_args: tuple[str, ...] = ()
     transport: str = "mooncake"
+    # merged last into every engine's kv_connector_extra_config (tests: e.g. verify_kv)
+    extra_connector_config: dict[str, object] = field(default_factory=dict)
+    extra_engine_env: dict[str, str] = field(default_factory=dict)
+    connector: Connector = "pdgate"
 
 
 @dataclass(frozen=True)
@@ -75,9 +101,41 @@ class LaunchPlan:
     decode_urls: list[str]
 
 
+def default_flow(connector: Connector) -> str:
+    return "prefill-first" if connector == "nixl" else "decode-first"
+
+
+def check_connector(o: LaunchOptions) -> None:
+    if o.connector != "nixl":
+        return
+    if o.device == "npu":
+        raise ValueError("the nixl connector runs on cpu or cuda engines, not npu")
+    if o.flow in PUSH_FLOWS:
+        raise ValueError(
+            f"flow {o.flow!r} needs the pdgate connector; with nixl use prefill-first (or direct)"
+        )
+
+
+def nixl_kv_transfer_config(o: LaunchOptions, role: str) -> str:
+    """vLLM's NixlConnector: P keeps the prompt's blocks and answers where they are; D pulls
+    them over UCX (host memory on cpu engines). A failed pull makes D recompute."""
+    return json.dumps(
+        {
+            "kv_connector": "NixlConnector",
+            "kv_role": role,
+            "kv_buffer_device": "cpu" if o.device == "cpu" else "cuda",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"backends": ["UCX"], **o.extra_connector_config},
+        },
+        separators=(",", ":"),
+    )
+
+
 def kv_transfer_config(
     o: LaunchOptions, role: str, instance_id: str, http_url: str, side_port: int
 ) -> str:
+    if o.connector == "nixl":
+        return nixl_kv_transfer_config(o, role)
     extra = {
         "metaserver_url": f"http://{o.host}:{o.metaserver_port}",
         "instance_id": instance_id,
@@ -90,6 +148,7 @@ def kv_transfer_config(
         "kv_load_timeout_s": o.kv_load_timeout_s,
         "heartbeat_s": 2.0,
         "concurrent": True,  # P can fetch bindings itself: the proxy may pick the flow per request
+        **o.extra_connector_config,
     }
     return json.dumps(
         {
@@ -132,13 +191,19 @@ def engine_child(o: LaunchOptions, role: str, index: int, port: int, side_port: 
     if o.block_size:
         argv += ["--block-size", str(o.block_size)]
     argv += list(o.extra_engine_args)
-    env = dict(_DEVICE[o.device].env)
+    env = dict(_DEVICE[o.device].env) | o.extra_engine_env
+    if o.connector == "nixl":  # NIXL's handshake listener (one port per engine)
+        env |= {
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": o.host,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
+        }
     if o.token:
         env["PDGATE_METASERVER_TOKEN"] = o.token
     return Child(name, argv, url + "/health", env, kind="engine")
 
 
 def build_plan(o: LaunchOptions) -> LaunchPlan:
+    check_connector(o)
     bin_dir = Path(sys.executable).parent
     metaserver_url = f"http://{o.host}:{o.metaserver_port}"
     children = [
@@ -161,12 +226,15 @@ def build_plan(o: LaunchOptions) -> LaunchPlan:
     side = o.side_channel_base_port
     prefill_urls: list[str] = []
     decode_urls: list[str] = []
+    first_device = 0  # cuda / npu: each engine gets its own tp devices, prefill first
     for role, count, urls, tp in (
         ("kv_producer", o.prefill, prefill_urls, o.tp_prefill),
         ("kv_consumer", o.decode, decode_urls, o.tp_decode),
     ):
         for i in range(count):
             child = engine_child(o, role, i, port, side)
+            child.env.update(device_env(o.device, first_device, max(tp, 1)))
+            first_device += max(tp, 1)
             children.append(child)
             urls.append(child.health_url.removesuffix("/health"))
             port += 1

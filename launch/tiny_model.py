@@ -29,6 +29,17 @@ RECIPE: dict[str, Any] = {
     "version": 1,
 }
 
+# A bigger random Llama for benchmarks, where the tiny one lets fixed overheads dominate: same
+# tokenizer (vocab 1024), 8 layers of hidden 1024 (head_dim 64), about 80 M parameters.
+SMALL_RECIPE: dict[str, Any] = {
+    **RECIPE,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 8,
+}
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Prefill and decode run on different machines; the KV cache travels between them.",
@@ -41,23 +52,33 @@ CORPUS = [
 ]
 
 
-def recipe_hash() -> str:
-    return hashlib.sha256(json.dumps(RECIPE, sort_keys=True).encode()).hexdigest()[:12]
+def recipe_hash(recipe: dict[str, Any] | None = None) -> str:
+    text = json.dumps(RECIPE if recipe is None else recipe, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def make_tiny_model(path: str | Path) -> Path:
     """Build the model under ``path/tiny-llama-<hash>`` (once) and return that directory."""
-    out = Path(path) / f"tiny-llama-{recipe_hash()}"
+    return make_model(path, RECIPE, "tiny-llama")
+
+
+def make_small_model(path: str | Path) -> Path:
+    """The benchmark's bigger model (``SMALL_RECIPE``) under ``path/small-llama-<hash>``."""
+    return make_model(path, SMALL_RECIPE, "small-llama")
+
+
+def make_model(path: str | Path, recipe: dict[str, Any], prefix: str) -> Path:
+    out = Path(path) / f"{prefix}-{recipe_hash(recipe)}"
     if (out / ".complete").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    _write_tokenizer(out)
-    _write_model(out)
-    (out / ".complete").write_text(recipe_hash())
+    _write_tokenizer(out, recipe)
+    _write_model(out, recipe)
+    (out / ".complete").write_text(recipe_hash(recipe))
     return out
 
 
-def _write_tokenizer(out: Path) -> None:
+def _write_tokenizer(out: Path, recipe: dict[str, Any]) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -65,7 +86,7 @@ def _write_tokenizer(out: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=RECIPE["vocab_size"],
+        vocab_size=recipe["vocab_size"],
         special_tokens=["<unk>", "<s>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -81,23 +102,23 @@ def _write_tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def _write_model(out: Path) -> None:
+def _write_model(out: Path, recipe: dict[str, Any]) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(int(RECIPE["seed"]))
+    torch.manual_seed(int(recipe["seed"]))
     config = LlamaConfig(
-        hidden_size=RECIPE["hidden_size"],
-        intermediate_size=RECIPE["intermediate_size"],
-        num_attention_heads=RECIPE["num_attention_heads"],
-        num_key_value_heads=RECIPE["num_key_value_heads"],
-        num_hidden_layers=RECIPE["num_hidden_layers"],
-        vocab_size=RECIPE["vocab_size"],
-        max_position_embeddings=RECIPE["max_position_embeddings"],
+        hidden_size=recipe["hidden_size"],
+        intermediate_size=recipe["intermediate_size"],
+        num_attention_heads=recipe["num_attention_heads"],
+        num_key_value_heads=recipe["num_key_value_heads"],
+        num_hidden_layers=recipe["num_hidden_layers"],
+        vocab_size=recipe["vocab_size"],
+        max_position_embeddings=recipe["max_position_embeddings"],
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
-        dtype=RECIPE["dtype"],
+        dtype=recipe["dtype"],
     )
     model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
     with torch.no_grad():  # larger than default init so outputs depend strongly on the prompt

@@ -33,14 +33,16 @@ def base_options(model: Path, **over: object) -> LaunchOptions:
     return replace(opts, **over)  # type: ignore[arg-type]
 
 
-def monolithic_child(model: Path) -> Child:
+def monolithic_child(
+    model: Path, *, max_model_len: int = MAX_MODEL_LEN, chunk_tokens: int = CHUNK_TOKENS
+) -> Child:
     """A plain vLLM server (no connector) with the same engine settings: the reference."""
     port = free_port()
     opts = base_options(model)
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", model.name,
-        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", str(CHUNK_TOKENS),
+        "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(chunk_tokens),
         "--block-size", str(BLOCK_SIZE), "--gpu-memory-utilization", "0.1", "--dtype", "float32",
     ]  # fmt: skip
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from launch.plan import LaunchOptions, build_plan
 
 
@@ -53,3 +55,69 @@ def test_plan_device_presets() -> None:
     cpu = build_plan(LaunchOptions(model="m")).children[1]
     assert cpu.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert "--gpu-memory-utilization" in cpu.argv
+
+
+def test_plan_extra_connector_config_and_engine_env_reach_every_engine() -> None:
+    opts = LaunchOptions(
+        model="m",
+        extra_connector_config={"verify_kv": True, "kv_load_timeout_s": 9.0},
+        extra_engine_env={"PDGATE_ALLOW_TEST_HOOKS": "1"},
+    )
+    engines = [c for c in build_plan(opts).children if c.kind == "engine"]
+    assert len(engines) == 2
+    for child in engines:
+        extra = kv_config(child.argv)["kv_connector_extra_config"]
+        assert isinstance(extra, dict)
+        assert extra["verify_kv"] is True and extra["kv_load_timeout_s"] == 9.0  # extra wins
+        assert extra["transport"] == "mooncake"  # the rest is unchanged
+        assert child.env["PDGATE_ALLOW_TEST_HOOKS"] == "1"
+        assert child.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    plain = build_plan(LaunchOptions(model="m")).children[1]
+    assert "PDGATE_ALLOW_TEST_HOOKS" not in plain.env
+    assert "verify_kv" not in kv_config(plain.argv)["kv_connector_extra_config"]  # type: ignore[operator]
+
+
+def test_plan_nixl_connector_configures_pull_engines_and_prefill_first_proxy() -> None:
+    plan = build_plan(
+        LaunchOptions(model="m", prefill=1, decode=2, connector="nixl", flow="prefill-first")
+    )
+    engines = [c for c in plan.children if c.kind == "engine"]
+    sides = []
+    for child in engines:
+        cfg = kv_config(child.argv)
+        assert cfg["kv_connector"] == "NixlConnector" and "kv_connector_module_path" not in cfg
+        assert cfg["kv_role"] == (
+            "kv_producer" if child.name.startswith("prefill") else "kv_consumer"
+        )
+        assert cfg["kv_buffer_device"] == "cpu"
+        assert cfg["kv_connector_extra_config"] == {"backends": ["UCX"]}
+        assert child.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+        sides.append(child.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+        assert child.env["VLLM_CPU_KVCACHE_SPACE"] == "1"  # the device preset still applies
+    assert len(set(sides)) == 3  # every engine listens for NIXL handshakes on its own port
+    proxy = plan.children[-1]
+    assert proxy.argv[proxy.argv.index("--flow") + 1] == "prefill-first"
+    cuda = build_plan(
+        LaunchOptions(model="m", device="cuda", connector="nixl", flow="prefill-first")
+    )
+    assert kv_config(cuda.children[1].argv)["kv_buffer_device"] == "cuda"
+
+
+def test_plan_nixl_rejects_push_flows_and_npu() -> None:
+    for flow in ("decode-first", "concurrent"):
+        with pytest.raises(ValueError, match="prefill-first"):
+            build_plan(LaunchOptions(model="m", connector="nixl", flow=flow))
+    with pytest.raises(ValueError, match="npu"):
+        build_plan(LaunchOptions(model="m", device="npu", connector="nixl", flow="prefill-first"))
+    direct = build_plan(LaunchOptions(model="m", connector="nixl", flow="direct"))
+    assert direct.children[-1].argv[direct.children[-1].argv.index("--flow") + 1] == "direct"
+
+
+def test_plan_default_flow_follows_the_connector() -> None:
+    from launch.cli import build_parser, options_from
+
+    nixl = options_from(build_parser().parse_args(["--model", "m", "--connector", "nixl"]), None)
+    assert (nixl.connector, nixl.flow) == ("nixl", "prefill-first")
+    plain = options_from(build_parser().parse_args(["--model", "m"]), None)
+    assert (plain.connector, plain.flow) == ("pdgate", "decode-first")  # defaults unchanged
+    assert kv_config(build_plan(plain).children[1].argv)["kv_connector"] == "PdgateConnector"

@@ -1,0 +1,107 @@
+"""prefill-first with a pull connector: vLLM's own NixlConnector on both engines (UCX, host
+memory), the proxy relaying P's kv_transfer_params to D. Greedy output equals the monolithic
+engine's, and D's prompt tokens really come from P's KV (D computes none of them)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from launch.supervisor import ChildFailed
+from tests.e2e.client import client, complete
+from tests.e2e.conftest import LOG_DIR, Engines
+from tests.e2e.stack import BLOCK_SIZE, Deployment, base_options, deployment
+from tests.e2e.test_equality import assert_same, prompt_ids
+
+pytestmark = pytest.mark.e2e
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def nixl_pd(tiny_model: Path) -> Iterator[Deployment]:
+    """1P1D with NixlConnector engines and the proxy in the prefill-first flow."""
+    opts = base_options(tiny_model, connector="nixl", flow="prefill-first")
+    dep = deployment(opts, LOG_DIR / "nixl")
+    try:
+        try:
+            dep.supervisor.wait_ready(900)
+        except ChildFailed as exc:
+            pytest.fail(f"NIXL deployment did not start: {exc}")
+        yield dep
+    finally:
+        dep.supervisor.stop()
+
+
+@pytest.fixture(scope="module")
+async def nixl(nixl_pd: Deployment, engines: Engines) -> Deployment:
+    """The deployment once D has pulled KV from P at least once. D's first pull starts with a
+    NIXL handshake whose reply vLLM awaits only 5 s; on a loaded host it can time out, and D
+    then recomputes that one request. Later requests reuse the handshake."""
+    d_url = nixl_pd.url_of("decode-0")
+    for attempt in range(5):
+        prompt = prompt_ids(2 * BLOCK_SIZE, seed=9100 + attempt)
+        before = await prompt_sources(d_url)
+        await complete(client(nixl_pd.proxy), engines.model, prompt, max_tokens=1)
+        after = await sources_after(d_url, before, len(prompt))
+        if delta(after, before, "external_kv_transfer") > 0:
+            return nixl_pd
+    pytest.fail("D never pulled KV from P: see the NIXL errors in decode-0.log")
+
+
+async def prompt_sources(url: str) -> dict[str, float]:
+    """vLLM's prompt tokens by where their KV came from: local_compute, local_cache_hit,
+    external_kv_transfer."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        text = (await http.get(url + "/metrics")).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            out[source] = out.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float], source: str) -> float:
+    return after.get(source, 0.0) - before.get(source, 0.0)
+
+
+async def sources_after(url: str, before: dict[str, float], tokens: int) -> dict[str, float]:
+    """The counters once ``tokens`` more prompt tokens are accounted for (stats may land just
+    after the response), or as they are after 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        now = await prompt_sources(url)
+        if sum(now.values()) - sum(before.values()) >= tokens or time.monotonic() > deadline:
+            return now
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    ("stream", "length"),
+    [(False, 3 * BLOCK_SIZE + 7), (True, 4 * BLOCK_SIZE + 19)],
+    ids=["json", "sse"],
+)
+async def test_e2e_prefill_first_nixl_equals_monolithic_with_pulled_kv(
+    nixl: Deployment, engines: Engines, stream: bool, length: int
+) -> None:
+    prompt = prompt_ids(length, seed=500 + length)  # fresh prompt: nothing cached on D
+    p_url, d_url = nixl.url_of("prefill-0"), nixl.url_of("decode-0")
+    ref = await complete(
+        client(engines.mono_url), engines.model, prompt, max_tokens=MAX_TOKENS, stream=stream
+    )
+    p_before, d_before = await prompt_sources(p_url), await prompt_sources(d_url)
+    got = await complete(
+        client(nixl.proxy), engines.model, prompt, max_tokens=MAX_TOKENS, stream=stream
+    )
+    p_after = await sources_after(p_url, p_before, length)
+    d_after = await sources_after(d_url, d_before, length)
+    assert len(ref.token_ids) == MAX_TOKENS
+    assert_same(got, ref)
+    assert delta(p_after, p_before, "local_compute") == length  # P computed the prompt …
+    assert delta(d_after, d_before, "external_kv_transfer") == length  # … D pulled all of it
+    assert delta(d_after, d_before, "local_compute") == 0  # and recomputed nothing
