@@ -40,12 +40,13 @@ class _Watcher:
     protocol, the scope carries an ``ON_DISCONNECT`` slot that the protocol calls from
     ``connection_lost``; elsewhere a task waits on ``receive()`` for ``http.disconnect``."""
 
-    __slots__ = ("_scope", "_task", "_waiter", "gone")
+    __slots__ = ("_scope", "_task", "_waiter", "finished", "gone")
 
     def __init__(self, task: asyncio.Task[Any], scope: Scope, receive: Any) -> None:
         self._task = task
         self._scope = scope
         self.gone = False
+        self.finished = False  # the client has the whole answer: hanging up is not an abort
         self._waiter: asyncio.Task[None] | None = None
         if ON_DISCONNECT in scope:
             scope[ON_DISCONNECT] = self.fire
@@ -58,8 +59,13 @@ class _Watcher:
         self.fire()
 
     def fire(self) -> None:
+        if self.finished:
+            return
         self.gone = True
         self._task.cancel()
+
+    def finish(self) -> None:
+        self.finished = True
 
     def cancel(self) -> None:
         if self._waiter is not None:
@@ -175,7 +181,7 @@ class CompletionsHandler:
                 headers.append((b"cache-control", b"no-cache"))
                 await send({"type": "http.response.start", "status": 200, "headers": headers})
                 started = True
-                complete = await relay_stream(up, send, req.include_usage)  # ends the response
+                complete = await relay_stream(up, send, req.include_usage, watcher.finish)
                 if not complete:
                     outcome = "stream_error"
                 watcher.cancel()

@@ -29,9 +29,12 @@ def _last(chunk: bytes) -> dict[str, Any]:
     return {"type": "http.response.body", "body": chunk, "more_body": False}
 
 
-async def relay_stream(up: Upstream, send: Send, merge: bool) -> bool:
+async def relay_stream(
+    up: Upstream, send: Send, merge: bool, on_done: Callable[[], None] | None = None
+) -> bool:
     """Forward the stream (each chunk as it comes) and end the client's response; return True
-    when D's stream ended cleanly with ``[DONE]``."""
+    when D's stream ended cleanly with ``[DONE]``. ``on_done`` runs once ``[DONE]`` has been
+    passed on: from then on the client has the whole answer (and may hang up)."""
     next_chunk = up.resp.next_chunk
     fix = _UsageFixer(up.prefill_cached) if merge and up.prefill_cached is not None else None
     chunk = up.first
@@ -40,6 +43,9 @@ async def relay_stream(up: Upstream, send: Send, merge: bool) -> bool:
         while chunk:
             tail = chunk[-32:] if len(chunk) >= 32 else (tail + chunk)[-32:]
             await send(_body(fix.feed(chunk) if fix else chunk))
+            if on_done is not None and _DONE in tail and (fix is None or not fix.pending):
+                on_done()
+                on_done = None
             chunk = await next_chunk()
         if fix is not None and fix.pending:
             await send(_body(fix.flush()))

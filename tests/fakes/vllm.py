@@ -44,6 +44,7 @@ class Knobs:
     hang: bool = False  # accept and never answer
     drop_after: int = -1  # close the connection after this many streamed events
     stream_error_after: int = -1  # send a vLLM-style error event after this many events
+    end_delay_ms: float = 0.0  # between a stream's [DONE] and the end of the response
     kv_timeout_s: float = 5.0
     kv_failure: str = "recompute"  # or "fail"
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens reported
@@ -246,6 +247,8 @@ class FakeVLLM:
         if (body.get("stream_options") or {}).get("include_usage"):
             await resp.write(render.usage_event(chat, u))
         await resp.write(render.DONE)
+        if k.end_delay_ms:
+            await asyncio.sleep(k.end_delay_ms / 1000)
         await resp.write_eof()
         return resp
 

@@ -182,3 +182,29 @@ async def test_refused_connection_is_retried_on_another_instance(
     # round robin sent requests 1-3 to the dead one first; the third failure opened its circuit
     assert state.circuit.consecutive == 3 and state.inflight == 0
     assert state.circuit.state.value == "open"
+
+
+async def test_client_hanging_up_after_done_is_a_complete_request(
+    cluster: Cluster, proxy_factory: ProxyFactory
+) -> None:
+    """Clients (the openai one included) close as soon as they read ``[DONE]``, often before D's
+    response has ended: that is a served request, not a disconnect — no abort, no 499."""
+    cluster.decode[0].configure(end_delay_ms=300)
+    proxy = await proxy_factory()
+    body = {"model": "fake-model", "prompt": PROMPT, "max_tokens": 3, "stream": True}
+    async with httpx.AsyncClient(timeout=30) as http:
+        async with http.stream("POST", proxy.url + "/v1/completions", json=body) as r:
+            seen = b""
+            async for part in r.aiter_bytes():
+                seen += part
+                if b"data: [DONE]" in seen:
+                    break  # hang up now, while D's response is still open
+    tid = cluster.decode[0].requests()[-1]["body"]["kv_transfer_params"]["transfer_id"]
+    d0 = next(i for i in proxy.runtime.registry.instances() if i.url == cluster.decode[0].url)
+    await wait_until(lambda: d0.inflight == 0)
+    async with proxy.http() as http:
+        text = (await http.get("/metrics")).text
+    assert 'outcome="client_disconnected"' not in text
+    assert 'endpoint="completions",flow="decode-first",outcome="ok",status="200"' in text
+    assert binding_state(cluster, tid) != "aborted"
+    assert cluster.decode[0].stats()["cancelled"] == 0
