@@ -98,6 +98,10 @@ class Dispatcher:
         if not candidates:
             candidates = self._registry.available(role)
         if not candidates:
+            candidates = self._registry.panic(role)
+            if candidates:
+                self._metrics.decisions.labels(decision=f"panic_{role.value}").inc()
+        if not candidates:
             raise NoInstance(f"no {role.value} instance available", retry_after=1)
         return policy.choose(candidates, info)
 

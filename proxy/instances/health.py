@@ -35,11 +35,17 @@ class HealthChecker:
         self._misses: dict[str, int] = {}
 
     async def probe(self, inst: Instance) -> bool:
+        """True when healthy; a failure records whether it was only slow (a timeout)."""
         try:
             async with self._session.get(inst.url + "/health", timeout=self._timeout) as resp:
                 await resp.read()
+                inst.slow = False
                 return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError):
+        except TimeoutError:
+            inst.slow = True
+            return False
+        except aiohttp.ClientError:
+            inst.slow = False
             return False
 
     async def check_all(self) -> None:

@@ -25,6 +25,7 @@ class Instance:
         "inflight",
         "role",
         "served",
+        "slow",
         "tokens",
         "url",
     )
@@ -34,6 +35,7 @@ class Instance:
         self.role = role
         self.circuit = circuit
         self.healthy = True
+        self.slow = False  # its last failed health probe timed out (busy, not down)
         self.draining = False
         self.inflight = 0
         self.tokens = 0

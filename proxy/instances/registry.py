@@ -65,5 +65,16 @@ class Registry:
     def available(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[Instance]:
         return [i for i in self._lists[role] if i.available() and i.url not in exclude]
 
+    def panic(self, role: Role) -> list[Instance]:
+        """Instances of ``role`` out of selection only because their health probes timed out
+        (not draining, circuit closed): when none is healthy, a busy engine that answers probes
+        late is a better bet than a certain 503 (an engine saturated by a long prefill can miss
+        two 2 s probes). One that answered its probe with an error stays out."""
+        return [
+            i
+            for i in self._lists[role]
+            if not i.healthy and i.slow and not i.draining and i.circuit.allows()
+        ]
+
     def instances(self) -> list[Instance]:
         return self._lists[Role.PREFILL] + self._lists[Role.DECODE]

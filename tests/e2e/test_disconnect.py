@@ -29,7 +29,10 @@ async def test_e2e_client_disconnect_frees_both_engines(engines: Engines) -> Non
         async with http.stream("POST", engines.pd.proxy + "/v1/completions", json=body) as resp:
             assert resp.status_code == 200
             events = 0
-            async for line in resp.aiter_lines():
+            # keep the iterator referenced: an abandoned one is finalized by the event loop,
+            # which can close the stream before the test means to (CI saw the request end early)
+            lines = resp.aiter_lines()
+            async for line in lines:
                 if line.startswith("data: {"):
                     events += 1
                 if events >= 5:

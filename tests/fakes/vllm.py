@@ -50,6 +50,7 @@ class Knobs:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens reported
     omit_kv_params: bool = False  # prefill-first: answer without kv_transfer_params
     health_status: int = 200
+    health_delay_ms: float = 0.0  # answer /health this late (a busy engine)
     write_binding: bool = True  # decode: write the binding to the metaserver
     record: bool = True
 
@@ -159,6 +160,8 @@ class FakeVLLM:
     async def health(self, request: web.Request) -> web.Response:
         if self.metaserver and not self.registered:
             return web.Response(status=503, text="not registered yet")
+        if self.knobs.health_delay_ms:
+            await asyncio.sleep(self.knobs.health_delay_ms / 1000)
         return web.Response(status=self.knobs.health_status)
 
     async def models(self, request: web.Request) -> web.Response:

@@ -81,6 +81,23 @@ async def test_failed_health_probes_eject_instance(
     await wait_until(lambda: d0.healthy)
 
 
+async def test_only_slow_health_probes_still_route_in_panic_mode(
+    cluster: Cluster, proxy_factory: ProxyFactory
+) -> None:
+    """Every decode instance out of selection only because its /health answers too late (an
+    engine saturated by a prefill): requests still go to them instead of a certain 503."""
+    proxy = await proxy_factory()
+    cluster.decode[0].configure(health_delay_ms=3000)  # the probe gives up after 2 s
+    d0 = next(i for i in proxy.runtime.registry.instances() if i.url == cluster.decode[0].url)
+    await wait_until(lambda: not d0.healthy, within=15)
+    assert d0.slow
+    r = await proxy.client().completions.create(model="fake-model", prompt=PROMPT, max_tokens=2)
+    assert r.choices[0].text == "tok0 tok1 "
+    async with proxy.http() as http:
+        text = (await http.get("/metrics")).text
+    assert 'pd_decision_total{decision="panic_decode"} 1.0' in text
+
+
 async def test_first_token_timeout_is_504(cluster: Cluster, proxy_factory: ProxyFactory) -> None:
     cluster.decode[0].configure(hang=True)
     proxy = await proxy_factory(flow="direct", first_token_timeout_s=0.3, retries=0)
