@@ -8,7 +8,7 @@ from pathlib import Path
 
 from launch.plan import Child, LaunchOptions, LaunchPlan, build_plan
 from launch.supervisor import Supervisor
-from tests.support.procs import free_port
+from tests.support.procs import free_port, free_port_block
 
 # Engine settings shared by the monolithic reference and the P/D engines: everything that can
 # change numerics must be identical. Chunks of 56 tokens are deliberately not block-aligned.
@@ -20,10 +20,11 @@ MAX_MODEL_LEN = 2048
 def base_options(model: Path, **over: object) -> LaunchOptions:
     opts = LaunchOptions(
         model=str(model),
-        proxy_port=free_port(),
-        metaserver_port=free_port(),
-        engine_base_port=free_port(),
-        side_channel_base_port=free_port(),
+        # one block: proxy, metaserver, up to 14 engine HTTP ports, then 32 side-channel ports
+        proxy_port=(block := free_port_block(48)),
+        metaserver_port=block + 1,
+        engine_base_port=block + 2,
+        side_channel_base_port=block + 16,
         max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=CHUNK_TOKENS,
         block_size=BLOCK_SIZE,

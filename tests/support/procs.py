@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,6 +22,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_port_block(n: int) -> int:
+    """The first of ``n`` consecutive ports that are free now, below the kernel's ephemeral
+    range (where ``free_port`` and outgoing connections draw from) and away from Mooncake's
+    own ports (12000-17999). Ports of one deployment come from one block, so its ranges (engine
+    HTTP ports, side channels) cannot overlap each other — two independent ``free_port()``
+    bases can (CI once saw decode-0's side channel take its own HTTP port)."""
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(20000, 32000 - n)
+        if all(_bindable(p) for p in range(base, base + n)):
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class Process:
