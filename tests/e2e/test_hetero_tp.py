@@ -16,10 +16,16 @@ import httpx
 import pytest
 
 from launch.plan import build_plan
-from launch.supervisor import ChildFailed
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import LOG_DIR, Engines
-from tests.e2e.stack import BLOCK_SIZE, CHUNK_TOKENS, Deployment, base_options, start
+from tests.e2e.stack import (
+    BLOCK_SIZE,
+    CHUNK_TOKENS,
+    Deployment,
+    base_options,
+    deploy,
+    running,
+)
 from tests.e2e.test_equality import assert_same, prompt_ids
 
 pytestmark = pytest.mark.e2e
@@ -46,15 +52,8 @@ def hetero(tiny_model: Path) -> Iterator[Deployment]:
     plan.children[:] = [
         replace(c, env=c.env | bind) if c.name.startswith("prefill") else c for c in plan.children
     ]
-    dep = Deployment(plan, start(plan.children, LOG_DIR / "hetero-tp"))
-    try:
-        try:
-            dep.supervisor.wait_ready(900)
-        except ChildFailed as exc:
-            pytest.fail(f"heterogeneous-TP deployment did not start: {exc}")
-        yield dep
-    finally:
-        dep.supervisor.stop()
+    with running(deploy(plan, LOG_DIR / "hetero-tp"), "the heterogeneous-TP deployment") as d:
+        yield d
 
 
 async def prompt_tokens_by_source(url: str) -> dict[str, float]:

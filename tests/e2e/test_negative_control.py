@@ -15,10 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from launch.supervisor import ChildFailed
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import LOG_DIR, Engines
-from tests.e2e.stack import BLOCK_SIZE, Deployment, base_options, deployment
+from tests.e2e.stack import BLOCK_SIZE, Deployment, base_options, deployment, running
 from tests.e2e.test_equality import assert_same, prompt_ids
 
 pytestmark = pytest.mark.e2e
@@ -44,14 +43,8 @@ def corrupted(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[Depl
         extra_engine_env={"PDGATE_ALLOW_TEST_HOOKS": "1"},
     )
     dep = deployment(opts, logs)
-    try:
-        try:
-            dep.supervisor.wait_ready(900)
-        except ChildFailed as exc:
-            pytest.fail(f"deployment did not start: {exc}")
-        yield dep
-    finally:
-        dep.supervisor.stop()
+    with running(dep, "the corrupting deployment") as d:
+        yield d
 
 
 def log_of(dep: Deployment, name: str) -> str:

@@ -12,10 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from launch.supervisor import ChildFailed
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import LOG_DIR, Engines
-from tests.e2e.stack import BLOCK_SIZE, Deployment, base_options, deployment
+from tests.e2e.stack import BLOCK_SIZE, Deployment, base_options, deployment, running
 from tests.e2e.test_equality import assert_same, prompt_ids
 
 pytestmark = pytest.mark.e2e
@@ -27,14 +26,8 @@ def nixl_pd(tiny_model: Path) -> Iterator[Deployment]:
     """1P1D with NixlConnector engines and the proxy in the prefill-first flow."""
     opts = base_options(tiny_model, connector="nixl", flow="prefill-first")
     dep = deployment(opts, LOG_DIR / "nixl")
-    try:
-        try:
-            dep.supervisor.wait_ready(900)
-        except ChildFailed as exc:
-            pytest.fail(f"NIXL deployment did not start: {exc}")
-        yield dep
-    finally:
-        dep.supervisor.stop()
+    with running(dep, "the NIXL deployment") as d:
+        yield d
 
 
 @pytest.fixture(scope="module")
