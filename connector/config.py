@@ -43,6 +43,20 @@ class ConnectorSettings(LayeredSettings):
     concurrent: bool = False
     binding_wait_s: float = Field(30.0, gt=0, le=600, description="concurrent mode: long-poll")
     handshake_timeout_s: float = Field(5.0, gt=0, le=600)
+    write_timeout_s: int = Field(
+        10,
+        ge=5,
+        le=600,
+        description="mooncake: a write with no progress for this long fails (default 30 s); "
+        "sets MC_TRANSFER_TIMEOUT and the tcp lanes' deadlines unless the environment has them",
+    )
+    write_retries: int = Field(
+        1,
+        ge=0,
+        le=5,
+        description="P: a failed write is retried this many times before the "
+        "transfer fails (the same bytes to the same places, so a retry is harmless)",
+    )
     verify_kv: bool = Field(
         False, description="P sends a crc32 per pushed piece, D checks them (cpu memory only)"
     )

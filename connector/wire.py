@@ -73,6 +73,9 @@ class Signal(msgspec.Struct, tag="signal", frozen=True):
     error: str = ""
     # with ``verify_kv``: (D layer index, D address, length, crc32) of every piece written
     digests: list[tuple[int, int, int, int]] = []
+    # a write of this transfer failed (then was retried, or the transfer failed): its pieces
+    # may still land for this many seconds, so D must not use or free the blocks before then
+    settle_s: float = 0.0
 
 
 Message = Hello | Welcome | Refused | Signal

@@ -168,7 +168,13 @@ class PrefillSide:
             pairs = [(p_blocks[i], push.d_blocks[i]) for i in range(push.next_block, upto)]
             push.next_block = max(push.next_block, upto)
             if not push.emitted and self._events is not None:
-                self._events.post_event(push.transfer_id, BindingState.PREFILL_STARTED, self._actor)
+                # P's worker posts ``pushing`` from another process and may get there first
+                self._events.post_event(
+                    push.transfer_id,
+                    BindingState.PREFILL_STARTED,
+                    self._actor,
+                    quiet_conflict=True,
+                )
             if last:
                 self._close(meta, push, pairs)
             elif pairs:

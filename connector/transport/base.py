@@ -19,6 +19,14 @@ class Transport(Protocol):
         overtake them."""
         ...
 
+    @property
+    def late_landing_s(self) -> float:
+        """How long pieces of a write that *failed* may still land in the peer's memory. A
+        Mooncake write that hits its deadline is abandoned, not cancelled: its pieces sit in a
+        stalled connection and are applied when the receiver reads them, at the latest when
+        the connection is dropped for lack of progress (one more deadline)."""
+        ...
+
     def register(self, ptr: int, length: int) -> None: ...
 
     def write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
@@ -28,11 +36,17 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
-def make_transport(kind: str, host: str, protocol: str, device_name: str) -> Transport:
+def make_transport(
+    kind: str,
+    host: str,
+    protocol: str,
+    device_name: str,
+    write_timeout_s: int = 10,
+) -> Transport:
     if kind == "inprocess":
         from connector.transport.inprocess import InProcessTransport
 
         return InProcessTransport()
     from connector.transport.mooncake import MooncakeTransport
 
-    return MooncakeTransport(host, protocol, device_name)
+    return MooncakeTransport(host, protocol, device_name, write_timeout_s)

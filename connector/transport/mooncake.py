@@ -14,15 +14,38 @@ from connector.errors import ConfigError, TransferError
 
 log = logging.getLogger("pdgate.connector.mooncake")
 
+# Deadlines the engine reads from its environment when it is constructed. Mooncake's own
+# default for all three is 30 s, and a tcp write whose lane stalls (seen here with two P ranks
+# writing one D on a loaded 2-core machine) waits all of it; failing sooner lets the sender
+# retry. MC_TRANSFER_TIMEOUT bounds batch_transfer_sync_write (minimum 5); the tcp ones fail a
+# lane that makes no progress or gets no acknowledgement, so it reconnects instead of staying
+# stuck behind the retried write.
+DEADLINE_ENV = ("MC_TRANSFER_TIMEOUT", "MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
+
+
+def set_deadlines(write_timeout_s: int) -> dict[str, str]:
+    """Set each deadline the environment does not already set (an operator's value wins)."""
+    for name in DEADLINE_ENV:
+        if not os.environ.get(name, "").strip():
+            os.environ[name] = str(write_timeout_s)
+    return {name: os.environ[name] for name in DEADLINE_ENV}
+
 
 class MooncakeTransport:
-    def __init__(self, host: str, protocol: str, device_name: str) -> None:
+    def __init__(
+        self,
+        host: str,
+        protocol: str,
+        device_name: str,
+        write_timeout_s: int = 10,
+    ) -> None:
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise ConfigError(
                 "transport 'mooncake' needs mooncake-transfer-engine (and libibverbs1)"
             ) from exc
+        knobs = set_deadlines(write_timeout_s)
         self._engine: Any = TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
@@ -31,8 +54,16 @@ class MooncakeTransport:
         # rdma / ascend complete once the bytes are placed; so does tcp's default acknowledged
         # protocol, but not the old one (MC_TCP_PROTO=1), which completes on send
         self._lands = protocol != "tcp" or os.environ.get("MC_TCP_PROTO", "").strip() != "1"
+        # a write abandoned at MC_TRANSFER_TIMEOUT can sit in its lane until the progress
+        # deadline drops the connection; the receiver then applies what it had buffered
+        self._late_s = 2.0 * float(knobs["MC_TRANSFER_TIMEOUT"]) + 2.0
         self._lock = threading.Lock()
-        log.info("mooncake transfer engine up at %s (%s)", self._session, protocol)
+        log.info(
+            "mooncake transfer engine up at %s (%s; %s)",
+            self._session,
+            protocol,
+            ", ".join(f"{k}={v}" for k, v in knobs.items()),
+        )
 
     @property
     def session(self) -> str:
@@ -41,6 +72,10 @@ class MooncakeTransport:
     @property
     def lands_on_completion(self) -> bool:
         return self._lands
+
+    @property
+    def late_landing_s(self) -> float:
+        return self._late_s
 
     def register(self, ptr: int, length: int) -> None:
         rc = self._engine.register_memory(ptr, length)

@@ -92,7 +92,11 @@ class ConnectorWorker:
         if self._transport is None:
             s = self.settings
             self._transport = make_transport(
-                s.transport, s.resolved_host(), s.mooncake_protocol, s.device_name
+                s.transport,
+                s.resolved_host(),
+                s.mooncake_protocol,
+                s.device_name,
+                s.write_timeout_s,
             )
         return self._transport
 
@@ -135,6 +139,7 @@ class ConnectorWorker:
                 verify=verify,
                 recheck_sources=self.settings.verify_kv,
                 corrupt=self.settings.test_corrupt_push,
+                write_retries=self.settings.write_retries,
             )
 
     def _digests_on(self) -> bool:

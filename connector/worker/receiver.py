@@ -33,12 +33,14 @@ class _Recv:
     deadline: float
     aborted: bool = False
     signalled_at: float | None = None  # all done signals in, digests not matching yet
+    settling: bool = False  # holding the blocks for a failed write's late pieces (logged once)
 
 
 @dataclass
 class _Signals:
     first_at: float
     by_sender: dict[str, wire.Signal] = field(default_factory=dict)
+    settle_until: float = 0.0  # a P rank's failed write may land until then: hold the blocks
 
 
 class RecvTracker:
@@ -102,6 +104,8 @@ class RecvTracker:
                 self.ignored_signals += 1  # duplicate
                 return
             entry.by_sender[sig.sender] = sig
+            if sig.settle_s > 0:
+                entry.settle_until = max(entry.settle_until, self._clock() + sig.settle_s)
 
     def pending(self) -> int:
         with self._lock:
@@ -131,6 +135,20 @@ class RecvTracker:
         if recv.req_id in self._failed_now:
             return False
         entry = self._signals.get(recv.transfer_id)
+        if entry is not None and entry.by_sender and now < entry.settle_until:
+            if not recv.settling:
+                recv.settling = True
+                log.warning(
+                    "transfer %s (%s): a write from P failed and may still land; holding its "
+                    "blocks %.1fs before %s",
+                    recv.transfer_id,
+                    recv.req_id,
+                    entry.settle_until - now,
+                    "failing the load"
+                    if any(not s.ok for s in entry.by_sender.values())
+                    else "using them",
+                )
+            return None
         if entry is not None and entry.by_sender:
             sigs = entry.by_sender.values()
             if any(not s.ok for s in sigs):

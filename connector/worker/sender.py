@@ -51,6 +51,7 @@ class Transfer:
     compute_end: float = 0.0
     ended_at: float = 0.0
     tampered: bool = False  # test hook ``test_corrupt_push``: its first block went out wrong
+    settle_s: float = 0.0  # a write failed: its pieces may land this long after (see Signal)
 
     @property
     def d_port(self) -> int:
@@ -97,8 +98,10 @@ class Sender:
         verify: bool = False,
         corrupt: bool = False,
         recheck_sources: bool = True,
+        write_retries: int = 1,
     ) -> None:
         self._transport = transport
+        self._retries = write_retries
         self._verify = verify
         self._recheck = recheck_sources  # second CRC pass at the end (``verify_kv`` only)
         self._memory = memory
@@ -167,9 +170,15 @@ class Sender:
         self._queue.put(task)
 
     def settled(self, req_id: str) -> bool:
+        """Whether P's blocks of ``req_id`` may be released: every push from them has ended,
+        and no abandoned write can still read them (``settle_s`` after the end)."""
         with self._lock:
             tr = self.transfers.get(req_id)
-            return tr is None or (tr.queued == 0 and tr.ended)
+            if tr is None:
+                return True
+            if tr.queued or not tr.ended:
+                return False
+            return not tr.settle_s or time.perf_counter() >= tr.ended_at + tr.settle_s
 
     def quiet(self, req_id: str) -> bool:
         with self._lock:
@@ -273,7 +282,7 @@ class Sender:
         for session, (src, dst, lengths, layer_tasks) in batches.items():
             try:
                 t0 = time.perf_counter()
-                self._transport.write(session, src, dst, lengths)
+                self._write(session, src, dst, lengths, layer_tasks)
                 span = (t0, time.perf_counter())
                 self.writes += 1
                 log.debug(
@@ -302,6 +311,39 @@ class Sender:
                 self._done(t)
         for end in ends:
             self._signal(end)
+
+    def _write(
+        self,
+        session: str,
+        src: list[int],
+        dst: list[int],
+        lengths: list[int],
+        layer_tasks: list[tuple[_Layer, int]],
+    ) -> None:
+        """One batch, retried on failure: the same bytes to the same places. A failed attempt
+        may still land later (``Transport.late_landing_s``), so its transfers tell D to hold
+        their blocks that long before decoding from them or freeing them."""
+        for attempt in range(self._retries + 1):
+            t0 = time.perf_counter()
+            try:
+                self._transport.write(session, src, dst, lengths)
+                return
+            except TransferError as exc:
+                late = self._transport.late_landing_s
+                for t, _ in layer_tasks:
+                    t.transfer.settle_s = max(t.transfer.settle_s, late)
+                if attempt == self._retries:
+                    raise
+                log.warning(
+                    "write of %d pieces (%d bytes) to %s failed after %.1fs (%s); retry %d of %d",
+                    len(src),
+                    sum(lengths),
+                    session,
+                    time.perf_counter() - t0,
+                    exc,
+                    attempt + 1,
+                    self._retries,
+                )
 
     def _pieces(self, task: _Layer, hs: wire.Welcome) -> tuple[list[int], list[int], list[int]]:
         tr = task.transfer
@@ -357,7 +399,9 @@ class Sender:
         assert tr.route is not None and self._signals is not None
         error = tr.error or end.fail
         digests = self._digests(tr) if self._verify and not error else []
-        sig = wire.Signal(tr.transfer_id, self._me, not error, tr.route.expected, error, digests)
+        sig = wire.Signal(
+            tr.transfer_id, self._me, not error, tr.route.expected, error, digests, tr.settle_s
+        )
         if not self._signals.send(tr.dest.host, tr.d_port, sig):
             tr.error = tr.error or "signal not sent"
         tr.ended_at = time.perf_counter()

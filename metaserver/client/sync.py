@@ -133,6 +133,7 @@ Outcome = Callable[[bytes | None, Exception | None], None]
 class _Job:
     call: P.Call
     on_done: Outcome | None
+    quiet_conflict: bool = False  # a 409 is expected (another process got there first)
 
 
 _STOP = object()
@@ -152,9 +153,11 @@ class BackgroundWriter:
         )
         self._thread.start()
 
-    def submit(self, call: P.Call, on_done: Outcome | None = None) -> bool:
+    def submit(
+        self, call: P.Call, on_done: Outcome | None = None, quiet_conflict: bool = False
+    ) -> bool:
         try:
-            self._queue.put_nowait(_Job(call, on_done))
+            self._queue.put_nowait(_Job(call, on_done, quiet_conflict))
         except queue.Full:
             self.dropped += 1
             log.warning("metaserver write queue full; dropped %s %s", call.method, call.path)
@@ -173,8 +176,12 @@ class BackgroundWriter:
         actor: str,
         detail: EventDetail | None = None,
         on_done: Outcome | None = None,
+        quiet_conflict: bool = False,
     ) -> bool:
-        return self.submit(P.post_event(transfer_id, state, actor, detail), on_done)
+        """``quiet_conflict``: the event may legitimately arrive after a later state (posted by
+        another process), so a 409 is logged at debug level instead of as a warning."""
+        call = P.post_event(transfer_id, state, actor, detail)
+        return self.submit(call, on_done, quiet_conflict)
 
     def pending(self) -> int:
         return self._queue.qsize()
@@ -193,7 +200,14 @@ class BackgroundWriter:
             except Exception as exc:  # reported to the callback, never raised in this thread
                 error = exc
                 self.failed += 1
-                log.warning("metaserver %s %s failed: %s", job.call.method, job.call.path, exc)
+                late = job.quiet_conflict and getattr(exc, "status", None) == 409
+                log.log(
+                    logging.DEBUG if late else logging.WARNING,
+                    "metaserver %s %s failed: %s",
+                    job.call.method,
+                    job.call.path,
+                    exc,
+                )
             if job.on_done is not None:
                 try:
                     job.on_done(body, error)

@@ -3,6 +3,7 @@ allocated by vLLM's own CPU allocator: D's blocks must hold exactly P's bytes.""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -125,3 +126,33 @@ def test_mooncake_handshake_to_a_dead_decoder_fails_without_hanging(tmp_path: Pa
         assert "writes=0" in line
     finally:
         p.stop()
+
+
+RAW = [sys.executable, "-m", "tests.connector.mooncake_raw"]
+
+
+def test_mooncake_write_to_a_frozen_decoder_fails_within_write_timeout(tmp_path: Path) -> None:
+    """A tcp write whose receiver stops answering (SIGSTOP: what a stalled lane looks like from
+    P) fails after ``write_timeout_s`` instead of Mooncake's default 30 s, so the sender can
+    retry; once the receiver runs again, writes succeed."""
+    d = Process([*RAW, "recv"], log=tmp_path / "recv.log")
+    p: Process | None = None
+    go = tmp_path / "go"
+    try:
+        _, session, addr = _wait_line(d, "READY").split()
+        argv = [*RAW, "send", "--to", session, "--addr", addr, "--timeout", "5", "--go", str(go)]
+        p = Process(argv, log=tmp_path / "send.log")
+        _wait_line(p, "FIRST ok")
+        os.kill(d.pid, signal.SIGSTOP)
+        (tmp_path / "go.2").touch()
+        outcome, seconds = _wait_line(p, "SECOND", timeout=25).split()[1:]
+        assert outcome == "failed" and 4.5 <= float(seconds) < 15, (outcome, seconds)
+        os.kill(d.pid, signal.SIGCONT)
+        (tmp_path / "go.3").touch()
+        assert _wait_line(p, "THIRD", timeout=25).split()[1] == "ok"
+    finally:
+        if d.alive():
+            os.kill(d.pid, signal.SIGCONT)
+        d.stop()
+        if p is not None:
+            p.stop()

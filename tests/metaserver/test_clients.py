@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -161,3 +162,29 @@ def test_background_writer_reports_failures_to_callback() -> None:
         assert isinstance(got[0], ValidationFailed)
         assert writer.failed == 1
         writer.close()
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_background_writer_late_event_conflict_is_quiet_only_when_asked(
+    quiet: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """P's scheduler posts ``prefill_started`` while P's worker (another process) may already
+    have posted ``pushing``: that 409 is expected and must not read as a failure in the log."""
+    caplog.set_level(logging.DEBUG, logger="pdgate")
+    body = b'{"detail":"binding t1 is pushing; cannot become prefill_started"}'
+    with fault_server(default=Reply(409, body)) as srv:
+        writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST))
+        got: list[Exception | None] = []
+        event = threading.Event()
+        writer.post_event(
+            "t1",
+            BindingState.PREFILL_STARTED,
+            "p",
+            on_done=lambda b, e: (got.append(e), event.set()),
+            quiet_conflict=quiet,
+        )
+        assert event.wait(5)
+        writer.close()
+    assert isinstance(got[0], ConflictError)  # the caller still learns of it
+    levels = {r.levelno for r in caplog.records if "cannot become" in r.getMessage()}
+    assert levels == ({logging.DEBUG} if quiet else {logging.WARNING})

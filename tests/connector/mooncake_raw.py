@@ -1,0 +1,60 @@
+"""Bare Mooncake endpoints for the transport tests: a receiver that only registers memory, and a
+sender driving pdgate's ``MooncakeTransport`` (so its deadline settings are what is tested).
+
+    python -m tests.connector.mooncake_raw recv
+    python -m tests.connector.mooncake_raw send --to SESSION --addr ADDR --timeout S --go FILE
+
+The receiver prints ``READY <session> <addr>``. The sender writes once (``FIRST ok``), then for
+``SECOND`` and ``THIRD``: waits for the file ``--go`` + ``.2`` / ``.3``, writes, and prints
+``<NAME> ok|failed <seconds>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from connector.errors import TransferError
+from connector.transport.mooncake import MooncakeTransport
+
+PIECE = 16384
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["recv", "send"])
+    ap.add_argument("--to", default="")
+    ap.add_argument("--addr", type=int, default=0)
+    ap.add_argument("--timeout", type=int, default=10)
+    ap.add_argument("--go", default="")
+    args = ap.parse_args(argv)
+    transport = MooncakeTransport("127.0.0.1", "tcp", "", args.timeout)
+    buf = np.zeros(1 << 20, dtype=np.uint8)
+    transport.register(buf.ctypes.data, buf.nbytes)
+    if args.mode == "recv":
+        print(f"READY {transport.session} {buf.ctypes.data}", flush=True)
+        time.sleep(3600)
+        return 0
+    src = [buf.ctypes.data + i * PIECE for i in range(4)]
+    dst = [args.addr + i * PIECE for i in range(4)]
+    transport.write(args.to, src[:1], dst[:1], [PIECE])
+    print("FIRST ok", flush=True)
+    for n, name in ((2, "SECOND"), (3, "THIRD")):
+        while not Path(f"{args.go}.{n}").exists():
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        try:
+            transport.write(args.to, src, dst, [PIECE] * 4)
+            outcome = "ok"
+        except TransferError:
+            outcome = "failed"
+        print(f"{name} {outcome} {time.monotonic() - t0:.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
