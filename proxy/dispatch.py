@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import weakref
 from collections.abc import Mapping
 from typing import Any
 
+from metaserver.client.retry import Backoff
 from proxy.backend import LegError
 from proxy.config import Flow as FlowName
 from proxy.errors import BadRequest, NoInstance
@@ -57,16 +57,6 @@ class Decider:
                 return FlowName.DIRECT
         self._counts["disaggregate"].inc()
         return flow
-
-
-class Backoff:
-    def __init__(self, base_s: float, cap_s: float, rng: random.Random | None = None) -> None:
-        self._base = base_s
-        self._cap = cap_s
-        self._rng = rng or random.Random()
-
-    def delay(self, attempt: int) -> float:
-        return self._rng.uniform(0, min(self._cap, self._base * 2**attempt))
 
 
 class Dispatcher:
@@ -147,7 +137,7 @@ class Dispatcher:
                 avoid.add(exc.url)
                 attempt += 1
                 self._metrics.retries.labels(reason=exc.kind).inc()
-                await asyncio.sleep(self._backoff.delay(attempt))
+                await asyncio.sleep(self._backoff.compute(attempt))  # 1st retry: <= base
                 continue
             except BaseException:
                 d.release(info.tokens)

@@ -12,11 +12,12 @@ from typing import Any
 import aiohttp
 
 from metaserver.client import AsyncMetaserverClient
+from metaserver.client.retry import Backoff
 from proxy.admission import Admission
 from proxy.aiohttp_backend import AiohttpBackend
 from proxy.backend import Backend
 from proxy.config import Discovery, Flow, HttpClient, ProxySettings
-from proxy.dispatch import Backoff, Decider, Dispatcher
+from proxy.dispatch import Decider, Dispatcher
 from proxy.events import EventSink
 from proxy.flows import DecodeFirst, Direct, Legs, PrefillFirst, Timeouts
 from proxy.flows.base import Flow as FlowImpl
@@ -104,7 +105,7 @@ class Runtime:
             decider,
             self.metrics,
             retries=s.retries,
-            backoff=Backoff(s.backoff_base_s, s.backoff_cap_s),
+            backoff=Backoff(base=s.backoff_base_s, cap=s.backoff_cap_s),
         )
         source = self._discovery_source()
         try:
