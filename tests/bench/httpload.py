@@ -19,6 +19,12 @@ class Latencies:
         self.samples.append(seconds)
         self.statuses[status] = self.statuses.get(status, 0) + 1
 
+    def merge(self, other: Latencies) -> None:
+        self.samples.extend(other.samples)
+        self.errors += other.errors
+        for status, n in other.statuses.items():
+            self.statuses[status] = self.statuses.get(status, 0) + n
+
     def pct(self, q: float) -> float:
         if not self.samples:
             return float("nan")

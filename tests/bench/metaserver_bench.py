@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -196,13 +197,28 @@ async def run(args: argparse.Namespace) -> int:
             )
         )
 
-        # 4. steady rate: raw vs metaserver write latency
+        # 4. steady rate: raw vs metaserver write latency, in alternating rounds so that a stall
+        # of the shared 2-core machine (seen: 10-50 ms, hitting either side) spoils one round
+        # of one side, not the comparison; the verdict uses the median round
         sr, sh = Latencies(), Latencies()
-        await open_loop(args.rate, d, c, lambda w, i: timed(sr, raw.write(f"sr-{w}-{i}")))
-        await open_loop(args.rate, d, c, lambda w, i: http_put(sh, f"sh-{w}-{i}", conns[w]))
+        per_round: list[tuple[float, float]] = []
+        for r in range(args.rounds):
+            rr_, rh_ = Latencies(), Latencies()
+
+            async def raw_w(w: int, i: int, lat: Latencies = rr_, r: int = r) -> None:
+                await timed(lat, raw.write(f"sr{r}-{w}-{i}"))
+
+            async def http_w(w: int, i: int, lat: Latencies = rh_, r: int = r) -> None:
+                await http_put(lat, f"sh{r}-{w}-{i}", conns[w])
+
+            await open_loop(args.rate, args.steady_seconds, c, raw_w)
+            await open_loop(args.rate, args.steady_seconds, c, http_w)
+            per_round.append((rr_.pct(0.99), rh_.pct(0.99)))
+            sr.merge(rr_)
+            sh.merge(rh_)
         rows.append(
             (
-                f"redis-py write @ {args.rate:.0f}/s",
+                f"redis-py write @ {args.rate:.0f}/s (rounds pooled)",
                 "",
                 "",
                 f"{sr.pct(0.5):.2f}",
@@ -211,14 +227,16 @@ async def run(args: argparse.Namespace) -> int:
         )
         rows.append(
             (
-                f"metaserver PUT @ {args.rate:.0f}/s",
+                f"metaserver PUT @ {args.rate:.0f}/s (rounds pooled)",
                 "",
                 "",
                 f"{sh.pct(0.5):.2f}",
                 f"{sh.pct(0.99):.2f}",
             )
         )
-        added_p99 = sh.pct(0.99) - sr.pct(0.99)
+        raw_p99 = statistics.median(a for a, _ in per_round)
+        ms_p99 = statistics.median(b for _, b in per_round)
+        added_p99 = statistics.median(b - a for a, b in per_round)
 
         bad = {s: k for lat in (hw, hr, hw2, sh) for s, k in lat.statuses.items() if s >= 300}
         for conn in conns:
@@ -240,12 +258,21 @@ async def run(args: argparse.Namespace) -> int:
         f"\nmetaserver CPU per PUT: {cpu_per_write_us:.0f} us "
         f"(= {1e6 / cpu_per_write_us:,.0f} writes/s per fully busy core)"
     )
+    print(
+        f"\nsteady {args.rate:.0f} writes/s, {args.rounds} alternating rounds of "
+        f"{args.steady_seconds:.0f} s each side; p99 ms per round (redis-py / metaserver):"
+    )
+    print("  " + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in per_round))
+    print(
+        f"  median round: redis-py {raw_p99:.2f}, metaserver {ms_p99:.2f}; "
+        f"median of per-round differences {added_p99:+.2f} ms"
+    )
     ok_rate = write_rate >= 5000
     ok_p99 = added_p99 <= 1.0
     verdict = "PASS" if ok_rate else "FAIL"
     print(f"\nwrites/s at saturation: {write_rate:,.0f} (target >= 5,000: {verdict})")
     print(
-        f"p99 added over raw Redis at {args.rate:.0f} writes/s: {added_p99:+.2f} ms "
+        f"p99 added over raw Redis at {args.rate:.0f} writes/s (median round): {added_p99:+.2f} ms "
         f"(target <= 1 ms: {'PASS' if ok_p99 else 'FAIL'})"
     )
     if bad:
@@ -261,6 +288,8 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=5.0, help="seconds per phase")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--rate", type=float, default=1000.0, help="steady-rate phase, writes/s")
+    p.add_argument("--rounds", type=int, default=5, help="steady phase: alternating rounds")
+    p.add_argument("--steady-seconds", type=float, default=2.0, help="per round and side")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     sys.exit(uvloop.run(run(p.parse_args())))
 
