@@ -1,4 +1,5 @@
-"""Read a vLLM server's Prometheus metrics: running/waiting requests and KV-cache usage."""
+"""Read a vLLM server's Prometheus metrics: running/waiting requests, KV-cache usage, and
+prompt tokens by where their KV came from."""
 
 from __future__ import annotations
 
@@ -8,11 +9,25 @@ import time
 import httpx
 
 
-async def gauges(url: str) -> dict[str, float]:
+async def metrics_text(url: str) -> str:
     async with httpx.AsyncClient(timeout=10) as http:
-        text = (await http.get(url + "/metrics")).text
+        return (await http.get(url + "/metrics")).text
+
+
+async def prompt_tokens_by_source(url: str) -> dict[str, float]:
+    """``vllm:prompt_tokens_by_source_total`` summed per source: local_compute,
+    local_cache_hit, external_kv_transfer."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
+    for line in (await metrics_text(url)).splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            out[source] = out.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def gauges(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in (await metrics_text(url)).splitlines():
         if line.startswith("#"):
             continue
         for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",

@@ -18,6 +18,7 @@ import pytest
 from launch.plan import build_plan
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import LOG_DIR, Engines
+from tests.e2e.engine_metrics import prompt_tokens_by_source
 from tests.e2e.stack import (
     BLOCK_SIZE,
     CHUNK_TOKENS,
@@ -54,18 +55,6 @@ def hetero(tiny_model: Path) -> Iterator[Deployment]:
     ]
     with running(deploy(plan, LOG_DIR / "hetero-tp"), "the heterogeneous-TP deployment") as d:
         yield d
-
-
-async def prompt_tokens_by_source(url: str) -> dict[str, float]:
-    """D's ``vllm:prompt_tokens_by_source_total`` counters: local_compute, external_kv_transfer…"""
-    async with httpx.AsyncClient(timeout=10) as http:
-        text = (await http.get(url + "/metrics")).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total{"):
-            source = line.split('source="', 1)[1].split('"', 1)[0]
-            out[source] = out.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def shard_bytes(model: Path, prompt_len: int) -> int:

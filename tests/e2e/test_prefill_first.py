@@ -9,11 +9,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import LOG_DIR, Engines
+from tests.e2e.engine_metrics import prompt_tokens_by_source
 from tests.e2e.stack import BLOCK_SIZE, Deployment, base_options, deployment, running
 from tests.e2e.test_equality import assert_same, prompt_ids
 
@@ -38,25 +38,12 @@ async def nixl(nixl_pd: Deployment, engines: Engines) -> Deployment:
     d_url = nixl_pd.url_of("decode-0")
     for attempt in range(5):
         prompt = prompt_ids(2 * BLOCK_SIZE, seed=9100 + attempt)
-        before = await prompt_sources(d_url)
+        before = await prompt_tokens_by_source(d_url)
         await complete(client(nixl_pd.proxy), engines.model, prompt, max_tokens=1)
         after = await sources_after(d_url, before, len(prompt))
         if delta(after, before, "external_kv_transfer") > 0:
             return nixl_pd
     pytest.fail("D never pulled KV from P: see the NIXL errors in decode-0.log")
-
-
-async def prompt_sources(url: str) -> dict[str, float]:
-    """vLLM's prompt tokens by where their KV came from: local_compute, local_cache_hit,
-    external_kv_transfer."""
-    async with httpx.AsyncClient(timeout=10) as http:
-        text = (await http.get(url + "/metrics")).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total{"):
-            source = line.split('source="', 1)[1].split('"', 1)[0]
-            out[source] = out.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def delta(after: dict[str, float], before: dict[str, float], source: str) -> float:
@@ -68,7 +55,7 @@ async def sources_after(url: str, before: dict[str, float], tokens: int) -> dict
     after the response), or as they are after 10 s."""
     deadline = time.monotonic() + 10
     while True:
-        now = await prompt_sources(url)
+        now = await prompt_tokens_by_source(url)
         if sum(now.values()) - sum(before.values()) >= tokens or time.monotonic() > deadline:
             return now
         await asyncio.sleep(0.1)
@@ -87,7 +74,7 @@ async def test_e2e_prefill_first_nixl_equals_monolithic_with_pulled_kv(
     ref = await complete(
         client(engines.mono_url), engines.model, prompt, max_tokens=MAX_TOKENS, stream=stream
     )
-    p_before, d_before = await prompt_sources(p_url), await prompt_sources(d_url)
+    p_before, d_before = await prompt_tokens_by_source(p_url), await prompt_tokens_by_source(d_url)
     got = await complete(
         client(nixl.proxy), engines.model, prompt, max_tokens=MAX_TOKENS, stream=stream
     )
