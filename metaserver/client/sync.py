@@ -19,7 +19,12 @@ from types import TracebackType
 import httpx
 
 from metaserver.client import _protocol as P
-from metaserver.client.errors import MetaserverUnavailable, NotFoundError, error_for_status
+from metaserver.client.errors import (
+    ConflictError,
+    MetaserverUnavailable,
+    NotFoundError,
+    error_for_status,
+)
 from metaserver.client.retry import RetryPolicy
 from metaserver.models import (
     Binding,
@@ -200,7 +205,7 @@ class BackgroundWriter:
             except Exception as exc:  # reported to the callback, never raised in this thread
                 error = exc
                 self.failed += 1
-                late = job.quiet_conflict and getattr(exc, "status", None) == 409
+                late = job.quiet_conflict and isinstance(exc, ConflictError)
                 log.log(
                     logging.DEBUG if late else logging.WARNING,
                     "metaserver %s %s failed: %s",
