@@ -54,9 +54,11 @@ class MooncakeTransport:
         # rdma / ascend complete once the bytes are placed; so does tcp's default acknowledged
         # protocol, but not the old one (MC_TCP_PROTO=1), which completes on send
         self._lands = protocol != "tcp" or os.environ.get("MC_TCP_PROTO", "").strip() != "1"
-        # a write abandoned at MC_TRANSFER_TIMEOUT can sit in its lane until the progress
-        # deadline drops the connection; the receiver then applies what it had buffered
-        self._late_s = 2.0 * float(knobs["MC_TRANSFER_TIMEOUT"]) + 2.0
+        # a write abandoned at MC_TRANSFER_TIMEOUT can sit in its lane until the progress or
+        # acknowledgement deadline drops the connection; the receiver then applies what it had
+        # buffered (operators may set the three apart, so take the longest lane deadline)
+        lane_s = max(float(knobs[k]) for k in DEADLINE_ENV[1:])
+        self._late_s = float(knobs["MC_TRANSFER_TIMEOUT"]) + lane_s + 2.0
         self._lock = threading.Lock()
         log.info(
             "mooncake transfer engine up at %s (%s; %s)",
