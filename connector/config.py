@@ -41,6 +41,13 @@ class ConnectorSettings(LayeredSettings):
     kv_load_timeout_s: float = Field(120.0, gt=0, le=86_400)
     heartbeat_s: float = Field(5.0, gt=0, le=3600)
     concurrent: bool = False
+    registry_grace_s: float = Field(
+        10.0,
+        ge=0,
+        le=600,
+        description="P: how long a binding whose decoder the registry does not vouch for is "
+        "re-checked (the request waits, holding no blocks) before P computes it without a push",
+    )
     binding_wait_s: float = Field(30.0, gt=0, le=600, description="concurrent mode: long-poll")
     handshake_timeout_s: float = Field(5.0, gt=0, le=600)
     write_timeout_s: int = Field(

@@ -99,6 +99,7 @@ class ConnectorScheduler:
                 events=self.writer,
                 actor=self.me.instance_id,
                 push_window_s=push_window(settings.kv_load_timeout_s),
+                registry_grace_s=settings.registry_grace_s,
                 tp_size=self.me.tp_size,
             )
             if role is not InstanceRole.DECODE

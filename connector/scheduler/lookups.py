@@ -29,11 +29,13 @@ class Lookups:
         *,
         binding_wait_s: float,
         instance_ttl_s: float,
+        doubt_ttl_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._factory = client_factory
         self._wait = binding_wait_s
         self._ttl = instance_ttl_s
+        self._doubt_ttl = min(doubt_ttl_s, instance_ttl_s)
         self._clock = clock
         self._lock = threading.Lock()
         self._bindings: dict[str, Binding | Exception] = {}
@@ -84,22 +86,24 @@ class Lookups:
 
     # -- registry (a request must not pick where P pushes) ---------------------------------
     def trusted(self, b: Binding) -> Verdict:
-        """Is ``b``'s decode instance registered, as a decoder, at the same KV endpoint?"""
+        """Is ``b``'s decode instance registered, as a decoder, at the same KV endpoint?
+
+        A yes is kept for ``instance_ttl_s`` and served while it is being refreshed (an
+        unreachable metaserver does not stop pushes to a decoder it vouched for). A no lives
+        only ``doubt_ttl_s`` and is never served stale (``None`` until the answer is new): the
+        decoder may have registered, re-registered elsewhere or come back from a missed
+        heartbeat since.
+        """
         now = self._clock()
         with self._lock:
             cached = self._instances.get(b.decode_instance_id)
-            fresh = cached is not None and now - cached[1] < self._ttl
+            verdict = None if cached is None else _vouches(cached[0], b)
+            ttl = self._ttl if verdict else self._doubt_ttl
+            fresh = cached is not None and now - cached[1] < ttl
             if not fresh and b.decode_instance_id not in self._instance_pending:
                 self._instance_pending.add(b.decode_instance_id)
                 self._spawn(self._fetch_instance(b.decode_instance_id))
-        if cached is None:
-            return None
-        inst = cached[0]
-        return (
-            inst is not None
-            and inst.role in (InstanceRole.DECODE, InstanceRole.BOTH)
-            and inst.kv_endpoint == b.kv_endpoint
-        )
+        return verdict if verdict or fresh else None
 
     async def _fetch_instance(self, instance_id: str) -> None:
         inst: Instance | None
@@ -129,3 +133,11 @@ class Lookups:
                 pass
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(2.0)
+
+
+def _vouches(inst: Instance | None, b: Binding) -> bool:
+    return (
+        inst is not None
+        and inst.role in (InstanceRole.DECODE, InstanceRole.BOTH)
+        and inst.kv_endpoint == b.kv_endpoint
+    )

@@ -53,7 +53,9 @@ class PrefillSide:
         events: BackgroundWriter | None,
         actor: str,
         push_window_s: float = 0.0,
+        registry_grace_s: float = 0.0,
         wall_clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
         tp_size: int = 1,
     ) -> None:
         self._tp = tp_size
@@ -65,6 +67,9 @@ class PrefillSide:
         self._actor = actor
         self._window = push_window_s
         self._wall = wall_clock
+        self._clock = clock
+        self._grace = registry_grace_s
+        self._doubted: dict[str, float] = {}  # request id -> when the registry first said no
         self.expired = 0
         self._pushes: dict[str, _Push] = {}
         self._manager: KVCacheManager | None = None
@@ -100,9 +105,31 @@ class PrefillSide:
         if found is None:
             return 0, False
         binding = found[1]
-        if binding is None or self._lookups.trusted(binding) is None:
+        if binding is None:
             return None, False  # ask again next step; nothing allocated meanwhile
+        verdict = self._lookups.trusted(binding)
+        if verdict is None or (verdict is False and self._still_doubting(request, binding)):
+            return None, False
         return 0, False
+
+    def _still_doubting(self, request: Request, binding: Binding) -> bool:
+        """A no from the registry is re-asked for ``registry_grace_s`` before it is final: a
+        decoder whose heartbeat lapsed (a starved host, a metaserver restart) is back within
+        a beat or two, and refusing means D waits out its whole load deadline."""
+        now = self._clock()
+        since = self._doubted.setdefault(request.request_id, now)
+        if now - since >= self._grace:
+            return False
+        if since == now and self._grace > 0:
+            log.info(
+                "request %s: the registry does not vouch for %s at %s; asking again for up to "
+                "%.0fs before pushing nothing",
+                request.request_id,
+                binding.decode_instance_id,
+                binding.kv_endpoint,
+                self._grace,
+            )
+        return True
 
     def after_alloc(self, request: Request) -> None:
         if request.request_id in self._pushes:
@@ -111,13 +138,15 @@ class PrefillSide:
         if found is None or found[1] is None:
             return
         tid, binding = found[0], found[1]
+        doubted = self._doubted.pop(request.request_id, None)
         if self._lookups.trusted(binding) is not True:
             self.untrusted += 1
             log.warning(
-                "transfer %s names %s at %s, which the registry does not vouch for; no push",
+                "transfer %s names %s at %s, which the registry does not vouch for%s; no push",
                 tid,
                 binding.decode_instance_id,
                 binding.kv_endpoint,
+                "" if doubted is None else f" (asked for {self._clock() - doubted:.1f}s)",
             )
             return
         dest = Destination.of(binding, self._window)
@@ -191,6 +220,7 @@ class PrefillSide:
 
     def finished(self, request: Request) -> bool:
         """Whether to delay freeing the request's blocks (the workers report when to free)."""
+        self._doubted.pop(request.request_id, None)
         push = self._pushes.pop(request.request_id, None)
         if push is not None:
             self._lookups.forget_binding(push.transfer_id)

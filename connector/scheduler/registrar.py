@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 
 from metaserver.client import MetaserverClient
 from metaserver.models import InstanceSpec
@@ -17,9 +19,16 @@ log = logging.getLogger("pdgate.connector.registrar")
 
 class Registrar:
     def __init__(
-        self, client: MetaserverClient, instance_id: str, spec: InstanceSpec, interval_s: float
+        self,
+        client: MetaserverClient,
+        instance_id: str,
+        spec: InstanceSpec,
+        interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
+        self._clock = clock
+        self.lapses = 0  # beats that landed after the registration had already expired
         self.instance_id = instance_id
         self.spec = spec
         self._interval = interval_s
@@ -33,11 +42,23 @@ class Registrar:
         return self
 
     def _run(self) -> None:
+        last_ok: float | None = None
         while not self._stop.is_set():
             try:
                 self._client.put_instance(self.instance_id, self.spec)
+                now = self._clock()
                 if not self.registered.is_set():
                     log.info("registered %s in the metaserver as %s", self.instance_id, self.spec)
+                elif last_ok is not None and now - last_ok > (self.spec.ttl_s or float("inf")):
+                    self.lapses += 1
+                    log.warning(
+                        "heartbeat of %s landed %.1fs after the previous one (registration TTL "
+                        "%.0fs): the registry had forgotten this instance meanwhile",
+                        self.instance_id,
+                        now - last_ok,
+                        self.spec.ttl_s,
+                    )
+                last_ok = now
                 self.registered.set()
                 self.beats += 1
             except Exception as exc:

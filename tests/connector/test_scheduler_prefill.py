@@ -187,12 +187,14 @@ def test_prefill_refuses_destinations_the_registry_does_not_vouch_for(
     metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
 ) -> None:
     _register_decoder(metaserver.url)
-    s = make_prefiller(metaserver.url, batched=64)
+    s = make_prefiller(metaserver.url, batched=64, registry_grace_s=0.5)
     b = _bind(metaserver.url, "tid-forged", 40)
     forged = {**b, "kv_endpoint": {"host": "10.6.6.6", "port": 5800}}
     req = H.request(H.prompt(40), _send_params("tid-forged", forged), max_tokens=1)
     s.add_request(req)
+    t0 = time.monotonic()
     out, meta = _step_until_scheduled(s, req.request_id)
+    assert time.monotonic() - t0 >= 0.5  # the registry's no was asked again for the grace
     assert meta.sends == []  # computed, answered, but nothing pushed anywhere
     unknown = {**b, "decode_instance_id": "nobody"}
     req2 = H.request(H.prompt(40, seed=3), _send_params("tid-forged", unknown), max_tokens=1)
@@ -202,6 +204,47 @@ def test_prefill_refuses_destinations_the_registry_does_not_vouch_for(
     for _ in range(2):
         H.step(s)
     H.assert_empty(s)  # no delay-free for requests that never pushed
+
+
+def test_prefill_pushes_once_a_lapsed_decoder_registers_again_within_the_grace(
+    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    _register_decoder(metaserver.url)
+    s = make_prefiller(metaserver.url, batched=64, heartbeat_s=0.2, registry_grace_s=30)
+    b = _bind(metaserver.url, "tid-lapse", 40)
+    # D's heartbeat lapsed (a starved host): the registry has forgotten it when P first asks
+    httpx.delete(f"{metaserver.url}/v1/instances/dec-1", headers=AUTH).raise_for_status()
+    req = H.request(H.prompt(40), _send_params("tid-lapse", b), max_tokens=1)
+    s.add_request(req)
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:  # P asked, heard no, and keeps the request waiting
+        out, _ = H.step(s)
+        assert req.request_id not in out.num_scheduled_tokens
+        time.sleep(0.05)
+    _register_decoder(metaserver.url)  # the next heartbeat lands
+    out, meta = _step_until_scheduled(s, req.request_id)
+    chunk = _pushes(meta, req.request_id)[0]
+    assert chunk.last and [dst for _, dst in chunk.pairs] == b["block_ids"][0]
+
+
+def test_prefill_does_not_refuse_on_an_old_no_from_the_registry(
+    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    s = make_prefiller(metaserver.url, batched=64, heartbeat_s=60, registry_grace_s=0)
+    _register_decoder(metaserver.url)
+    b = _bind(metaserver.url, "tid-old-no", 40, first=10)
+    httpx.delete(f"{metaserver.url}/v1/instances/dec-1", headers=AUTH).raise_for_status()
+    first = H.request(H.prompt(40), _send_params("tid-old-no", b), max_tokens=1)
+    s.add_request(first)
+    _, meta = _step_until_scheduled(s, first.request_id)
+    assert meta.sends == []  # no grace: refused on the registry's no
+    _register_decoder(metaserver.url)
+    time.sleep(0.6)  # the no is older than its short cache life; a yes would be kept 60 s
+    b2 = _bind(metaserver.url, "tid-old-no-2", 40, first=20)
+    second = H.request(H.prompt(40, seed=4), _send_params("tid-old-no-2", b2), max_tokens=1)
+    s.add_request(second)
+    _, meta = _step_until_scheduled(s, second.request_id)
+    assert [dst for _, dst in _pushes(meta, second.request_id)[0].pairs] == b2["block_ids"][0]
 
 
 def test_prefill_abort_mid_prefill_holds_blocks_until_workers_release(
