@@ -4,6 +4,7 @@ Decode side:  ``{"do_remote_prefill": true, "transfer_id": tid, "metaserver": ur
 Prefill side: ``{"do_remote_decode": true, "transfer_id": tid, "metaserver": url,
 "decode": <Binding JSON>}`` ("decode" absent in concurrent mode: P fetches the binding).
 The per-request "metaserver" field is informational only: engines use their configured URL.
+P's answer: ``{"transfer_id": tid, "push": "started" | "none", "reason": ...}`` (``push_report``).
 """
 
 from __future__ import annotations
@@ -62,3 +63,17 @@ def parse_send(params: dict[str, Any] | None) -> SendParams | None:
     if binding.transfer_id != tid:
         raise ParamsError("kv_transfer_params.decode belongs to another transfer_id")
     return SendParams(tid, binding)
+
+
+def push_report(transfer_id: str | None, no_push_reason: str | None) -> dict[str, Any]:
+    """What P's answer carries in ``kv_transfer_params``: ``push`` is ``"started"`` or
+    ``"none"`` (then with a ``reason``). A push that started and then failed tells D itself (a
+    failed signal); ``"none"`` means D hears nothing, so the proxy lets D compute the prompt
+    itself rather than wait for its load deadline."""
+    report: dict[str, Any] = {"transfer_id": transfer_id}
+    if no_push_reason is None:
+        report["push"] = "started"
+    else:
+        report["push"] = "none"
+        report["reason"] = no_push_reason
+    return report

@@ -194,6 +194,12 @@ class Metrics:
             "pd_request_seconds", "whole request, client's view", ["flow"], buckets=_LEG_BUCKETS,
             registry=r,
         )  # fmt: skip
+        self.no_push = counter(
+            "pd_prefill_no_push_total",
+            "P answered without pushing (its connector refused the binding): D computed the "
+            "prompt itself",
+            registry=r,
+        ).labels()
         self.events_dropped = counter(
             "pd_binding_events_dropped_total", "binding events not sent (queue full)", registry=r
         )

@@ -143,8 +143,9 @@ class ConnectorScheduler:
     ) -> tuple[bool, dict[str, Any] | None]:
         if self.decode is not None:
             self.decode.finished(request)
-        delay = self.prefill.finished(request) if self.prefill is not None else False
-        return delay, None
+        if self.prefill is None:
+            return False, None
+        return self.prefill.finished(request)
 
     def get_finished_count(self) -> int:
         # Every worker rank reports each finished id exactly once (replica ranks that push

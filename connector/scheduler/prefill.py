@@ -13,12 +13,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from connector import tp
 from connector.errors import LayoutError, ParamsError
 from connector.metadata import Destination, PdgateMetadata, SendChunk
-from connector.params import parse_send
+from connector.params import parse_send, push_report
 from connector.scheduler.lookups import Lookups
 from metaserver.client import BackgroundWriter
 from metaserver.models import Binding, BindingState, EventDetail
@@ -74,6 +74,7 @@ class PrefillSide:
         self._pushes: dict[str, _Push] = {}
         self._manager: KVCacheManager | None = None
         self.untrusted = 0
+        self._no_push: dict[str, str] = {}  # request id -> why P will push nothing for it
 
     def bind(self, manager: KVCacheManager) -> None:
         self._manager = manager
@@ -84,6 +85,7 @@ class PrefillSide:
             params = parse_send(request.kv_transfer_params)
         except ParamsError as exc:
             log.warning("request %s: %s; no push", request.request_id, exc)
+            self._no_push[request.request_id] = str(exc)
             return None
         if params is None:
             return None
@@ -91,10 +93,12 @@ class PrefillSide:
             return params.transfer_id, params.binding
         if not self._concurrent:
             log.warning("request %s has no binding and concurrent mode is off", request.request_id)
+            self._no_push[request.request_id] = "no binding in the request (concurrent mode off)"
             return None
         got = self._lookups.binding(params.transfer_id)
         if isinstance(got, Exception):
             log.warning("binding %s unavailable (%s); no push", params.transfer_id, got)
+            self._no_push[request.request_id] = f"binding unavailable: {got}"
             return None
         return params.transfer_id, got
 
@@ -148,11 +152,16 @@ class PrefillSide:
                 binding.kv_endpoint,
                 "" if doubted is None else f" (asked for {self._clock() - doubted:.1f}s)",
             )
+            self._no_push[request.request_id] = (
+                f"the registry does not vouch for {binding.decode_instance_id} at "
+                f"{binding.kv_endpoint.host}:{binding.kv_endpoint.port}"
+            )
             return
         dest = Destination.of(binding, self._window)
         if dest.deadline and self._wall() >= dest.deadline:
             self.expired += 1
             log.warning("transfer %s: D's load deadline already passed; no push", tid)
+            self._no_push[request.request_id] = "D's load deadline already passed"
             return
         problem = ""
         if binding.block_size != self._block_size:
@@ -164,7 +173,8 @@ class PrefillSide:
                 problem = str(exc)
         if problem:  # refuse here: the worker must never meet a pairing it cannot route
             self.refused += 1
-            log.error("transfer %s: %s; no push (D recomputes at its deadline)", tid, problem)
+            log.error("transfer %s: %s; no push", tid, problem)
+            self._no_push[request.request_id] = problem
             if self._events is not None:
                 detail = EventDetail(error=problem)
                 self._events.post_event(tid, BindingState.FAILED, self._actor, detail)
@@ -218,10 +228,21 @@ class PrefillSide:
         push.emitted = True
         push.closed = True
 
-    def finished(self, request: Request) -> bool:
-        """Whether to delay freeing the request's blocks (the workers report when to free)."""
-        self._doubted.pop(request.request_id, None)
-        push = self._pushes.pop(request.request_id, None)
+    def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Whether to delay freeing the request's blocks (the workers report when to free), and
+        the push report for P's answer (``None`` for requests that asked for no push)."""
+        rid = request.request_id
+        self._doubted.pop(rid, None)
+        why = self._no_push.pop(rid, None)
+        push = self._pushes.pop(rid, None)
         if push is not None:
             self._lookups.forget_binding(push.transfer_id)
-        return push is not None and push.emitted
+            return push.emitted, push_report(push.transfer_id, None)
+        try:
+            params = parse_send(request.kv_transfer_params)
+        except ParamsError:
+            params = None
+        if params is None and why is None:
+            return False, None
+        tid = params.transfer_id if params is not None else None
+        return False, push_report(tid, why or "finished before a push was set up")

@@ -88,6 +88,29 @@ class PrefillAnswer(msgspec.Struct):
 _prefill_answer = msgspec.json.Decoder(PrefillAnswer)
 
 
+class PushReport(msgspec.Struct):
+    """pdgate's connector on P reports in its answer whether it pushed (``push``: ``started``
+    or ``none``, then with a ``reason``); other connectors put other things here."""
+
+    push: str = ""
+    reason: str = ""
+
+
+_push_report = msgspec.json.Decoder(PushReport)
+
+
+def no_push_reason(answer: PrefillAnswer) -> str | None:
+    """Why P set up no push to D, when its connector says it did not; else ``None``."""
+    raw = bytes(answer.kv_transfer_params)
+    if not raw or raw == b"null":
+        return None
+    try:
+        report = _push_report.decode(raw)
+    except msgspec.DecodeError:
+        return None  # not an object of ours: assume the push happened
+    return (report.reason or "no reason given") if report.push == "none" else None
+
+
 class Legs:
     """The two leg primitives, shared by the flows."""
 

@@ -10,11 +10,16 @@
    any failure drops the other leg (closing D's connection aborts its request, so nothing
    waits for KV that will never come) and marks the binding ``failed`` (P errored) or
    ``aborted`` (anything else), fire-and-forget.
+4. P's answer says ``push: none`` when its connector refused the binding (a decoder the
+   registry does not vouch for, a block size or TP pairing it cannot serve, D's deadline
+   already gone): D would wait its whole load deadline for KV that will never come, so the
+   proxy drops D's leg and sends D the plain request instead; D computes the prompt itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -22,8 +27,17 @@ from metaserver.models import BindingState
 from proxy.backend import LegError
 from proxy.errors import BindingTimeout, UpstreamError
 from proxy.events import EventSink
-from proxy.flows.base import Attempt, Legs, PrefillAnswer, Upstream, prefill_cached
+from proxy.flows.base import (
+    Attempt,
+    Legs,
+    PrefillAnswer,
+    Upstream,
+    no_push_reason,
+    prefill_cached,
+)
 from proxy.flows.bindings import BindingMissing, BindingSource
+
+log = logging.getLogger("pdgate.proxy.flows")
 
 
 class _DecodeWatch:
@@ -96,7 +110,9 @@ class DecodeFirst:
                 await d_task  # raises D's error
                 raise
             watch.armed = False
-            up = await d_task
+            why = no_push_reason(answer)
+            if why is None or _answered(d_task):
+                up = await d_task
         except BaseException as exc:
             watch.armed = False
             _drop(d_task)
@@ -104,9 +120,18 @@ class DecodeFirst:
             state = BindingState.FAILED if failed else BindingState.ABORTED
             self._events.post(a.tid, state, str(exc) or type(exc).__name__)
             raise
+        if why is not None and not _answered(d_task):
+            return await self._decode_alone(a, d_task, why)
         up.prefill_cached = prefill_cached(answer)
         up.binding_tracked = True
         return up
+
+    async def _decode_alone(self, a: Attempt, d_task: asyncio.Task[Upstream], why: str) -> Upstream:
+        _drop(d_task)
+        log.warning("%s: P pushed nothing (%s); D computes the prompt itself", a.tid, why)
+        self._legs.metrics.no_push.inc()
+        self._events.post(a.tid, BindingState.FAILED, f"P pushed nothing: {why}")
+        return await self._legs.decode(a, a.req.for_decode(None))
 
     async def _binding(self, a: Attempt) -> Any:
         t0 = time.perf_counter()
@@ -120,6 +145,10 @@ class DecodeFirst:
             raise LegError(err2, self._bindings.base_url, "binding") from exc
         self._binding_hist.observe(time.perf_counter() - t0)
         return raw
+
+
+def _answered(d_task: asyncio.Task[Upstream]) -> bool:
+    return d_task.done() and not d_task.cancelled() and d_task.exception() is None
 
 
 def _drop(d_task: asyncio.Task[Upstream]) -> None:

@@ -165,8 +165,15 @@ _PROMPT_LEN: dict[str, int] = {}
 
 def step(s: Scheduler, **kv: set[str] | None) -> tuple[SchedulerOutput, PdgateMetadata]:
     out = s.schedule()
-    s.update_from_output(out, runner_output(out, **kv))  # type: ignore[arg-type]
+    for outputs in s.update_from_output(out, runner_output(out, **kv)).values():  # type: ignore[arg-type]
+        for o in outputs.outputs:
+            if o.finish_reason is not None:
+                FINISHED_PARAMS[o.request_id] = o.kv_transfer_params
     return out, meta(out)
+
+
+# request id -> the kv_transfer_params vLLM put in its final output (what the client's answer gets)
+FINISHED_PARAMS: dict[str, dict[str, Any] | None] = {}
 
 
 def block_ids(s: Scheduler, req_id: str) -> list[int]:

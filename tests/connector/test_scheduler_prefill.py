@@ -196,6 +196,11 @@ def test_prefill_refuses_destinations_the_registry_does_not_vouch_for(
     out, meta = _step_until_scheduled(s, req.request_id)
     assert time.monotonic() - t0 >= 0.5  # the registry's no was asked again for the grace
     assert meta.sends == []  # computed, answered, but nothing pushed anywhere
+    assert H.FINISHED_PARAMS[req.request_id] == {  # P's answer tells the proxy
+        "transfer_id": "tid-forged",
+        "push": "none",
+        "reason": "the registry does not vouch for dec-1 at 10.6.6.6:5800",
+    }
     unknown = {**b, "decode_instance_id": "nobody"}
     req2 = H.request(H.prompt(40, seed=3), _send_params("tid-forged", unknown), max_tokens=1)
     s.add_request(req2)
@@ -225,6 +230,7 @@ def test_prefill_pushes_once_a_lapsed_decoder_registers_again_within_the_grace(
     out, meta = _step_until_scheduled(s, req.request_id)
     chunk = _pushes(meta, req.request_id)[0]
     assert chunk.last and [dst for _, dst in chunk.pairs] == b["block_ids"][0]
+    assert H.FINISHED_PARAMS[req.request_id] == {"transfer_id": "tid-lapse", "push": "started"}
 
 
 def test_prefill_does_not_refuse_on_an_old_no_from_the_registry(

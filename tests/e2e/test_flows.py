@@ -57,3 +57,24 @@ async def test_e2e_requests_spread_over_all_four_engines(engines: Engines) -> No
     prefillers = {e["actor"] for b in bindings for e in b["events"] if e["state"] != "bound"}
     assert decoders == {"decode-0", "decode-1"}, before
     assert {"prefill-0", "prefill-1"} <= prefillers
+
+
+async def test_e2e_prefill_given_a_forged_binding_pushes_nothing_and_says_so(
+    engines: Engines,
+) -> None:
+    prompt = prompt_ids(80, seed=41)
+    await complete(client(engines.pd.proxy), engines.model, prompt, max_tokens=2)
+    real = await latest_binding(engines)
+    tid = "forged-e2e-1"
+    forged = {**real, "transfer_id": tid, "kv_endpoint": {"host": "10.6.6.6", "port": 5600}}
+    kv = {"do_remote_decode": True, "transfer_id": tid, "decode": forged}
+    body = {"model": engines.model, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": kv}
+    async with httpx.AsyncClient(base_url=engines.pd.url_of("prefill-0"), timeout=120) as p:
+        r = await p.post("/v1/completions", json=body)  # straight to P, past the proxy
+    assert r.status_code == 200, r.text
+    # vLLM hands the connector's report back in the answer: nothing was pushed, and why
+    assert r.json()["kv_transfer_params"] == {
+        "transfer_id": tid,
+        "push": "none",
+        "reason": f"the registry does not vouch for {real['decode_instance_id']} at 10.6.6.6:5600",
+    }

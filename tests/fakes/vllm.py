@@ -52,6 +52,7 @@ class Knobs:
     health_status: int = 200
     health_delay_ms: float = 0.0  # answer /health this late (a busy engine)
     write_binding: bool = True  # decode: write the binding to the metaserver
+    refuse_push: str = ""  # prefill: push nothing and say why, as pdgate's connector does
     record: bool = True
 
 
@@ -271,6 +272,12 @@ class FakeVLLM:
                     "remote_port": self.port,
                 }
             return
+        if k.refuse_push:
+            extra["kv_transfer_params"] = {
+                "transfer_id": tid, "push": "none", "reason": k.refuse_push
+            }  # fmt: skip
+            return
+        extra["kv_transfer_params"] = {"transfer_id": tid, "push": "started"}
         binding = kv.get("decode")
         assert self.session is not None
         if binding is None:  # concurrent mode: fetch the binding ourselves

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -18,6 +19,11 @@ INJECTED = {"do_remote_decode": True, "remote_host": "10.6.6.6", "transfer_id": 
 def binding_state(cluster: Cluster, tid: str) -> str | None:
     r = httpx.get(f"{cluster.metaserver.url}/v1/bindings/{tid}")
     return str(r.json()["state"]) if r.status_code == 200 else None
+
+
+def binding_events(cluster: Cluster, tid: str) -> list[dict[str, Any]]:
+    r = httpx.get(f"{cluster.metaserver.url}/v1/bindings/{tid}")
+    return list(r.json()["events"])
 
 
 def metric(text: str, line_start: str) -> float:
@@ -113,6 +119,42 @@ async def test_concurrent_flow_sends_prefill_without_binding(
     kv_p = cluster.prefill[0].requests()[-1]["body"]["kv_transfer_params"]
     assert set(kv_p) == {"do_remote_decode", "transfer_id", "metaserver"}
     assert cluster.decode[0].stats()["kv_received"] == 1
+
+
+@pytest.mark.parametrize(("flow", "stream"), [("decode-first", True), ("concurrent", False)])
+async def test_prefill_pushing_nothing_lets_decode_compute_at_once(
+    cluster: Cluster, proxy_factory: ProxyFactory, flow: str, stream: bool
+) -> None:
+    why = "the registry does not vouch for dec-x at 10.0.0.9:5600"
+    for p in cluster.prefill:
+        p.configure(refuse_push=why)
+    for d in cluster.decode:
+        d.configure(kv_timeout_s=30)  # without the fallback the answer would take 30 s
+    proxy = await proxy_factory(flow=flow)
+    t0 = time.monotonic()
+    out = await proxy.client().completions.create(
+        model="fake-model", prompt=PROMPT, max_tokens=16, stream=stream
+    )
+    text = (
+        "".join([c.choices[0].text async for c in out])  # type: ignore[union-attr]
+        if stream
+        else out.choices[0].text  # type: ignore[union-attr]
+    )
+    assert text == EXPECTED_16
+    assert time.monotonic() - t0 < 10
+    d = next(d for d in cluster.decode if d.requests())
+    first, second = d.requests()
+    tid = first["body"]["kv_transfer_params"]["transfer_id"]
+    assert "kv_transfer_params" not in second["body"]  # D computes the prompt itself
+    assert second["x_request_id"] == tid
+    await wait_until(lambda: d.stats()["cancelled"] == 1)  # the waiting leg was dropped
+    assert d.stats()["kv_timeouts"] == 0
+    await wait_until(lambda: binding_state(cluster, tid) == "failed")
+    events = binding_events(cluster, tid)
+    assert any(why in str(e.get("detail")) for e in events), events
+    async with proxy.http() as http:
+        text = (await http.get("/metrics")).text
+    assert metric(text, "pd_prefill_no_push_total") == 1
 
 
 @pytest.mark.parametrize("http_client", ["native", "aiohttp"])
