@@ -17,9 +17,9 @@ class Generation:
     logprobs: tuple[float, ...]
 
 
-def client(base_url: str, **kw: Any) -> AsyncOpenAI:
+def client(base_url: str, *, timeout: float = 120.0, **kw: Any) -> AsyncOpenAI:
     return AsyncOpenAI(
-        base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120, **kw
+        base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=timeout, **kw
     )
 
 
