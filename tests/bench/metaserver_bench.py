@@ -94,9 +94,14 @@ class RawRedis:
         await self.read(keys=[f"{self.ns}:b:{tid}", f"{self.ns}:e:{tid}"])
 
 
-async def put_histogram(conn: Connection, host: str) -> dict[float, float]:
-    """The metaserver's own PUT latency histogram (cumulative counts by upper bound, s)."""
-    status, body = await conn.request(build("GET", "/metrics", host, b""))
+async def put_histogram(port: int) -> dict[float, float]:
+    """The metaserver's own PUT latency histogram (cumulative counts by upper bound, s). A
+    fresh connection each time: an idle keep-alive one may have been closed by the server."""
+    conn = await Connection.open("127.0.0.1", port)
+    try:
+        status, body = await conn.request(build("GET", "/metrics", f"127.0.0.1:{port}", b""))
+    finally:
+        conn.close()
     assert status == 200, status
     out: dict[float, float] = {}
     for line in body.decode().splitlines():
@@ -226,7 +231,6 @@ async def run(args: argparse.Namespace) -> int:
         sr, sh = Latencies(), Latencies()
         per_round: list[tuple[float, float]] = []
         server_p99: list[float] = []  # the metaserver's own view: ASGI call in to response out
-        stats_conn = await Connection.open("127.0.0.1", port)
         for r in range(args.rounds):
             rr_, rh_ = Latencies(), Latencies()
 
@@ -237,9 +241,9 @@ async def run(args: argparse.Namespace) -> int:
                 await http_put(lat, f"sh{r}-{w}-{i}", conns[w])
 
             await open_loop(args.rate, args.steady_seconds, c, raw_w)
-            h0 = await put_histogram(stats_conn, host)
+            h0 = await put_histogram(port)
             await open_loop(args.rate, args.steady_seconds, c, http_w)
-            server_p99.append(histogram_p99(h0, await put_histogram(stats_conn, host)))
+            server_p99.append(histogram_p99(h0, await put_histogram(port)))
             per_round.append((rr_.pct(0.99), rh_.pct(0.99)))
             sr.merge(rr_)
             sh.merge(rh_)
@@ -266,7 +270,7 @@ async def run(args: argparse.Namespace) -> int:
         added_p99 = statistics.median(b - a for a, b in per_round)
 
         bad = {s: k for lat in (hw, hr, hw2, sh) for s, k in lat.statuses.items() if s >= 300}
-        for conn in [*conns, stats_conn]:
+        for conn in conns:
             conn.close()
         await raw.r.aclose()
     finally:
