@@ -93,12 +93,11 @@ async def test_e2e_prefix_cache_hit_on_decode_is_skipped_and_still_equal(engines
     assert second["state"] == "done"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug under investigation (issue 5 note): under concurrency one request in 32 "
-    "occasionally diverges after a few tokens; no warning is logged by either engine",
-)
 async def test_e2e_concurrent_mixed_lengths_equal_monolithic(engines: Engines) -> None:
+    # Was xfail (a rare divergence under concurrency, last seen before D held the blocks of a
+    # transfer with a failed write for its settle time). Since: passed in 7 of 7 CI runs and in
+    # 12 local rounds of 32 (384 requests), logprobs within 8e-6 of the monolithic engine's,
+    # which is the monolithic engine's own batch-to-batch variation (6.7e-6).
     lengths = [random.Random(i).randrange(5, 400) for i in range(32)]
     prompts = [prompt_ids(n, seed=1000 + i) for i, n in enumerate(lengths)]
     mono, pd = client(engines.mono_url), client(engines.pd.proxy)
