@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from connector import tp
 from connector.errors import LayoutError, ParamsError
 from connector.metadata import Destination, PdgateMetadata, SendChunk
-from connector.params import parse_send, push_report
+from connector.params import SendParams, parse_send, push_report
 from connector.scheduler.lookups import Lookups
 from metaserver.client import BackgroundWriter
 from metaserver.models import Binding, BindingState, EventDetail
@@ -75,18 +75,27 @@ class PrefillSide:
         self._manager: KVCacheManager | None = None
         self.untrusted = 0
         self._no_push: dict[str, str] = {}  # request id -> why P will push nothing for it
+        self._params: dict[str, SendParams | None] = {}  # request id -> parsed once
 
     def bind(self, manager: KVCacheManager) -> None:
         self._manager = manager
 
+    def _send_params(self, request: Request) -> SendParams | None:
+        """The request's push parameters, parsed (and the binding validated) once per request:
+        ``matched`` runs every step while a request waits, ``after_alloc`` once more."""
+        rid = request.request_id
+        if rid not in self._params:
+            try:
+                self._params[rid] = parse_send(request.kv_transfer_params)
+            except ParamsError as exc:
+                log.warning("request %s: %s; no push", rid, exc)
+                self._no_push[rid] = str(exc)
+                self._params[rid] = None
+        return self._params[rid]
+
     def _binding(self, request: Request) -> tuple[str, Binding | None] | None:
         """(transfer id, binding or None while unknown); ``None``: no push for this request."""
-        try:
-            params = parse_send(request.kv_transfer_params)
-        except ParamsError as exc:
-            log.warning("request %s: %s; no push", request.request_id, exc)
-            self._no_push[request.request_id] = str(exc)
-            return None
+        params = self._send_params(request)
         if params is None:
             return None
         if params.binding is not None:
@@ -234,15 +243,20 @@ class PrefillSide:
         rid = request.request_id
         self._doubted.pop(rid, None)
         why = self._no_push.pop(rid, None)
+        params = self._params.pop(rid) if rid in self._params else _parse_quietly(request)
         push = self._pushes.pop(rid, None)
         if push is not None:
             self._lookups.forget_binding(push.transfer_id)
             return push.emitted, push_report(push.transfer_id, None)
-        try:
-            params = parse_send(request.kv_transfer_params)
-        except ParamsError:
-            params = None
         if params is None and why is None:
             return False, None
         tid = params.transfer_id if params is not None else None
         return False, push_report(tid, why or "finished before a push was set up")
+
+
+def _parse_quietly(request: Request) -> SendParams | None:
+    """For a request ``matched`` never saw (aborted while waiting)."""
+    try:
+        return parse_send(request.kv_transfer_params)
+    except ParamsError:
+        return None

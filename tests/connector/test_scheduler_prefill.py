@@ -29,6 +29,10 @@ def _register_decoder(url: str, instance: str = "dec-1") -> None:
     ).raise_for_status()
 
 
+def _deregister_decoder(url: str, instance: str = "dec-1") -> None:
+    httpx.delete(f"{url}/v1/instances/{instance}", headers=AUTH).raise_for_status()
+
+
 def _bind(
     url: str, tid: str, prompt_len: int, *, cached: int = 0, first: int = 100, tp_size: int = 1
 ) -> dict[str, Any]:
@@ -218,7 +222,7 @@ def test_prefill_pushes_once_a_lapsed_decoder_registers_again_within_the_grace(
     s = make_prefiller(metaserver.url, batched=64, heartbeat_s=0.2, registry_grace_s=30)
     b = _bind(metaserver.url, "tid-lapse", 40)
     # D's heartbeat lapsed (a starved host): the registry has forgotten it when P first asks
-    httpx.delete(f"{metaserver.url}/v1/instances/dec-1", headers=AUTH).raise_for_status()
+    _deregister_decoder(metaserver.url)
     req = H.request(H.prompt(40), _send_params("tid-lapse", b), max_tokens=1)
     s.add_request(req)
     deadline = time.monotonic() + 1.0
@@ -239,7 +243,7 @@ def test_prefill_does_not_refuse_on_an_old_no_from_the_registry(
     s = make_prefiller(metaserver.url, batched=64, heartbeat_s=60, registry_grace_s=0)
     _register_decoder(metaserver.url)
     b = _bind(metaserver.url, "tid-old-no", 40, first=10)
-    httpx.delete(f"{metaserver.url}/v1/instances/dec-1", headers=AUTH).raise_for_status()
+    _deregister_decoder(metaserver.url)
     first = H.request(H.prompt(40), _send_params("tid-old-no", b), max_tokens=1)
     s.add_request(first)
     _, meta = _step_until_scheduled(s, first.request_id)
