@@ -1,7 +1,8 @@
 """Side-channel messages between a P worker rank and a D worker rank (msgpack over ZeroMQ).
 
 P → D ``Hello``: asks for D's KV memory description (the handshake).
-D → P ``Welcome``: transport session, per-layer plane base addresses, layout, and ``epoch``
+D → P ``Welcome``: transport session, per-layer plane base addresses, D's layouts (P writes
+into them, whatever its own), and ``epoch``
 (random per D process: a changed epoch means D restarted and cached handshakes are stale).
 P → D ``Signal``: a transfer ended on one P rank (``ok``), with how many signals D should expect.
 """
@@ -17,39 +18,6 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     p_engine_id: str
 
 
-class LayoutMsg(msgspec.Struct, frozen=True):
-    kind: str
-    num_blocks: int
-    num_heads: int
-    block_size: int
-    head_bytes: int
-    num_planes: int
-    block_stride: int = 0
-
-    def to_layout(self) -> LayerLayout:
-        return LayerLayout(
-            self.kind,
-            self.num_blocks,
-            self.num_heads,
-            self.block_size,
-            self.head_bytes,
-            self.num_planes,
-            self.block_stride,
-        )
-
-    @classmethod
-    def of(cls, layout: LayerLayout) -> LayoutMsg:
-        return cls(
-            layout.kind,
-            layout.num_blocks,
-            layout.num_heads,
-            layout.block_size,
-            layout.head_bytes,
-            layout.num_planes,
-            layout.block_stride,
-        )
-
-
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     engine_id: str
     epoch: str
@@ -58,7 +26,11 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     session: str
     layer_names: list[str]
     layer_bases: list[list[int]]  # per layer, per plane: absolute base address
-    layout: LayoutMsg
+    layouts: list[LayerLayout]  # the distinct layouts of D's layers (strides and all)
+    layer_layouts: list[int]  # per layer: its index in ``layouts``
+
+    def layout(self, layer: int) -> LayerLayout:
+        return self.layouts[self.layer_layouts[layer]]
 
 
 class Refused(msgspec.Struct, tag="refused", frozen=True):

@@ -43,12 +43,12 @@ def where(memory: KVMemory, layer: int, addr: int, length: int) -> str:
     if not 0 <= layer < len(memory.layer_names):
         return f"layer #{layer} (unknown) at {addr:#x}+{length}"
     name = memory.layer_names[layer]
-    lay = memory.layout
+    lay = memory.layout(layer)
     for plane, base in enumerate(memory.bases[layer]):
-        if base <= addr < base + lay.span:
-            first = (addr - base) // lay.stride
-            last = (addr + length - 1 - base) // lay.stride
-            return f"layer {name} plane {plane} blocks {first}..{last}"
+        if base <= addr < base + lay.span(plane):
+            first, head = lay.locate(plane, addr - base)
+            last, _ = lay.locate(plane, addr + length - 1 - base)
+            return f"layer {name} plane {plane} blocks {first}..{last} (from head {head})"
     return f"layer {name} at {addr:#x}+{length} (outside its planes)"
 
 

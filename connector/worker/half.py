@@ -41,6 +41,7 @@ class ConnectorWorker:
         engine_id: str | None = None,
         total_kv_heads: int | None = None,
         use_mla: bool | None = None,
+        block_size: int | None = None,
         role: str | None = None,
         transport: Transport | None = None,
         device: Device | None = None,
@@ -59,6 +60,7 @@ class ConnectorWorker:
             engine_id = str(kv.engine_id)
             total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
             use_mla = bool(vllm_config.model_config.use_mla)
+            block_size = vllm_config.cache_config.block_size
             role = kv.kv_role
         assert rank is not None and tp_size is not None and engine_id is not None
         self.rank, self.tp_size, self.engine_id = rank, tp_size, engine_id
@@ -66,6 +68,7 @@ class ConnectorWorker:
         self.actor = settings.resolved_instance_id(http_port)  # as the scheduler half names it
         self.total_kv_heads = total_kv_heads or 1
         self.use_mla = bool(use_mla)
+        self.block_size = block_size  # vLLM's block (None: the caches' own)
         self.role = role or "kv_both"
         self.epoch = secrets.token_hex(8)
         self.device = device or make_device(settings.device)
@@ -103,14 +106,14 @@ class ConnectorWorker:
     # ---- setup ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         self._kv_caches = dict(kv_caches)  # registered memory must outlive us, whoever owns it
-        self.memory = KVMemory.of(kv_caches, self.settings.device)
+        self.memory = KVMemory.of(kv_caches, self.block_size)
         self.memory.register(self.transport)
         verify = self._digests_on()
         log.info(
             "rank %d registered %d KV layers (%s) with %s",
             self.rank,
             len(self.memory.layer_names),
-            self.memory.layout,
+            self.memory.summary(),
             self.transport.session,
         )
         if self.role in ("kv_consumer", "kv_both"):
@@ -182,7 +185,8 @@ class ConnectorWorker:
             session=self.transport.session,
             layer_names=self.memory.layer_names,
             layer_bases=self.memory.bases,
-            layout=wire.LayoutMsg.of(self.memory.layout),
+            layouts=self.memory.layouts,
+            layer_layouts=self.memory.layer_layout,
         )
 
     # ---- per step -------------------------------------------------------------------------

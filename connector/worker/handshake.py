@@ -3,8 +3,9 @@
 Keyed by (host, port, engine id): a restarted D registers a new engine id, and a failed write
 drops the entry, so the next transfer asks again. A failed handshake is remembered only for
 ``retry_after_s`` (the transfers in between fail fast), then asked again. Callers never block:
-``get`` returns the ``Welcome``, the error, or ``None`` while the handshake runs (``on_ready``
-fires when it ends).
+``get`` returns the ``Peer``, the error, or ``None`` while the handshake runs (``on_ready``
+fires when it ends). ``check`` refuses a D whose KV this P cannot write (its error is the
+handshake's, logged once per try).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from connector import wire
 from connector.errors import HandshakeError
@@ -25,6 +27,18 @@ Key = tuple[str, int, str]
 Ask = Callable[[str, int, wire.Hello, float], wire.Welcome]
 
 
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """A D rank as the handshake described it, checked against this P."""
+
+    welcome: wire.Welcome
+    layer_index: dict[str, int]  # D's layer index of each layer name
+
+    @classmethod
+    def of(cls, welcome: wire.Welcome) -> Peer:
+        return cls(welcome, {name: i for i, name in enumerate(welcome.layer_names)})
+
+
 class HandshakeCache:
     def __init__(
         self,
@@ -32,6 +46,7 @@ class HandshakeCache:
         timeout_s: float,
         on_ready: Callable[[], None],
         ask: Ask = handshake,
+        check: Callable[[Peer], None] | None = None,
         workers: int = 4,
         retry_after_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
@@ -40,16 +55,17 @@ class HandshakeCache:
         self._timeout = timeout_s
         self._on_ready = on_ready
         self._ask = ask
+        self._check = check
         self.retry_after_s = retry_after_s
         self._clock = clock
         self._failed_at: dict[Key, float] = {}
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="pdgate-handshake")
         self._lock = threading.Lock()
-        self._done: dict[Key, wire.Welcome | Exception] = {}
+        self._done: dict[Key, Peer | Exception] = {}
         self._running: set[Key] = set()
         self.count = 0
 
-    def get(self, host: str, port: int, engine_id: str) -> wire.Welcome | Exception | None:
+    def get(self, host: str, port: int, engine_id: str) -> Peer | Exception | None:
         key = (host, port, engine_id)
         with self._lock:
             found = self._done.get(key)
@@ -65,13 +81,16 @@ class HandshakeCache:
         return None
 
     def _finish(self, key: Key, fut: Future[wire.Welcome]) -> None:
-        result: wire.Welcome | Exception
+        result: Peer | Exception
         try:
-            result = fut.result()
-            if result.engine_id != key[2]:
-                result = HandshakeError(
-                    f"{key[0]}:{key[1]} is engine {result.engine_id}, binding says {key[2]}"
+            welcome = fut.result()
+            if welcome.engine_id != key[2]:
+                raise HandshakeError(
+                    f"{key[0]}:{key[1]} is engine {welcome.engine_id}, binding says {key[2]}"
                 )
+            result = Peer.of(welcome)
+            if self._check is not None:
+                self._check(result)
         except Exception as exc:
             result = exc
         if isinstance(result, Exception):

@@ -1,4 +1,16 @@
-"""This rank's KV memory: per-layer tensors, their layout, plane base addresses, registration."""
+"""This rank's KV memory: each layer's layout read from its tensors, plane base addresses, and
+the regions the transport registers.
+
+What ``register_kv_caches`` receives, per layer name:
+
+* a tensor ``[B, H, N, C]`` — vLLM's per-layer view (0.32 and later, every platform);
+* a tuple or list of tensors ``[B, N, H, D]`` — vllm-ascend's separate K and V (or MLA's latent
+  and rope parts, DSA's indexer), whose contents are concatenated in that order;
+* a 3-d tensor is read as ``[B, N, C]``: one head (a latent cache).
+
+Anything else (a raw buffer of a state-space layer, a 5-d cache of an older vLLM, pages that
+overlap) is refused here with the layer's name, shape and strides.
+"""
 
 from __future__ import annotations
 
@@ -7,77 +19,103 @@ from dataclasses import dataclass
 from typing import Any
 
 from connector.errors import LayoutError
-from connector.layout import LayerLayout, describe
+from connector.layout import LayerLayout, Plane, plane_of
 from connector.transport import Transport
 
 
-def _planes(value: Any) -> list[Any]:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+def _where(name: str, tensor: Any) -> str:
+    return f"layer {name}: shape {tuple(tensor.shape)} strides {tuple(tensor.stride())}"
 
 
-def layout_kind(device: str, tensor: Any, num_planes: int) -> str:
-    if num_planes > 1:
-        return "npu"
-    dims = tensor.dim()
-    if dims == 3:
-        return "mla"
-    if dims == 5:
-        return "flash"
-    if dims == 4 and device == "cpu":
-        return "cpu"
-    raise LayoutError(f"no KV layout for a {dims}-d {device} cache of shape {tuple(tensor.shape)}")
+def describe_layer(name: str, value: Any, block_size: int | None) -> tuple[LayerLayout, list[int]]:
+    """A layer's layout and its planes' base addresses. ``block_size``: vLLM's block (tokens);
+    ``None`` takes the tensors' own."""
+    split = isinstance(value, (list, tuple))
+    tensors = list(value) if split else [value]
+    if not tensors:
+        raise LayoutError(f"layer {name}: no KV tensors")
+    planes: list[Plane] = []
+    bases: list[int] = []
+    shape: tuple[int, int] | None = None
+    start = 0
+    for i, t in enumerate(tensors):
+        what = f"layer {name}" + (f" part {i}" if split else "")
+        dims = t.dim()
+        order = {4: "BNHC" if split else "BHNC", 3: "BNC"}.get(dims)
+        if order is None:
+            hint = " (a raw buffer: a layer with no per-layer KV view, e.g. a state-space layer)"
+            hint = hint if dims == 1 else " (5-d caches are the layout of vLLM before 0.32)"
+            raise LayoutError(f"{_where(name, t)}: cannot describe a {dims}-d KV cache{hint}")
+        dtype = str(t.dtype).removeprefix("torch.")
+        plane, blocks, heads = plane_of(
+            what,
+            tuple(t.shape),
+            tuple(t.stride()),
+            t.element_size(),
+            dtype,
+            order,
+            block_size,
+            start,
+        )
+        if shape is not None and (blocks, heads) != shape:
+            raise LayoutError(
+                f"{what}: {blocks} blocks x {heads} heads, but the layer's first part has "
+                f"{shape[0]} x {shape[1]}"
+            )
+        shape = (blocks, heads)
+        start += plane.content_bytes
+        planes.append(plane)
+        bases.append(int(t.data_ptr()))
+    assert shape is not None
+    tokens = 1
+    for size, _ in planes[0].token_axes:
+        tokens *= size
+    return LayerLayout(shape[0], shape[1], tokens, tuple(planes)), bases
 
 
 @dataclass(frozen=True, slots=True)
 class KVMemory:
     layer_names: list[str]
-    bases: list[list[int]]  # per layer, per plane
-    layout: LayerLayout
+    bases: list[list[int]]  # per layer, per plane: absolute address
+    layouts: list[LayerLayout]  # the distinct layouts
+    layer_layout: list[int]  # per layer: its index in ``layouts``
 
     @classmethod
-    def of(cls, kv_caches: Mapping[str, Any], device: str) -> KVMemory:
+    def of(cls, kv_caches: Mapping[str, Any], block_size: int | None = None) -> KVMemory:
         if not kv_caches:
             raise LayoutError("no KV caches to register")
-        names = list(kv_caches)
+        layouts: dict[LayerLayout, int] = {}
         bases: list[list[int]] = []
-        layout: LayerLayout | None = None
-        for name in names:
-            planes = _planes(kv_caches[name])
-            first = planes[0]
-            kind = layout_kind(device, first, len(planes))
-            stride = 0
-            if kind != "flash":
-                stride = int(first.stride(0)) * first.element_size()
-            this = describe(kind, tuple(first.shape), first.element_size(), len(planes), stride)
-            if this.block_stride == this.block_bytes:
-                this = describe(kind, tuple(first.shape), first.element_size(), len(planes))
-            if kind == "flash":
-                plane_bytes = this.num_blocks * this.block_bytes
-                bases.append([first.data_ptr(), first.data_ptr() + plane_bytes])
-            else:
-                bases.append([p.data_ptr() for p in planes])
-            for p in planes:
-                dense = p.is_contiguous() if kind == "flash" else p[0].is_contiguous()
-                if not dense:
-                    raise LayoutError(f"KV cache blocks of {name} are not dense pages")
-            if layout is not None and this != layout:
-                raise LayoutError(f"layer {name} has layout {this}, others {layout}")
-            layout = this
-        assert layout is not None
-        return cls(names, bases, layout)
+        which: list[int] = []
+        for name, value in kv_caches.items():
+            layout, addrs = describe_layer(name, value, block_size)
+            which.append(layouts.setdefault(layout, len(layouts)))
+            bases.append(addrs)
+        return cls(list(kv_caches), bases, list(layouts), which)
+
+    def layout(self, layer: int) -> LayerLayout:
+        return self.layouts[self.layer_layout[layer]]
+
+    @property
+    def block_bytes(self) -> int:
+        """The most bytes one block of one layer holds."""
+        return max(lay.block_bytes for lay in self.layouts)
 
     def regions(self) -> list[tuple[int, int]]:
-        """Disjoint (ptr, length) memory regions covering every layer's blocks (layers that
+        """Disjoint (ptr, length) memory regions covering every layer's planes (layers that
         share KV alias one tensor; interleaved layers overlap and are merged)."""
-        span = self.layout.span
-        out: list[tuple[int, int]] = []
-        for ptr in sorted({p for planes in self.bases for p in planes}):
-            if out and ptr <= out[-1][0] + out[-1][1]:
-                start, length = out[-1]
-                out[-1] = (start, max(length, ptr + span - start))
+        spans = sorted(
+            (base, base + self.layout(layer).span(plane))
+            for layer, planes in enumerate(self.bases)
+            for plane, base in enumerate(planes)
+        )
+        out: list[list[int]] = []
+        for start, end in spans:
+            if out and start <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], end)
             else:
-                out.append((ptr, span))
-        return out
+                out.append([start, end])
+        return [(start, end - start) for start, end in out]
 
     def register(self, transport: Transport) -> None:
         for ptr, length in self.regions():
@@ -85,6 +123,12 @@ class KVMemory:
 
     def index(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.layer_names)}
+
+    def summary(self) -> str:
+        return "; ".join(
+            f"{sum(1 for w in self.layer_layout if w == i)} layer(s): {lay.describe()}"
+            for i, lay in enumerate(self.layouts)
+        )
 
 
 def same_layers(mine: Sequence[str], theirs: Sequence[str]) -> bool:

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from connector import tp, wire
 from connector.device import Event
 from connector.errors import LayoutError, TransferError
-from connector.layout import LayerLayout, check_compatible, pair_pieces
+from connector.layout import Piece, check_compatible, pair_pieces
 from connector.metadata import Destination, SendChunk
 from connector.transport import Transport
 from connector.worker import digest
-from connector.worker.handshake import HandshakeCache
+from connector.worker.handshake import HandshakeCache, Peer
 from connector.worker.memory import KVMemory
 from connector.worker.overlap import PushOverlap, overlap
 from connector.worker.side_channel import SignalClient
@@ -43,8 +43,8 @@ class Transfer:
     announced: bool = False  # the first write landed (a "pushing" event went out)
     error: str = ""
     bytes: int = 0
-    # pieces of the chunk being pushed (the same for every layer): (pairs object, pieces)
-    cached: tuple[object, list[tuple[int, int, int, int]]] | None = None
+    # pieces of the chunk being pushed, per (P layout, D layout): (pairs object, pieces)
+    cached: tuple[object, dict[tuple[int, int], list[Piece]]] | None = None
     written: list[digest.Written] = field(default_factory=list)  # with ``verify``
     # push-overlap bookkeeping (perf_counter): each write's span, P's compute end, signal sent
     write_spans: list[tuple[float, float]] = field(default_factory=list)
@@ -111,7 +111,7 @@ class Sender:
         self._mla = use_mla
         self._me = f"{engine_id}/{rank}"
         # TEST ONLY (``test_corrupt_push``): D gets garbage for a block; see worker/tamper.py
-        self._tamper = Tamper(transport, memory.layout.block_bytes, self._me) if corrupt else None
+        self._tamper = Tamper(transport, memory.block_bytes, self._me) if corrupt else None
         self._on_end = on_end
         self._on_first_write = on_first_write
         self._wall = wall_clock
@@ -119,7 +119,9 @@ class Sender:
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self.transfers: dict[str, Transfer] = {}
-        self.handshakes = HandshakeCache(engine_id, handshakes_timeout_s, self._wake)
+        self.handshakes = HandshakeCache(
+            engine_id, handshakes_timeout_s, self._wake, check=self._pairable
+        )
         self._signals: SignalClient | None = None
         self._parked: list[_Task] = []
         self._chunks = 0
@@ -267,14 +269,14 @@ class Sender:
                 continue
             task.event.synchronize()
             if self._verify:
-                mine[id(task)] = (hs.layer_names.index(self._memory.layer_names[task.layer]),
-                                  src, dst, lengths)  # fmt: skip
+                d_layer = hs.layer_index[self._memory.layer_names[task.layer]]
+                mine[id(task)] = (d_layer, src, dst, lengths)
             if self._tamper is not None and task.layer == 0 and not tr.tampered:
                 tr.tampered = True  # ``mine`` keeps the true pieces: verify_kv signs P's KV
                 src, dst, lengths = self._tamper.apply(src, dst, lengths)
                 if self._verify and not self._recheck:  # arrival digests: what was sent
                     mine[id(task)] = (mine[id(task)][0], src, dst, lengths)
-            b = batches.setdefault(hs.session, ([], [], [], []))
+            b = batches.setdefault(hs.welcome.session, ([], [], [], []))
             b[0].extend(src)
             b[1].extend(dst)
             b[2].extend(lengths)
@@ -345,27 +347,48 @@ class Sender:
                     self._retries,
                 )
 
-    def _pieces(self, task: _Layer, hs: wire.Welcome) -> tuple[list[int], list[int], list[int]]:
+    def _pairable(self, peer: Peer) -> None:
+        """Refuse, at the handshake, a D whose KV this P cannot write: a layer D lacks, or a
+        layout that cannot be paired (block size, dtype, bytes per token-head)."""
+        mem = self._memory
+        missing = [n for n in mem.layer_names if n not in peer.layer_index]
+        if missing:
+            raise LayoutError(
+                f"D has no KV layer {missing[0]!r} ({len(missing)} of P's "
+                f"{len(mem.layer_names)} layers missing)"
+            )
+        for layer, name in enumerate(mem.layer_names):
+            try:
+                check_compatible(mem.layout(layer), peer.welcome.layout(peer.layer_index[name]))
+            except LayoutError as exc:
+                raise LayoutError(f"layer {name}: {exc}") from None
+
+    def _pieces(self, task: _Layer, hs: Peer) -> tuple[list[int], list[int], list[int]]:
         tr = task.transfer
         assert tr.route is not None
-        if tr.cached is not None and tr.cached[0] is task.pairs:
-            pieces = tr.cached[1]
-        else:
-            d_layout: LayerLayout = hs.layout.to_layout()
-            check_compatible(self._memory.layout, d_layout)
+        mem = self._memory
+        name = mem.layer_names[task.layer]
+        d_index = hs.layer_index[name]
+        key = (mem.layer_layout[task.layer], hs.welcome.layer_layouts[d_index])
+        if tr.cached is None or tr.cached[0] is not task.pairs:
+            tr.cached = (task.pairs, {})
+        pieces = tr.cached[1].get(key)
+        if pieces is None:
             heads = (0, tr.route.num_heads)
             pieces = pair_pieces(
-                self._memory.layout, d_layout, task.pairs, heads, tr.route.d_head_start
+                mem.layouts[key[0]],
+                hs.welcome.layouts[key[1]],
+                task.pairs,
+                heads,
+                tr.route.d_head_start,
             )
-            tr.cached = (task.pairs, pieces)
-        name = self._memory.layer_names[task.layer]
-        d_index = hs.layer_names.index(name)
-        src_bases = self._memory.bases[task.layer]
-        dst_bases = hs.layer_bases[d_index]
+            tr.cached[1][key] = pieces
+        src_bases = mem.bases[task.layer]
+        dst_bases = hs.welcome.layer_bases[d_index]
         return (
-            [src_bases[p] + s for p, s, _, _ in pieces],
-            [dst_bases[p] + t for p, _, t, _ in pieces],
-            [n for *_, n in pieces],
+            [src_bases[p.plane] + p.src for p in pieces],
+            [dst_bases[p.plane] + p.dst for p in pieces],
+            [p.length for p in pieces],
         )
 
     @staticmethod

@@ -28,7 +28,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from connector import wire  # noqa: E402
-from connector.layout import pair_pieces  # noqa: E402
+from connector.layout import Piece, pair_pieces  # noqa: E402
 from connector.metadata import Destination, PdgateMetadata, SendChunk  # noqa: E402
 from connector.worker import ConnectorWorker  # noqa: E402
 from connector.worker.side_channel import handshake  # noqa: E402
@@ -82,8 +82,8 @@ def push_bench(a: argparse.Namespace) -> list[tuple[str, float, float, float, fl
         dest = Destination("dec", "d-engine", "127.0.0.1", port, 1, a.heads, False, 16)
         results: list[tuple[str, float, float, float, float]] = []
         for label, pairs in _patterns(blocks, a.run):
-            pieces = pair_pieces(p.memory.layout, hs.layout.to_layout(), pairs, (0, a.heads), 0)
-            nbytes = sum(n for *_, n in pieces) * len(layers)
+            pieces = pair_pieces(p.memory.layout(0), hs.layout(0), pairs, (0, a.heads), 0)
+            nbytes = sum(piece.length for piece in pieces) * len(layers)
             raw_t: list[float] = []
             batch_t: list[float] = []
             conn_t: list[float] = []
@@ -115,7 +115,7 @@ def _patterns(blocks: int, run: int) -> list[tuple[str, list[tuple[int, int]]]]:
 def _raw(
     p: ConnectorWorker,
     hs: wire.Welcome,
-    pieces: list[tuple[int, int, int, int]],
+    pieces: list[Piece],
     layers: list[str],
     *,
     per_layer: bool,
@@ -125,9 +125,9 @@ def _raw(
     calls: list[tuple[list[int], list[int], list[int]]] = []
     for li, name in enumerate(layers):
         di = hs.layer_names.index(name)
-        src = [p.memory.bases[li][pl] + s for pl, s, _, _ in pieces]
-        dst = [hs.layer_bases[di][pl] + t for pl, _, t, _ in pieces]
-        calls.append((src, dst, [n for *_, n in pieces]))
+        src = [p.memory.bases[li][pc.plane] + pc.src for pc in pieces]
+        dst = [hs.layer_bases[di][pc.plane] + pc.dst for pc in pieces]
+        calls.append((src, dst, [pc.length for pc in pieces]))
     if not per_layer:
         calls = [
             (

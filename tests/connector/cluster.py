@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +53,7 @@ class Instance:
     block_size: int
     dim: int
     workers: list[ConnectorWorker] = field(default_factory=list)
-    caches: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    caches: list[dict[str, Any]] = field(default_factory=list)  # per rank: what it registered
 
     def local(self, rank: int) -> tuple[int, int]:
         return heads_of(rank, self.tp, self.heads)
@@ -73,7 +74,9 @@ def make_instance(
     transports: list[Transport] | None = None,
     timeout_s: float = 30.0,
     layers: list[str] | None = None,
+    allocate: Callable[[int], dict[str, Any]] | None = None,
 ) -> Instance:
+    """``allocate(local_heads)``: each rank's KV caches (default: zeroed CPU-layout tensors)."""
     inst = Instance(engine_id, tp, 1 if mla else heads, mla, blocks, block_size, dim)
     settings = ConnectorSettings(
         side_channel_host="127.0.0.1",
@@ -84,10 +87,12 @@ def make_instance(
     )
     for rank in range(tp):
         _, n = inst.local(rank)
-        caches: dict[str, torch.Tensor] = {}
+        caches: dict[str, Any] = {}
         for name in layers or LAYERS:
             shape = (blocks, block_size, dim) if mla else (blocks, n, block_size, 2 * dim)
             caches[name] = torch.zeros(shape, dtype=torch.float32)
+        if allocate is not None:
+            caches = allocate(n)
         t = (
             transports[rank]
             if transports
@@ -101,6 +106,7 @@ def make_instance(
             engine_id=engine_id,
             total_kv_heads=heads,
             use_mla=mla,
+            block_size=block_size,
             role=role,
             transport=t,
         )
@@ -153,7 +159,7 @@ def push(
         )
         for w in p.workers:
             w.start_step(meta)
-            for name in LAYERS:
+            for name in p.caches[0]:
                 w.save_layer(meta, name)
             w.end_step(meta)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.connector.cluster import free_port_range
 from tests.connector.mooncake_peer import LAYERS, expected
 from tests.support.procs import Process, free_port
 
@@ -126,6 +127,59 @@ def test_mooncake_handshake_to_a_dead_decoder_fails_without_hanging(tmp_path: Pa
         assert "writes=0" in line
     finally:
         p.stop()
+
+
+@pytest.mark.parametrize("p_tp", [1, 2], ids=["tp1to1", "tp2to1"])
+def test_mooncake_push_between_every_pair_of_vllm_layouts(tmp_path: Path, p_tp: int) -> None:
+    """P workers in each ``KVCacheLayout`` (``p_tp`` ranks apiece) push into six D workers,
+    one per layout, in another process: every D layout holds, in its logical view, exactly
+    the blocks P holds in its own."""
+    from tests.connector import layout_peer as L
+
+    port = free_port_range(len(L.LAYOUTS))
+    out = tmp_path / "d.pt"
+    d = Process(
+        [
+            sys.executable,
+            "-m",
+            "tests.connector.layout_peer",
+            "d",
+            "--port",
+            str(port),
+            "--out",
+            str(out),
+        ],
+        log=tmp_path / "d.log",
+    )
+    p: Process | None = None
+    try:
+        _wait_line(d, "READY", timeout=120)
+        p = Process(
+            [sys.executable, "-m", "tests.connector.layout_peer", "p"]
+            + ["--d-port", str(port), "--tp", str(p_tp)],
+            log=tmp_path / "p.log",
+        )
+        assert _wait_line(d, "RECEIVED", timeout=150) == "RECEIVED pending=0 failed=0"
+        deadline = time.monotonic() + 30
+        while d.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        got: dict[tuple[str, str], torch.Tensor] = torch.load(out)
+    finally:
+        d.stop()
+        if p is not None:
+            p.stop()
+    for li, name in enumerate(L.LAYERS):
+        want = L.logical_kv(li)
+        for y in L.LAYOUTS:
+            blocks = got[(y, name)]  # [blocks, H, N, C] of D layout y
+            written = set()
+            for j, x in enumerate(L.LAYOUTS):
+                for pb, off in (pair for chunk in L.CHUNKS for pair in chunk):
+                    db = j * L.SPAN + off
+                    written.add(db)
+                    assert torch.equal(blocks[db], want[pb]), (x, y, name, pb, db)
+            for b in set(range(L.BLOCKS)) - written:
+                assert not blocks[b].any(), (y, name, b)
 
 
 RAW = [sys.executable, "-m", "tests.connector.mooncake_raw"]
