@@ -38,6 +38,14 @@ class ConnectorSettings(LayeredSettings):
     mooncake_protocol: Literal["tcp", "rdma", "ascend"] = "tcp"
     device_name: str = ""
     device: Literal["cpu", "cuda", "npu"] = "cpu"
+    kv_cache_layout: Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "backend"] = (
+        Field(
+            "LBHNC",
+            description="the KVCacheLayout asked of vLLM (VLLM_KV_CACHE_LAYOUT overrides it): "
+            "head-major pages make a TP slice of heads one run per block on both sides; "
+            "'backend' leaves the choice to the attention backend",
+        )
+    )
     kv_load_timeout_s: float = Field(120.0, gt=0, le=86_400)
     heartbeat_s: float = Field(5.0, gt=0, le=3600)
     concurrent: bool = False

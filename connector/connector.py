@@ -63,6 +63,19 @@ class PdgateConnector(KVConnectorBase_V1):
 
             self.worker = ConnectorWorker(vllm_config, self.settings)
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """The layout vLLM should give both engines (``kv_cache_layout``; default head-major
+        ``LBHNC``): any layout is placed exactly, but token-major pages cost one write per
+        token for a heterogeneous-TP slice of heads (measured on an H100: docs/benchmarks.md).
+        MLA has one head, so the backend chooses."""
+        kv = vllm_config.kv_transfer_config
+        wanted = load_settings(kv.kv_connector_extra_config if kv else None).kv_cache_layout
+        model = vllm_config.model_config
+        if wanted == "backend" or (model is not None and model.use_mla):
+            return None
+        return wanted
+
     # ---- scheduler side -------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)

@@ -1,7 +1,9 @@
-"""A transport between threads of one process (tests): memmove into registered regions.
+"""A transport between threads of one process (tests): copies into registered regions.
 
 Every write is bounds-checked against the regions both sides registered, so a wrong offset
-fails loudly instead of corrupting memory. ``fail_writes_to`` injects faults.
+fails loudly instead of corrupting memory. ``fail_writes_to`` injects faults. Host memory is
+copied with ``memmove``; device memory needs a ``copy`` that can reach it (the GPU scripts
+pass a CUDA copy engine), which must return only once the bytes are in place.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import threading
+from collections.abc import Callable
 
 from connector.errors import TransferError
 
@@ -16,9 +19,17 @@ _REGISTRY: dict[str, InProcessTransport] = {}
 _LOCK = threading.Lock()
 _IDS = itertools.count()
 
+Copy = Callable[[list[int], list[int], list[int]], None]  # sources, destinations, lengths
+
+
+def memmove(src: list[int], dst: list[int], lengths: list[int]) -> None:
+    for s, d, n in zip(src, dst, lengths, strict=True):
+        ctypes.memmove(d, s, n)
+
 
 class InProcessTransport:
-    def __init__(self) -> None:
+    def __init__(self, copy: Copy = memmove) -> None:
+        self._copy = copy
         self._session = f"inprocess:{next(_IDS)}"
         self._regions: list[tuple[int, int]] = []
         self.fail_writes_to: set[str] = set()
@@ -56,8 +67,8 @@ class InProcessTransport:
                 raise TransferError(f"source {s:#x}+{n} not in registered memory")
             if not peer._inside(d, n):
                 raise TransferError(f"destination {d:#x}+{n} not in {session}'s registered memory")
-            ctypes.memmove(d, s, n)
-            self.bytes_written += n
+        self._copy(src, dst, lengths)
+        self.bytes_written += sum(lengths)
 
     def close(self) -> None:
         with _LOCK:

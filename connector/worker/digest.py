@@ -7,31 +7,31 @@ pushed (pushed before its KV was final, or its block reused) is logged on P; D r
 CRC over its own memory before it reports the load complete, logs the first mismatching
 (layer, blocks) and fails the load, so vLLM recomputes instead of decoding from wrong KV.
 
-Host memory only (``device: cpu``). Cost: two CRC passes over the pushed bytes on P, one on D.
+The bytes are read through the device seam (``Device.checksums``): host memory directly, CUDA
+memory through one staging copy per batch of pieces; NPU memory cannot be read (``verify_kv``
+is refused there at start). Cost: two CRC passes over the pushed bytes on P, one on D.
 """
 
 from __future__ import annotations
 
-import ctypes
-import zlib
+from collections.abc import Callable
 
+from connector.device import Pieces, host_checksums
 from connector.worker.memory import KVMemory
 
 Written = tuple[int, int, int, int, int]  # D layer index, src addr, dst addr, length, crc
 Digest = tuple[int, int, int, int]  # D layer index, dst addr, length, crc
+Checksums = Callable[[Pieces], list[int]]
 
 
-def crc(addr: int, length: int) -> int:
-    """CRC32 of ``length`` bytes of this process's memory at ``addr`` (no copy)."""
-    return zlib.crc32((ctypes.c_char * length).from_address(addr))
-
-
-def sign(written: list[Written]) -> tuple[list[Digest], list[Written]]:
+def sign(
+    written: list[Written], checksums: Checksums = host_checksums
+) -> tuple[list[Digest], list[Written]]:
     """(digests of the sources as they are now, pieces whose source changed since written)."""
     digests: list[Digest] = []
     changed: list[Written] = []
-    for layer, src, dst, n, at_write in written:
-        now = crc(src, n)
+    nows = checksums([(src, n) for _, src, _, n, _ in written])
+    for (layer, src, dst, n, at_write), now in zip(written, nows, strict=True):
         if now != at_write:
             changed.append((layer, src, dst, n, at_write))
         digests.append((layer, dst, n, now))
@@ -52,13 +52,14 @@ def where(memory: KVMemory, layer: int, addr: int, length: int) -> str:
     return f"layer {name} at {addr:#x}+{length} (outside its planes)"
 
 
-def check(memory: KVMemory, digests: list[Digest]) -> str:
+def check(memory: KVMemory, digests: list[Digest], checksums: Checksums = host_checksums) -> str:
     """``""`` when every digest matches this instance's memory, else the first mismatch."""
     regions = memory.regions()
-    for layer, dst, n, want in digests:
+    for layer, dst, n, _ in digests:
         if n <= 0 or not any(b <= dst and dst + n <= b + size for b, size in regions):
             return f"{dst:#x}+{n} (layer #{layer}) is outside this instance's KV memory"
-        got = crc(dst, n)
+    got_all = checksums([(dst, n) for _, dst, n, _ in digests])
+    for (layer, dst, n, want), got in zip(digests, got_all, strict=True):
         if got != want:
             return f"{where(memory, layer, dst, n)}: crc32 {got:#010x}, P sent {want:#010x}"
     return ""

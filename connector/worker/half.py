@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 from connector import wire
 from connector.config import ConnectorSettings
 from connector.device import Device, make_device
+from connector.errors import ConfigError
 from connector.metadata import PdgateMetadata
 from connector.transport import Transport, make_transport
 from connector.worker import digest
@@ -28,6 +29,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdgate.connector.worker")
 
 PREEMPT_WAIT_S = 30.0
+
+
+def refuse_unsupported(vllm_config: VllmConfig) -> None:
+    """Engine options whose KV this connector would move wrongly, refused at start."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict) and extra.get("enable_kv_nz"):
+        raise ConfigError(
+            "vllm-ascend's additional_config enable_kv_nz keeps D's blocks in NZ order, but P "
+            "pushes its KV in ND order: turn enable_kv_nz off for pdgate"
+        )
 
 
 class ConnectorWorker:
@@ -55,6 +66,7 @@ class ConnectorWorker:
 
             kv = vllm_config.kv_transfer_config
             assert kv is not None and vllm_config.model_config is not None
+            refuse_unsupported(vllm_config)
             rank = get_tensor_model_parallel_rank() if rank is None else rank
             tp_size = vllm_config.parallel_config.tensor_parallel_size
             engine_id = str(kv.engine_id)
@@ -117,9 +129,9 @@ class ConnectorWorker:
             self.transport.session,
         )
         if self.role in ("kv_consumer", "kv_both"):
-            if self.settings.device == "cpu":  # check whatever digests P ranks send
-                memory = self.memory
-                self.tracker.verify = lambda sig: digest.check(memory, sig.digests)
+            if self.device.name != "npu":  # check whatever digests P ranks send
+                memory, checksums = self.memory, self.device.checksums
+                self.tracker.verify = lambda sig: digest.check(memory, sig.digests, checksums)
             port = self.settings.side_channel_port + self.rank
             self.server = SideChannelServer(
                 self.settings.side_channel_host or "0.0.0.0",
@@ -143,28 +155,36 @@ class ConnectorWorker:
                 recheck_sources=self.settings.verify_kv,
                 corrupt=self.settings.test_corrupt_push,
                 write_retries=self.settings.write_retries,
+                checksums=self.device.checksums,
             )
 
     def _digests_on(self) -> bool:
         """P signs its pieces with ``verify_kv``, and always when the transport's writes finish
-        before they land (the digests then double as D's proof of arrival)."""
+        before they land (the digests then double as D's proof of arrival). NPU memory cannot
+        be read for digests: ``verify_kv`` is refused there."""
         s = self.settings
-        host = s.device == "cpu"
         lands = self.transport.lands_on_completion
-        if not host:
+        if self.device.name == "npu":
             if s.verify_kv:
-                log.warning("verify_kv checks host memory only; off for device %s", s.device)
+                raise ConfigError(
+                    "verify_kv reads the pushed KV back for checksums, which pdgate cannot do "
+                    "on npu memory: turn verify_kv off (Mooncake ascend writes land on "
+                    "completion)"
+                )
             if not lands:
                 log.warning(
-                    "rank %d: %s writes finish before the bytes land and %s memory cannot be "
-                    "checked: D may decode from KV still in flight; use rdma or ascend",
+                    "rank %d: %s writes finish before the bytes land and npu memory cannot be "
+                    "checked: D may decode from KV still in flight; use ascend",
                     self.rank,
                     s.mooncake_protocol,
-                    s.device,
                 )
             return False
         if s.verify_kv:
-            log.info("rank %d: verify_kv on (crc32 of every pushed piece, checked on D)", self.rank)
+            log.info(
+                "rank %d: verify_kv on (crc32 of every pushed piece, checked on D; %s memory)",
+                self.rank,
+                self.device.name,
+            )
         elif not lands:
             log.info(
                 "rank %d: %s writes finish before they land; P signs each piece so that D "

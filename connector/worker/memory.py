@@ -4,12 +4,13 @@ the regions the transport registers.
 What ``register_kv_caches`` receives, per layer name:
 
 * a tensor ``[B, H, N, C]`` — vLLM's per-layer view (0.32 and later, every platform);
-* a tuple or list of tensors ``[B, N, H, D]`` — vllm-ascend's separate K and V (or MLA's latent
-  and rope parts, DSA's indexer), whose contents are concatenated in that order;
+* a tuple of tensors ``[B, N, H, D]`` — vllm-ascend's separate K and V (or MLA's latent and
+  rope parts, DSA's indexer), whose contents are concatenated in that order;
 * a 3-d tensor is read as ``[B, N, C]``: one head (a latent cache).
 
-Anything else (a raw buffer of a state-space layer, a 5-d cache of an older vLLM, pages that
-overlap) is refused here with the layer's name, shape and strides.
+Anything else is refused here with the layer's name, shape and strides: a raw buffer (a layer
+vLLM gives no per-layer view, e.g. a state-space layer), a list (vllm-ascend's Mamba states and
+DeepSeek-V4's compressed caches), a 5-d cache of an older vLLM, pages that overlap.
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ def _where(name: str, tensor: Any) -> str:
 def describe_layer(name: str, value: Any, block_size: int | None) -> tuple[LayerLayout, list[int]]:
     """A layer's layout and its planes' base addresses. ``block_size``: vLLM's block (tokens);
     ``None`` takes the tensors' own."""
-    split = isinstance(value, (list, tuple))
+    if isinstance(value, list):
+        shapes = ", ".join(str(tuple(t.shape)) for t in value)
+        raise LayoutError(
+            f"layer {name}: a list of {len(value)} state tensors ({shapes}): vllm-ascend hands "
+            "lists for Mamba / linear-attention states and DeepSeek-V4's compressed caches, "
+            "which pdgate cannot transfer"
+        )
+    split = isinstance(value, tuple)
     tensors = list(value) if split else [value]
     if not tensors:
         raise LayoutError(f"layer {name}: no KV tensors")

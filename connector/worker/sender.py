@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from connector import tp, wire
-from connector.device import Event
+from connector.device import Event, host_checksums
 from connector.errors import LayoutError, TransferError
 from connector.layout import Piece, check_compatible, pair_pieces
 from connector.metadata import Destination, SendChunk
@@ -81,6 +81,18 @@ _Task = _Layer | _End
 Outcome = Callable[[Transfer], None]
 
 
+@dataclass
+class _Batch:
+    """Pieces bound for one D session, gathered over several layer tasks."""
+
+    src: list[int] = field(default_factory=list)
+    dst: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    tasks: list[tuple[_Layer, int]] = field(default_factory=list)  # (task, its bytes)
+    # with ``verify``: id(task) -> (D layer, sources, destinations, lengths) to sign
+    signed: dict[int, tuple[int, list[int], list[int], list[int]]] = field(default_factory=dict)
+
+
 class Sender:
     def __init__(
         self,
@@ -99,10 +111,12 @@ class Sender:
         corrupt: bool = False,
         recheck_sources: bool = True,
         write_retries: int = 1,
+        checksums: digest.Checksums = host_checksums,
     ) -> None:
         self._transport = transport
         self._retries = write_retries
         self._verify = verify
+        self._checksums = checksums  # reads P's KV for ``verify`` (host or device memory)
         self._recheck = recheck_sources  # second CRC pass at the end (``verify_kv`` only)
         self._memory = memory
         self._rank = rank
@@ -226,8 +240,7 @@ class Sender:
         self._signals.close()
 
     def _process(self, tasks: list[_Task]) -> None:
-        batches: dict[str, tuple[list[int], list[int], list[int], list[tuple[_Layer, int]]]] = {}
-        mine: dict[int, tuple[int, list[int], list[int], list[int]]] = {}  # id(task): its pieces
+        batches: dict[str, _Batch] = {}  # per D session: the pieces ready to write
         ends: list[_End] = []
         parked_tids: set[str] = set()
         for task in tasks:
@@ -267,52 +280,61 @@ class Sender:
                 tr.error = f"layout: {exc}"
                 self._done(task)
                 continue
+            if batches and not task.event.query():
+                # a device forward runs ahead of its kernels: write the layers that are done
+                # rather than hold them behind one that is still computing
+                self._flush(batches)
             task.event.synchronize()
+            b = batches.setdefault(hs.welcome.session, _Batch())
             if self._verify:
                 d_layer = hs.layer_index[self._memory.layer_names[task.layer]]
-                mine[id(task)] = (d_layer, src, dst, lengths)
+                b.signed[id(task)] = (d_layer, src, dst, lengths)
             if self._tamper is not None and task.layer == 0 and not tr.tampered:
-                tr.tampered = True  # ``mine`` keeps the true pieces: verify_kv signs P's KV
+                tr.tampered = True  # ``signed`` keeps the true pieces: verify_kv signs P's KV
                 src, dst, lengths = self._tamper.apply(src, dst, lengths)
                 if self._verify and not self._recheck:  # arrival digests: what was sent
-                    mine[id(task)] = (mine[id(task)][0], src, dst, lengths)
-            b = batches.setdefault(hs.welcome.session, ([], [], [], []))
-            b[0].extend(src)
-            b[1].extend(dst)
-            b[2].extend(lengths)
-            b[3].append((task, sum(lengths)))
-        for session, (src, dst, lengths, layer_tasks) in batches.items():
+                    b.signed[id(task)] = (b.signed[id(task)][0], src, dst, lengths)
+            b.src.extend(src)
+            b.dst.extend(dst)
+            b.lengths.extend(lengths)
+            b.tasks.append((task, sum(lengths)))
+        self._flush(batches)
+        for end in ends:
+            self._signal(end)
+
+    def _flush(self, batches: dict[str, _Batch]) -> None:
+        """One write per D session; then the layer tasks in it are done (ok or failed)."""
+        for session, b in batches.items():
             try:
                 t0 = time.perf_counter()
-                self._write(session, src, dst, lengths, layer_tasks)
+                self._write(session, b.src, b.dst, b.lengths, b.tasks)
                 span = (t0, time.perf_counter())
                 self.writes += 1
                 log.debug(
                     "wrote %d pieces, %d bytes to %s in %.3fs",
-                    len(src),
-                    sum(lengths),
+                    len(b.src),
+                    sum(b.lengths),
                     session,
                     span[1] - t0,
                 )
-                for t, n in layer_tasks:
+                for t, n in b.tasks:
                     t.transfer.bytes += n
                     spans = t.transfer.write_spans
                     if not spans or spans[-1] is not span:
                         spans.append(span)
                     if self._verify:
-                        self._record(t.transfer, *mine[id(t)])
+                        self._record(t.transfer, *b.signed[id(t)])
                     if not t.transfer.announced:
                         t.transfer.announced = True
                         self._notify(self._on_first_write, t.transfer)
             except TransferError as exc:
-                for t, _ in layer_tasks:
+                for t, _ in b.tasks:
                     t.transfer.error = str(exc)
                     d = t.transfer.dest
                     self.handshakes.forget(d.host, t.transfer.d_port, d.engine_id)
-            for t, _ in layer_tasks:
+            for t, _ in b.tasks:
                 self._done(t)
-        for end in ends:
-            self._signal(end)
+        batches.clear()
 
     def _write(
         self,
@@ -391,17 +413,17 @@ class Sender:
             [p.length for p in pieces],
         )
 
-    @staticmethod
     def _record(
-        tr: Transfer, d_layer: int, src: list[int], dst: list[int], lengths: list[int]
+        self, tr: Transfer, d_layer: int, src: list[int], dst: list[int], lengths: list[int]
     ) -> None:
-        for s, d, n in zip(src, dst, lengths, strict=True):
-            tr.written.append((d_layer, s, d, n, digest.crc(s, n)))
+        crcs = self._checksums(list(zip(src, lengths, strict=True)))
+        for s, d, n, c in zip(src, dst, lengths, crcs, strict=True):
+            tr.written.append((d_layer, s, d, n, c))
 
     def _digests(self, tr: Transfer) -> list[tuple[int, int, int, int]]:
         if not self._recheck:  # digests as proof of arrival: the CRCs taken at write time
             return [(layer, dst, n, c) for layer, _, dst, n, c in tr.written]
-        digests, changed = digest.sign(tr.written)
+        digests, changed = digest.sign(tr.written, self._checksums)
         if changed:
             layer, src, _, n, _ = changed[0]
             log.error(

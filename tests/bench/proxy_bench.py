@@ -12,7 +12,10 @@ Targets:
   vllm-router       --vllm-pd-disaggregation, round_robin (P first, then D)
   pdgate-decode-first  D first, binding through the real metaserver, P told by the binding
 
-    .venv/bin/python tests/bench/proxy_bench.py [--seconds 10] [--connections 64]
+    .venv/bin/python tests/bench/proxy_bench.py [--seconds 10] [--connections 64] [--fakes N]
+
+``--fakes N`` starts N fake P and N fake D instances (every router gets all of them;
+direct-D uses the first D).
 """
 
 from __future__ import annotations
@@ -152,8 +155,8 @@ def fake(stack: Stack, role: str, metaserver: str | None) -> tuple[str, Process]
 
 def pdgate_argv(
     port: int,
-    p: str,
-    d: str,
+    p: list[str],
+    d: list[str],
     flow: str,
     ms: str | None,
     workers: int,
@@ -166,19 +169,25 @@ def pdgate_argv(
     else:
         boot = f"import sys; sys.path[:0] = [{str(tree)!r}]; from proxy.cli import main; main()"
         argv = [sys.executable, "-c", boot]
-    argv += ["--port", str(port), "--flow", flow, "--prefill", p, "--decode", d]
+    argv += ["--port", str(port), "--flow", flow]
+    argv += [x for url in p for x in ("--prefill", url)] + [
+        x for url in d for x in ("--decode", url)
+    ]
     argv += ["--log-level", "warning", "--workers", str(workers)]
     argv += ["--prefill-policy", "round_robin", "--decode-policy", "round_robin", *extra]
     return argv + (["--metaserver", ms] if ms else [])
 
 
-def router_argv(kind: str, port: int, p: str, d: str) -> list[str] | None:
+def router_argv(kind: str, port: int, p: list[str], d: list[str]) -> list[str] | None:
     exe = shutil.which(kind, path=str(BIN)) or shutil.which(kind)
     if exe is None:
         return None
     flag = "--pd-disaggregation" if kind == "sglang-router" else "--vllm-pd-disaggregation"
     argv = [exe] + (["launch"] if kind == "sglang-router" else [])
-    argv += ["--host", "127.0.0.1", "--port", str(port), flag, "--prefill", p, "--decode", d]
+    argv += ["--host", "127.0.0.1", "--port", str(port), flag]
+    argv += [x for url in p for x in ("--prefill", url)] + [
+        x for url in d for x in ("--decode", url)
+    ]
     argv += [
         "--policy",
         "round_robin",
@@ -196,6 +205,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--workers", type=int, default=1, help="pdgate worker processes")
+    ap.add_argument("--fakes", type=int, default=1, help="fake P and fake D instances (each)")
     ap.add_argument("--only", default="", help="comma-separated subset of targets")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument(
@@ -228,14 +238,18 @@ def main() -> None:
         ms_port = free_port()
         ms = f"http://127.0.0.1:{ms_port}"
         stack.start(
-            "metaserver", [str(BIN / "pd-metaserver"), "--port", str(ms_port)], ms + "/health"
+            "metaserver",
+            [sys.executable, "-m", "metaserver.cli", "--port", str(ms_port)],
+            ms + "/health",
         )
         ms_proc = stack.procs[-1]
-        (p, p_proc), (d, d_proc) = fake(stack, "prefill", ms), fake(stack, "decode", ms)
-        others = {"metaserver": ms_proc, "P": p_proc, "D": d_proc}
+        ps = [fake(stack, "prefill", ms) for _ in range(args.fakes)]
+        ds = [fake(stack, "decode", ms) for _ in range(args.fakes)]
+        p, d = [url for url, _ in ps], [url for url, _ in ds]
+        others = {"metaserver": [ms_proc], "P": [x for _, x in ps], "D": [x for _, x in ds]}
         w = args.workers
         targets: list[tuple[str, list[str] | None, str | None]] = [
-            ("direct-D", None, d),
+            ("direct-D", None, d[0]),
             ("pdgate", pdgate_argv(0, p, d, "prefill-first", None, w), None),
             ("sglang-router", router_argv("sglang-router", 0, p, d), None),
             ("vllm-router", router_argv("vllm-router", 0, p, d), None),
@@ -275,13 +289,15 @@ def main() -> None:
                     continue
             for stream in (False, True):
                 cpu0 = cpu_seconds(proc.pid) if proc else 0.0
-                side0 = {k: cpu_seconds(v.pid) for k, v in others.items()}
+                side0 = {k: sum(cpu_seconds(x.pid) for x in v) for k, v in others.items()}
                 res = run_loadgen(url + "/v1/completions", args, stream)
                 total = res["rps"] * (args.seconds + args.warmup)  # ≈ requests served
                 cpu = (cpu_seconds(proc.pid) - cpu0) if proc else float("nan")
                 res["cpu_us"] = cpu / total * 1e6 if total else float("nan")
                 res["side_cpu_us"] = {
-                    k: (cpu_seconds(v.pid) - side0[k]) / total * 1e6 if total else float("nan")
+                    k: (sum(cpu_seconds(x.pid) for x in v) - side0[k]) / total * 1e6
+                    if total
+                    else float("nan")
                     for k, v in others.items()
                 }
                 row = {"target": name, "mode": "stream" if stream else "non-stream", **res}

@@ -75,6 +75,7 @@ def make_instance(
     timeout_s: float = 30.0,
     layers: list[str] | None = None,
     allocate: Callable[[int], dict[str, Any]] | None = None,
+    device: str = "cpu",
 ) -> Instance:
     """``allocate(local_heads)``: each rank's KV caches (default: zeroed CPU-layout tensors)."""
     inst = Instance(engine_id, tp, 1 if mla else heads, mla, blocks, block_size, dim)
@@ -84,6 +85,7 @@ def make_instance(
         transport=transport,
         kv_load_timeout_s=timeout_s,
         handshake_timeout_s=2.0,
+        device=device,
     )
     for rank in range(tp):
         _, n = inst.local(rank)

@@ -162,13 +162,16 @@ def test_layout_interleaved_layers_use_the_real_block_stride() -> None:
     assert buf[(mem.bases[1][0] - buf.data_ptr() + off) // 4] == 1.0
 
 
-def test_memory_refuses_raw_buffers_and_old_5d_caches_naming_the_layer() -> None:
+def test_memory_refuses_raw_buffers_state_lists_and_old_5d_caches_naming_the_layer() -> None:
     with pytest.raises(
         LayoutError, match=r"layer mamba: shape \(4096,\) strides \(1,\).*raw buffer"
     ):
         KVMemory.of({"mamba": torch.zeros(4096, dtype=torch.int8)})
     with pytest.raises(LayoutError, match="layer old: shape \\(2, 4, 16, 2, 8\\).*before 0.32"):
         KVMemory.of({"old": torch.zeros(2, 4, 16, 2, 8)})
+    states = [torch.zeros(4, 3, 64), torch.zeros(4, 2, 16, 16)]  # vllm-ascend's Mamba layer
+    with pytest.raises(LayoutError, match=r"layer gdn: a list of 2 state tensors \(\(4, 3, 64\)"):
+        KVMemory.of({"gdn": states})
     parts = (torch.zeros(4, 16, 2, 8), torch.zeros(5, 16, 2, 8))
     with pytest.raises(LayoutError, match="layer kv part 1: 5 blocks x 2 heads"):
         KVMemory.of({"kv": parts})

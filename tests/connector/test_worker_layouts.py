@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from connector.errors import LayoutError
 from tests.connector import cluster as C
+from tests.connector import harness as H
 from tests.connector.vllm_kv import LAYOUTS, planned
 from tests.support import kv_views
 
@@ -24,6 +26,8 @@ HEADS, HEAD, BLOCKS, BS = 4, 8, 24, 16
 # three chunks: a run, a reversed pair, a lone (tail) block; D's blocks scattered
 CHUNKS = [[(0, 9), (1, 10), (2, 11)], [(3, 5), (4, 4)], [(5, 20)]]
 PAIRS = list(itertools.product(LAYOUTS, LAYOUTS))
+# vLLM's preference when no backend narrows it (vllm/v1/attention/backends/utils.py)
+LAYOUTS_PREFERRED = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]
 _tid = itertools.count()
 
 Alloc = Callable[[int], dict[str, Any]]
@@ -252,3 +256,35 @@ def test_worker_layouts_non_dense_pages_are_refused_at_registration() -> None:
     assert str(exc.value).startswith(
         f"layer {LAYERS[1]}: shape (24, 4, 16, 16) strides ({t.stride(0)}, 4, 16, 1): pages overlap"
     )
+
+
+@pytest.mark.parametrize(
+    ("extra", "want"),
+    [
+        ({}, "LBHNC"),
+        ({"kv_cache_layout": "BLHNC"}, "BLHNC"),
+        ({"kv_cache_layout": "backend"}, "LBNHC"),
+    ],
+)
+def test_connector_asks_vllm_for_head_major_pages(
+    tiny_model: Path, extra: dict[str, Any], want: str
+) -> None:
+    """vLLM's own resolution (engine core, every layout supported) takes the connector's
+    request; ``backend`` leaves vLLM's first preference."""
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+
+    config = H.vllm_config(tiny_model, "kv_consumer", extra)
+    assert resolve_kv_cache_layout(config, [LAYOUTS_PREFERRED]).name == want
+
+
+def test_worker_refuses_vllm_ascend_nz_kv_at_start(tiny_model: Path) -> None:
+    """enable_kv_nz (vllm-ascend, D only) reorders the bytes inside D's blocks; the tensors
+    look the same, so the engine option itself is refused."""
+    from connector.errors import ConfigError
+    from connector.worker.half import refuse_unsupported
+
+    config = H.vllm_config(tiny_model, "kv_consumer", {})
+    refuse_unsupported(config)
+    config.additional_config = {"enable_kv_nz": True}
+    with pytest.raises(ConfigError, match="enable_kv_nz keeps D's blocks in NZ order"):
+        refuse_unsupported(config)

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import pytest
+import torch
 
 from connector.worker.overlap import overlap, parse
 from metaserver.models import BindingState
@@ -77,4 +79,64 @@ def test_worker_done_event_reports_push_overlap() -> None:
         assert stats["tail_s"] >= 0.0
         assert abs(stats["p_end_at"] - time.time()) < 60  # a wall-clock time, not perf_counter
     finally:
+        C.close(p, d)
+
+
+class _Gate:
+    """A device event double with the CUDA event's contract (``query`` never waits,
+    ``synchronize`` waits): the layer's kernels finish when the test opens the gate."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+
+    def query(self) -> bool:
+        return self.open.is_set()
+
+    def synchronize(self) -> None:
+        assert self.open.wait(20), "a layer event was never completed"
+
+
+class _GatedDevice:
+    name = "gated"
+
+    def __init__(self) -> None:
+        self.events: list[_Gate] = []
+
+    def record_event(self) -> _Gate:
+        self.events.append(_Gate())
+        return self.events[-1]
+
+
+def test_worker_sender_writes_finished_layers_before_waiting_on_an_unfinished_one() -> None:
+    """On a device the forward queues every layer before the first one is computed: the
+    sender must push the layers whose events completed instead of waiting for the rest."""
+    port = C.free_port_range(1)
+    d = C.make_instance("d-eng", "kv_consumer", 1, port=port)
+    p = C.make_instance("p-eng", "kv_producer", 1)
+    device = _GatedDevice()
+    p.workers[0].device = device
+    names = list(p.caches[0])
+    try:
+        C.fill_prefill(p)
+        C.expect(d, "dreq", "tgate", [5, 6])
+        C.push(p, "preq", "tgate", C.destination(d, port), [[(0, 5), (1, 6)]])
+        assert len(device.events) == len(names)
+        device.events[0].open.set()
+        device.events[1].open.set()
+
+        def landed(layer: str) -> bool:
+            return bool(torch.equal(d.caches[0][layer][5:7], p.caches[0][layer][0:2]))
+
+        deadline = time.monotonic() + 20
+        while not (landed(names[0]) and landed(names[1])) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert landed(names[0]) and landed(names[1])
+        assert not d.caches[0][names[2]].any()  # its kernels have not finished
+        for gate in device.events[2:]:
+            gate.open.set()
+        C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
+        assert all(landed(name) for name in names)
+    finally:
+        for gate in device.events:
+            gate.open.set()
         C.close(p, d)

@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 
+from connector.device import host_checksums
 from connector.transport import InProcessTransport
 from connector.worker import digest
 from tests.connector import cluster as C
@@ -140,10 +141,45 @@ def test_digest_check_names_the_first_mismatching_layer_and_blocks() -> None:
         assert memory is not None
         t = d.caches[0][C.LAYERS[1]]
         start, n = t[4].data_ptr(), 2 * t[4].nbytes  # blocks 4..5 of layer 1
-        good = digest.crc(start, n)
+        good = host_checksums([(start, n)])[0]
         assert digest.check(memory, [(1, start, n, good)]) == ""
         problem = digest.check(memory, [(1, start, n, good ^ 1)])
         assert "layer model.layers.1.self_attn.attn" in problem and "blocks 4..5" in problem
         assert "outside" in digest.check(memory, [(1, 16, 8, 0)])  # never reads foreign memory
     finally:
         C.close(d)
+
+
+class _NpuDouble:
+    """Stands in for ``device: npu`` (torch_npu is not installed here): only its name and that
+    its memory cannot be read for digests matter."""
+
+    name = "npu"
+
+    def record_event(self) -> object:
+        raise AssertionError("no forward in this test")
+
+    def checksums(self, pieces: object) -> list[int]:
+        raise AssertionError("must not be called")
+
+
+def test_verify_kv_on_npu_memory_is_refused_at_start() -> None:
+    from connector.config import ConnectorSettings
+    from connector.errors import ConfigError
+    from connector.worker import ConnectorWorker
+
+    w = ConnectorWorker(
+        None,
+        ConnectorSettings(transport="inprocess", verify_kv=True),
+        rank=0,
+        tp_size=1,
+        engine_id="p-eng",
+        role="kv_producer",
+        transport=InProcessTransport(),
+        device=_NpuDouble(),  # type: ignore[arg-type]
+    )
+    try:
+        with pytest.raises(ConfigError, match="verify_kv reads the pushed KV back .* npu memory"):
+            w.register_kv_caches({"l0": torch.zeros(4, 2, 16, 8)})
+    finally:
+        w.shutdown()
