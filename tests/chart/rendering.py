@@ -60,6 +60,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "concurrent-flow": {
         "proxy": {"flow": "concurrent", "prefillPolicy": "round_robin", "decodePolicy": "prefix"},
     },
+    "fail-on-lost-kv": {"connector": {"kvLoadFailurePolicy": "fail", "kvLoadTimeoutS": 30}},
 }
 
 # Secrets the scenarios expect to exist already (created by the user, not by the chart).

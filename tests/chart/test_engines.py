@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from vllm.config import KVTransferConfig
 
 from connector.config import load_settings as load_connector_settings
 from tests.chart.rendering import (
@@ -46,6 +47,10 @@ def test_engine_kv_transfer_config(scenario: tuple[str, Rendered], role: str) ->
     assert extra["mooncake_protocol"] == PROTOCOLS[accel]
     assert extra["device"] == DEVICES[accel]
     assert extra["concurrent"] == (role == "prefill" and name == "concurrent-flow")
+    connector = values.get("connector", {})
+    assert cfg["kv_load_failure_policy"] == connector.get("kvLoadFailurePolicy", "recompute")
+    assert extra["kv_load_timeout_s"] == connector.get("kvLoadTimeoutS", 120)
+    KVTransferConfig(**cfg)  # vLLM's own validation of the flag's value
 
     # What the connector sees once the kubelet has expanded $(POD_NAME) and $(POD_IP).
     pod = f"{FULLNAME}-{role}-0"
@@ -68,6 +73,22 @@ def test_engine_kv_transfer_config(scenario: tuple[str, Rendered], role: str) ->
     assert side == [settings.side_channel_port + rank for rank in range(tp)]
     svc = r.get("Service", f"{FULLNAME}-{role}")
     assert sorted(p["port"] for p in svc["spec"]["ports"] if p["name"].startswith("side-")) == side
+
+
+def test_engine_pools_share_the_kv_load_deadline_and_policy(scenario: tuple[str, Rendered]) -> None:
+    """P stops writing into D's blocks at D's deadline: both must use the same one."""
+    _, r = scenario
+    cfgs = [
+        json.loads(
+            arg_after(
+                container(r.get("StatefulSet", f"{FULLNAME}-{role}"))["args"],
+                "--kv-transfer-config",
+            )
+        )
+        for role in ROLES
+    ]
+    assert len({c["kv_connector_extra_config"]["kv_load_timeout_s"] for c in cfgs}) == 1
+    assert len({c["kv_load_failure_policy"] for c in cfgs}) == 1
 
 
 @pytest.mark.parametrize("role", sorted(ROLES))

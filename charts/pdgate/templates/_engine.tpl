@@ -38,6 +38,7 @@ discovery, and a StatefulSet. Call with (dict "root" $ "role" "prefill"|"decode"
 {{- $cfg := dict
   "kv_connector" $v.connector.name
   "kv_role" (ternary "kv_producer" "kv_consumer" (eq .role "prefill"))
+  "kv_load_failure_policy" $v.connector.kvLoadFailurePolicy
   "kv_connector_extra_config" $extra
 -}}
 {{- with $v.connector.modulePath }}
