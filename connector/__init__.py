@@ -23,6 +23,9 @@ __all__ = ["PdgateConnector"]
 def __getattr__(name: str) -> Any:
     # vLLM imports this package in the API process too; keep that import light.
     if name == "PdgateConnector":
+        from connector.compat import check
+
+        check()  # one clear line on an unsupported vLLM, before vLLM touches the class
         from connector.connector import PdgateConnector
 
         return PdgateConnector

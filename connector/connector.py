@@ -2,6 +2,9 @@
 
 With ``role=SCHEDULER`` (EngineCore) it holds a ``ConnectorScheduler``; with ``role=WORKER``
 (each TP rank) a ``ConnectorWorker``. Every API call is forwarded to the half that exists.
+On vLLM before 0.32 (``connector/compat.py``) the facade also follows P's block ids from the
+scheduler output, reports failed loads by block, and ends transfers from ``get_finished`` on
+steps without a forward (where that vLLM skips ``wait_for_save``).
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
 )
 
+from connector.compat import KVConnectorTransferResults, features, legacy_layout_name
 from connector.config import load_settings
 from connector.metadata import PdgateMetadata
+from connector.scheduler.blocks import BlockTracker
 
 if TYPE_CHECKING:
     import torch
@@ -54,10 +58,16 @@ class PdgateConnector(KVConnectorBase_V1):
         self.settings = load_settings(kv.kv_connector_extra_config)
         self.scheduler: ConnectorScheduler | None = None
         self.worker: ConnectorWorker | None = None
+        self._legacy = not features().transfer_results  # vLLM before 0.32
+        self._blocks: BlockTracker | None = None
+        self._load_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
             from connector.scheduler import ConnectorScheduler
 
             self.scheduler = ConnectorScheduler(vllm_config, self.settings)
+            if not features().bind_manager:
+                self._blocks = BlockTracker()
+                self.scheduler.bind(self._blocks)  # type: ignore[arg-type]
         else:
             from connector.worker import ConnectorWorker
 
@@ -74,7 +84,7 @@ class PdgateConnector(KVConnectorBase_V1):
         model = vllm_config.model_config
         if wanted == "backend" or (model is not None and model.use_mla):
             return None
-        return wanted
+        return wanted if features().layout_enum else legacy_layout_name(wanted)
 
     # ---- scheduler side -------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
@@ -96,6 +106,8 @@ class PdgateConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
+        if self._blocks is not None:
+            self._blocks.update(scheduler_output)
         return self.scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(
@@ -147,8 +159,21 @@ class PdgateConnector(KVConnectorBase_V1):
         )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """What vLLM before 0.32 calls instead of ``get_transfer_results``."""
+        if self.worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, PdgateMetadata):  # that vLLM skips wait_for_save without a forward
+                self.worker.end_step(meta)
         res = self.get_transfer_results(finished_req_ids)
+        if self._legacy and res.failed_recving and self.worker is not None:
+            self._load_errors |= self.worker.blocks_of(res.failed_recving)
         return res.finished_sending or None, res.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """vLLM before 0.32: the blocks of loads that failed (it recomputes from the first);
+        later vLLM hears of them through ``failed_recving``."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def shutdown(self) -> None:
         if self.scheduler is not None:

@@ -9,6 +9,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from metaserver.models import Binding
 
 
+def skew_margin(window_s: float) -> float:
+    """How long before D's deadline P stops writing: clock skew and writes still in flight."""
+    return min(5.0, 0.1 * window_s)
+
+
 @dataclass(frozen=True, slots=True)
 class Destination:
     """A verified decode instance (from its binding), as the P workers need it."""
@@ -25,6 +30,12 @@ class Destination:
 
     @classmethod
     def of(cls, b: Binding, window_s: float = 0.0) -> Destination:
+        """``deadline``: D's ``load_deadline`` less a margin for clock skew and writes in flight
+        (5 s, or 10 % of D's window); without one, ``created_at + window_s``."""
+        if b.load_deadline is not None:
+            deadline = b.load_deadline - skew_margin(max(0.0, b.load_deadline - b.created_at))
+        else:
+            deadline = b.created_at + window_s if window_s > 0 else 0.0
         return cls(
             b.decode_instance_id,
             b.engine_id,
@@ -34,7 +45,7 @@ class Destination:
             b.num_kv_heads,
             b.use_mla,
             b.block_size,
-            b.created_at + window_s if window_s > 0 else 0.0,
+            deadline,
         )
 
 
@@ -55,6 +66,7 @@ class RecvEntry:
     req_id: str
     transfer_id: str
     block_ids: list[int]
+    load_from: int = 0  # the first block the load fills (those before: D's own prefix hit)
 
 
 @dataclass

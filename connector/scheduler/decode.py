@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,9 +41,17 @@ class Identity:
 
 
 class DecodeSide:
-    def __init__(self, writer: BackgroundWriter, me: Identity) -> None:
+    def __init__(
+        self,
+        writer: BackgroundWriter,
+        me: Identity,
+        load_timeout_s: float = 0.0,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self._writer = writer
         self._me = me
+        self._load_timeout_s = load_timeout_s  # > 0: bindings state D's deadline
+        self._wall = wall
         self._claimed: set[str] = set()  # req ids that already asked for their remote prefill
         self._new: list[RecvEntry] = []
         self._rejected: collections.deque[str] = collections.deque()
@@ -80,6 +90,9 @@ class DecodeSide:
             block_ids=[block_ids],
             num_cached_tokens=prompt_len - num_external,
             num_prompt_tokens=prompt_len,
+            # the worker starts its kv_load_timeout_s clock when it sees the request, a step
+            # later: this is D's deadline or a little before it
+            load_deadline=self._wall() + self._load_timeout_s if self._load_timeout_s else None,
         )
         req_id = request.request_id
 
@@ -89,7 +102,8 @@ class DecodeSide:
                 self._rejected.append(req_id)
 
         self._claimed.add(req_id)
-        self._new.append(RecvEntry(req_id, params.transfer_id, block_ids))
+        load_from = (prompt_len - num_external) // me.block_size
+        self._new.append(RecvEntry(req_id, params.transfer_id, block_ids, load_from))
         self.bindings_sent += 1
         if not self._writer.put_binding(params.transfer_id, spec, on_done=on_done):
             self._rejected.append(req_id)  # queue full: fail fast, nothing was sent

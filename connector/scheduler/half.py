@@ -9,7 +9,7 @@ from urllib.parse import urlparse
 
 from connector.config import ConnectorSettings
 from connector.errors import ConfigError
-from connector.metadata import PdgateMetadata
+from connector.metadata import PdgateMetadata, skew_margin
 from connector.scheduler.decode import DecodeSide, Identity
 from connector.scheduler.lookups import Lookups
 from connector.scheduler.prefill import PrefillSide
@@ -49,9 +49,11 @@ def identity_of(vllm_config: VllmConfig, settings: ConnectorSettings) -> Identit
 
 
 def push_window(kv_load_timeout_s: float) -> float:
-    """How long after its binding was created P may still write into D's blocks: D's deadline
-    (the same ``kv_load_timeout_s``) minus a margin for clock skew and writes in flight."""
-    return kv_load_timeout_s - min(5.0, 0.1 * kv_load_timeout_s)
+    """How long after its binding was created P may still write into D's blocks when the
+    binding does not state D's deadline (a D before ``load_deadline``): P's own
+    ``kv_load_timeout_s`` (which must then equal D's) minus a margin for clock skew and writes in
+    flight."""
+    return kv_load_timeout_s - skew_margin(kv_load_timeout_s)
 
 
 class ConnectorScheduler:
@@ -90,7 +92,11 @@ class ConnectorScheduler:
         )
         self.registrar = Registrar(make_sync(), self.me.instance_id, spec, settings.heartbeat_s)
         self.registrar.start()
-        self.decode = DecodeSide(self.writer, self.me) if role is not InstanceRole.PREFILL else None
+        self.decode = (
+            DecodeSide(self.writer, self.me, settings.kv_load_timeout_s)
+            if role is not InstanceRole.PREFILL
+            else None
+        )
         self.prefill = (
             PrefillSide(
                 self.lookups,

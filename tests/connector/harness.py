@@ -126,15 +126,28 @@ def runner_output(
     recving: set[str] | None = None,
     failed: set[str] | None = None,
     token: int = 7,
+    s: Scheduler | None = None,
 ) -> ModelRunnerOutput:
+    """What the workers report. A failed load goes out the way the running vLLM hears of it:
+    ``failed_recving`` (0.32), or the blocks the load was to fill (before 0.32, as the
+    connector's ``get_block_ids_with_load_errors``: those after D's own prefix hit)."""
     req_ids = list(out.num_scheduled_tokens)
     kv = None
     if sending or recving or failed:
-        kv = KVConnectorOutput(
-            finished_sending=sending or None,
-            finished_recving=recving or None,
-            failed_recving=failed or set(),
-        )
+        if "failed_recving" in KVConnectorOutput.__dataclass_fields__:
+            kv = KVConnectorOutput(
+                finished_sending=sending or None,
+                finished_recving=recving or None,
+                failed_recving=failed or set(),
+            )
+        else:
+            assert s is not None or not failed
+            invalid = {b for r in failed or () for b in _load_blocks(s, r)} if s else set()
+            kv = KVConnectorOutput(
+                finished_sending=sending or None,
+                finished_recving=recving or None,
+                invalid_block_ids=invalid,
+            )
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -163,9 +176,20 @@ def _partial(out: SchedulerOutput, req_id: str) -> bool:
 _PROMPT_LEN: dict[str, int] = {}
 
 
+# what the worker half keeps of each expected load (from the step's RecvEntry)
+_LOADS: dict[str, list[int]] = {}
+
+
+def _load_blocks(s: Scheduler, req_id: str) -> list[int]:
+    return _LOADS.get(req_id, [])
+
+
 def step(s: Scheduler, **kv: set[str] | None) -> tuple[SchedulerOutput, PdgateMetadata]:
     out = s.schedule()
-    for outputs in s.update_from_output(out, runner_output(out, **kv)).values():  # type: ignore[arg-type]
+    if isinstance(out.kv_connector_metadata, PdgateMetadata):
+        for recv in out.kv_connector_metadata.recvs:
+            _LOADS[recv.req_id] = recv.block_ids[recv.load_from :]
+    for outputs in s.update_from_output(out, runner_output(out, s=s, **kv)).values():  # type: ignore[arg-type]
         for o in outputs.outputs:
             if o.finish_reason is not None:
                 FINISHED_PARAMS[o.request_id] = o.kv_transfer_params

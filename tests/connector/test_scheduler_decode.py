@@ -101,6 +101,8 @@ def test_decode_binding_carries_blocks_endpoint_and_identity(
     assert b["block_size"] == H.BLOCK
     assert b["num_prompt_tokens"] == 40 and b["num_cached_tokens"] == 0
     assert b["num_kv_heads"] == 2 and b["tp_size"] == 1 and b["use_mla"] is False
+    # D's deadline: its kv_load_timeout_s (default 120 s) from now, on its own clock
+    assert time.time() + 100 < b["load_deadline"] <= time.time() + 120
 
 
 def test_decode_prefix_cache_hit_is_not_requested_from_prefill(

@@ -34,7 +34,14 @@ def _deregister_decoder(url: str, instance: str = "dec-1") -> None:
 
 
 def _bind(
-    url: str, tid: str, prompt_len: int, *, cached: int = 0, first: int = 100, tp_size: int = 1
+    url: str,
+    tid: str,
+    prompt_len: int,
+    *,
+    cached: int = 0,
+    first: int = 100,
+    tp_size: int = 1,
+    load_deadline: float | None = None,
 ) -> dict[str, Any]:
     n = -(-prompt_len // H.BLOCK)
     spec = {
@@ -49,6 +56,8 @@ def _bind(
         "num_kv_heads": 2,
         "tp_size": tp_size,
     }
+    if load_deadline is not None:
+        spec["load_deadline"] = load_deadline
     r = httpx.put(f"{url}/v1/bindings/{tid}", json=spec, headers=AUTH)
     assert r.status_code in (200, 201), r.text
     body: dict[str, Any] = httpx.get(f"{url}/v1/bindings/{tid}").json()
@@ -301,6 +310,23 @@ def test_prefill_never_pushes_after_decodes_deadline(
     for _ in range(2):
         H.step(s)
     H.assert_empty(s)
+
+
+def test_prefill_obeys_the_deadline_the_binding_states(
+    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    """D states its deadline in the binding: P (whose own kv_load_timeout_s is far longer)
+    stops writing before it, so P and D need not share the setting."""
+    _register_decoder(metaserver.url)
+    s = make_prefiller(metaserver.url, batched=64, kv_load_timeout_s=600.0)
+    b = _bind(metaserver.url, "tid-stated", 40, load_deadline=time.time() + 1.0)
+    time.sleep(1.0)
+    req = H.request(H.prompt(40), _send_params("tid-stated", b), max_tokens=1)
+    s.add_request(req)
+    _, meta = _step_until_scheduled(s, req.request_id)
+    assert meta.sends == []
+    half = H.connector_of(s).scheduler
+    assert half is not None and half.prefill is not None and half.prefill.expired == 1
 
 
 def test_prefill_refuses_a_decoder_with_more_tp_ranks_before_computing(

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from connector import wire
+from connector.metadata import PdgateMetadata, RecvEntry
 from connector.transport import InProcessTransport
 from connector.worker.receiver import RecvTracker
 from connector.worker.side_channel import handshake
@@ -112,6 +113,24 @@ def test_worker_handshake_refused_for_a_different_engine_fails_d_at_once() -> No
         got = C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
         assert got[0][2] == {"dreq"}  # failed -> vLLM recomputes, long before the deadline
         assert not d.caches[0][C.LAYERS[0]].any()
+    finally:
+        C.close(p, d)
+
+
+def test_worker_names_the_blocks_of_a_failed_load_without_d_prefix_hit() -> None:
+    """vLLM before 0.32 hears of a failed load as block ids: the blocks the load was to fill,
+    never D's own prefix-cache blocks (shared with other requests)."""
+    port = C.free_port_range(1)
+    d = C.make_instance("d-eng", "kv_consumer", 1, port=port)
+    p = C.make_instance("p-eng", "kv_producer", 1)
+    try:
+        meta = PdgateMetadata(recvs=[RecvEntry("dreq", "tblk", [30, 31, 4, 5], load_from=2)])
+        d.workers[0].start_step(meta)
+        d.workers[0].end_step(meta)
+        C.push(p, "preq", "tblk", C.destination(d, port), [[(0, 4), (1, 5)]], fail_last="boom")
+        got = C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
+        assert got[0][2] == {"dreq"}
+        assert d.workers[0].blocks_of({"dreq"}) == {4, 5}
     finally:
         C.close(p, d)
 
