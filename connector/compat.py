@@ -28,6 +28,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from connector.errors import ConfigError
 
@@ -131,3 +132,24 @@ except ImportError:
 def legacy_layout_name(name: str) -> str | None:
     """What vLLM before ``KVCacheLayout`` calls a layout (``HND`` / ``NHD``), if anything."""
     return {"LBHNC": "HND", "LBNHC": "NHD"}.get(name)
+
+
+def refuse_unsupported(vllm_config: Any) -> None:
+    """Engine options whose KV the connector would move wrongly, refused at start (both
+    roles, before anything is registered)."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict) and extra.get("enable_kv_nz"):
+        raise ConfigError(
+            "vllm-ascend's additional_config enable_kv_nz keeps D's blocks in NZ order, but P "
+            "pushes its KV in ND order: turn enable_kv_nz off for pdgate"
+        )
+    par = getattr(vllm_config, "parallel_config", None)
+    size = int(getattr(par, "data_parallel_size", 1) or 1)
+    index = int(getattr(par, "data_parallel_index", getattr(par, "data_parallel_rank", 0)) or 0)
+    if size > 1 or index > 0:
+        raise ConfigError(
+            f"data parallelism (data_parallel_size {size}, this engine's index {index}) is not "
+            "supported by PdgateConnector: its DP ranks would share one instance id and one "
+            "side-channel port range; run one vLLM server per DP rank, each with its own "
+            "instance_id and side_channel_port"
+        )

@@ -19,7 +19,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from connector.compat import KVConnectorTransferResults, features, legacy_layout_name
+from connector.compat import (
+    KVConnectorTransferResults,
+    features,
+    legacy_layout_name,
+    refuse_unsupported,
+)
 from connector.config import load_settings
 from connector.metadata import PdgateMetadata
 from connector.scheduler.blocks import BlockTracker
@@ -55,6 +60,7 @@ class PdgateConnector(KVConnectorBase_V1):
         _share_vllm_logging()
         kv = vllm_config.kv_transfer_config
         assert kv is not None
+        refuse_unsupported(vllm_config)
         self.settings = load_settings(kv.kv_connector_extra_config)
         self.scheduler: ConnectorScheduler | None = None
         self.worker: ConnectorWorker | None = None

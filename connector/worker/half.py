@@ -31,16 +31,6 @@ log = logging.getLogger("pdgate.connector.worker")
 PREEMPT_WAIT_S = 30.0
 
 
-def refuse_unsupported(vllm_config: VllmConfig) -> None:
-    """Engine options whose KV this connector would move wrongly, refused at start."""
-    extra = getattr(vllm_config, "additional_config", None)
-    if isinstance(extra, dict) and extra.get("enable_kv_nz"):
-        raise ConfigError(
-            "vllm-ascend's additional_config enable_kv_nz keeps D's blocks in NZ order, but P "
-            "pushes its KV in ND order: turn enable_kv_nz off for pdgate"
-        )
-
-
 class ConnectorWorker:
     def __init__(
         self,
@@ -66,7 +56,6 @@ class ConnectorWorker:
 
             kv = vllm_config.kv_transfer_config
             assert kv is not None and vllm_config.model_config is not None
-            refuse_unsupported(vllm_config)
             rank = get_tensor_model_parallel_rank() if rank is None else rank
             tp_size = vllm_config.parallel_config.tensor_parallel_size
             engine_id = str(kv.engine_id)

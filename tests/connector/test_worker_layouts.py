@@ -277,14 +277,34 @@ def test_connector_asks_vllm_for_head_major_pages(
     assert resolve_kv_cache_layout(config, [LAYOUTS_PREFERRED]).name == want
 
 
-def test_worker_refuses_vllm_ascend_nz_kv_at_start(tiny_model: Path) -> None:
+def test_connector_refuses_vllm_ascend_nz_kv_at_start(tiny_model: Path) -> None:
     """enable_kv_nz (vllm-ascend, D only) reorders the bytes inside D's blocks; the tensors
     look the same, so the engine option itself is refused."""
+    from connector.compat import refuse_unsupported
     from connector.errors import ConfigError
-    from connector.worker.half import refuse_unsupported
 
     config = H.vllm_config(tiny_model, "kv_consumer", {})
     refuse_unsupported(config)
     config.additional_config = {"enable_kv_nz": True}
     with pytest.raises(ConfigError, match="enable_kv_nz keeps D's blocks in NZ order"):
         refuse_unsupported(config)
+
+
+@pytest.mark.parametrize(("size", "index"), [(2, 0), (1, 1)])
+def test_connector_refuses_data_parallel_engines_at_start(
+    tiny_model: Path, size: int, index: int
+) -> None:
+    """A DP engine (dense models: size reset to 1, but index > 0) is refused with a clear
+    error, for both roles, before the connector registers anything."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from connector.connector import PdgateConnector
+    from connector.errors import ConfigError
+
+    for role in ("kv_consumer", "kv_producer"):
+        config = H.vllm_config(tiny_model, role, {})
+        config.parallel_config.data_parallel_size = size
+        config.parallel_config.data_parallel_index = index
+        with pytest.raises(ConfigError, match="data parallelism .* not supported"):
+            PdgateConnector(config, KVConnectorRole.SCHEDULER, KVCacheConfig(1, [], []))
