@@ -31,6 +31,7 @@ def build_parser() -> SettingsParser[MetaserverSettings]:
     p.option("--instance-ttl", "instance_ttl_s", float)
     p.option("--max-body-bytes", "max_body_bytes", int)
     p.option("--max-wait", "max_wait_s", float)
+    p.option("--stats-scan-limit", "stats_scan_limit", int)
     p.option("--log-level", "log_level")
     return p
 

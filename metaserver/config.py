@@ -15,7 +15,9 @@ class MetaserverSettings(LayeredSettings):
 
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8300, ge=0, le=65535)
-    store: str = Field("memory", description="'memory' or a redis:// URL")
+    store: str = Field(
+        "memory", description="'memory', a redis:// URL, or redis+sentinel://host:port,.../service"
+    )
     namespace: str = Field(
         "pdgate", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Redis key prefix"
     )

@@ -7,7 +7,7 @@ import asyncio
 from dataclasses import dataclass
 
 from metaserver.context import Context
-from metaserver.errors import NotFound
+from metaserver.errors import NotFound, StoreUnavailable
 from metaserver.models import BindingSpec, BindingState, EventIn
 from metaserver.store.base import BindingPut, PutOutcome, StoredBinding, event_json
 from metaserver.validation import parse_body
@@ -43,6 +43,7 @@ async def get_binding(
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(wait, c.settings.max_wait_s)
         c.metrics.waiters.inc()
+        unavailable: StoreUnavailable | None = None
         try:
             async with c.store.changes(transfer_id) as sub:
                 record = await c.store.get_binding(transfer_id)  # closes the subscribe race
@@ -52,9 +53,17 @@ async def get_binding(
                         timed_out = True
                         break
                     if await sub.wait(remaining):
-                        record = await c.store.get_binding(transfer_id)
+                        try:
+                            record = await c.store.get_binding(transfer_id)
+                            unavailable = None
+                        except StoreUnavailable as exc:
+                            # a Redis restart or failover: the subscription wakes every
+                            # waiter once it is back, and this one reads again then
+                            unavailable = exc
         finally:
             c.metrics.waiters.dec()
+        if unavailable is not None:
+            raise unavailable
     if record is None:
         raise NotFound(f"binding {transfer_id} not found" + (" (wait timed out)" if wait else ""))
     return Reply(200, record.to_json(), timed_out)

@@ -2,7 +2,7 @@
 
 * client-supplied ``kv_transfer_params`` are always removed;
 * the prefill leg gets ``max_tokens``/``max_completion_tokens`` = 1, ``stream=false``, ``n=1``,
-  and loses ``min_tokens``, ``stream_options``;
+  and loses ``min_tokens``, ``min_completion_tokens``, ``stream_options``, ``best_of``;
 * the prompt length is estimated without a tokenizer (≈ 4 characters per token).
 """
 
@@ -17,7 +17,7 @@ from proxy.errors import BadRequest
 _decode = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder().encode
 CHARS_PER_TOKEN = 4
-_PREFILL_DROP = ("min_tokens", "stream_options", "best_of")
+_PREFILL_DROP = ("min_tokens", "min_completion_tokens", "stream_options", "best_of")
 
 
 class ClientRequest:

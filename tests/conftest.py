@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.procs import REPO
-from tests.support.services import MetaserverProcess, RedisServer
+from tests.support.services import MetaserverProcess, RedisSentinelGroup, RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +28,16 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSentinelGroup]:
+    group = RedisSentinelGroup(tmp_path_factory.mktemp("sentinel"))
+    group.start()
+    try:
+        yield group
+    finally:
+        group.stop()
 
 
 @pytest.fixture

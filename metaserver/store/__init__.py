@@ -13,8 +13,12 @@ def create_store(
 ) -> Store:
     if url in ("memory", "memory://"):
         return MemoryStore(binding_ttl_s=binding_ttl_s, retain_s=retain_s)
-    if url.startswith(("redis://", "rediss://", "unix://")):
+    if url.startswith(
+        ("redis://", "rediss://", "unix://", "redis+sentinel://", "rediss+sentinel://")
+    ):
         from metaserver.store.redis import RedisStore
 
         return RedisStore(url, namespace=namespace, binding_ttl_s=binding_ttl_s, retain_s=retain_s)
-    raise ValueError(f"unknown store {url!r}: use 'memory' or a redis:// URL")
+    raise ValueError(
+        f"unknown store {url!r}: use 'memory', a redis:// URL or a redis+sentinel:// URL"
+    )

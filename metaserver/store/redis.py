@@ -1,5 +1,6 @@
 """Redis store: shared state for any number of stateless metaserver replicas.
 
+* One Redis, or a master found through Sentinels (``redis+sentinel://``, redis_pool.py).
 * Keys live under one namespace (``<ns>:b:<id>`` binding hash, ``<ns>:e:<id>`` its events,
   ``<ns>:bidx`` creation index, ``<ns>:i:<id>`` instances, ``<ns>:iidx``, ``<ns>:lat``).
 * TTLs are Redis's own (PEXPIRE), so records expire even when no metaserver runs.
@@ -44,6 +45,7 @@ from metaserver.store.base import (
     decode_instance_problem,
 )
 from metaserver.store.redis_batch import ScriptBatcher
+from metaserver.store.redis_pool import make_pool
 
 log = logging.getLogger("pdgate.metaserver.redis")
 _LATENCY_SAMPLES = 1000
@@ -69,7 +71,7 @@ class RedisStore(Store):
         self._max_age_s = binding_ttl_s + retain_s
         self._channel = f"{namespace}:changes"
         retry = Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.25), retries)
-        self._pool = aioredis.BlockingConnectionPool.from_url(
+        self._pool = make_pool(
             url,
             max_connections=max_connections,
             timeout=socket_timeout_s,

@@ -10,7 +10,7 @@ import helm_python as helm
 import pytest
 import yaml
 
-from tests.chart.rendering import CHART_DIR, SCENARIOS, render
+from tests.chart.rendering import CHART_DIR, FULLNAME, SCENARIOS, render
 
 BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
     ("negative prefill replicas", {"prefill": {"replicas": -1}}, "/prefill/replicas"),
@@ -157,3 +157,13 @@ def test_schema_knows_the_proxys_flows_and_policies() -> None:
     assert set(props["flow"]["enum"]) == {f.value for f in Flow}
     for key in ("prefillPolicy", "decodePolicy"):
         assert set(props[key]["enum"]) == set(POLICIES) | {""}
+
+
+def test_schema_takes_a_sentinel_url_for_external_redis() -> None:
+    url = "redis+sentinel://s1:26379,s2:26379/pdgate/0"
+    r = render({"redis": {"enabled": False, "external": {"url": url}}})
+    ms = r.get("Deployment", f"{FULLNAME}-metaserver")
+    env = {
+        e["name"]: e.get("value") for e in ms["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["PD_METASERVER_STORE"] == url

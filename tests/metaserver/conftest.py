@@ -13,20 +13,17 @@ from metaserver import MetaserverSettings, create_app
 from metaserver.models import BindingSpec, InstanceSpec, KVEndpoint
 from metaserver.store import MemoryStore, Store
 from metaserver.store.redis import RedisStore
-from tests.support.services import RedisServer
 
 _ns = itertools.count()
-STORES = ["memory", "redis"]
+STORES = ["memory", "redis", "sentinel"]  # sentinel: the master a real redis-sentinel names
 
 
-def make_store(kind: str, redis_server: RedisServer, **ttl: float) -> Store:
+def make_store(url: str, **ttl: float) -> Store:
     binding_ttl = ttl.get("binding_ttl_s", 60.0)
     retain = ttl.get("retain_s", 120.0)
-    if kind == "memory":
+    if url == "memory":
         return MemoryStore(binding_ttl_s=binding_ttl, retain_s=retain)
-    return RedisStore(
-        redis_server.url, namespace=f"t{next(_ns)}", binding_ttl_s=binding_ttl, retain_s=retain
-    )
+    return RedisStore(url, namespace=f"t{next(_ns)}", binding_ttl_s=binding_ttl, retain_s=retain)
 
 
 @pytest.fixture(params=STORES)
@@ -35,13 +32,20 @@ def store_kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-async def store_factory(
-    store_kind: str, redis_server: RedisServer
-) -> AsyncIterator[Callable[..., Any]]:
+def store_url(store_kind: str, request: pytest.FixtureRequest) -> str:
+    """``memory``, or the URL of the Redis (or Sentinel group) the kind needs, started once."""
+    if store_kind == "memory":
+        return "memory"
+    server = request.getfixturevalue("redis_server" if store_kind == "redis" else "redis_sentinel")
+    return str(server.url)
+
+
+@pytest.fixture
+async def store_factory(store_url: str) -> AsyncIterator[Callable[..., Any]]:
     opened: list[Store] = []
 
     async def make(**ttl: float) -> Store:
-        store = make_store(store_kind, redis_server, **ttl)
+        store = make_store(store_url, **ttl)
         await store.start()
         opened.append(store)
         return store
@@ -58,15 +62,13 @@ async def store(store_factory: Callable[..., Any]) -> Store:
 
 
 @pytest.fixture
-async def api_factory(
-    store_kind: str, redis_server: RedisServer
-) -> AsyncIterator[Callable[..., Any]]:
+async def api_factory(store_url: str) -> AsyncIterator[Callable[..., Any]]:
     """Build the app around a fresh store and return an httpx client speaking ASGI to it."""
     opened: list[tuple[Store, httpx.AsyncClient]] = []
 
     async def make(**settings: Any) -> httpx.AsyncClient:
         ttl = {k: settings[k] for k in ("binding_ttl_s", "retain_s") if k in settings}
-        store = make_store(store_kind, redis_server, **ttl)
+        store = make_store(store_url, **ttl)
         await store.start()
         app = create_app(MetaserverSettings(**settings), store=store)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ms")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -10,6 +11,7 @@ import httpx
 import pytest
 
 from metaserver.cli import load_settings
+from tests.metaserver.conftest import binding_spec, decode_instance
 from tests.support.procs import VENV_BIN, Process, free_port, wait_http
 from tests.support.services import MetaserverProcess
 
@@ -73,3 +75,16 @@ def test_cli_serves_openapi_docs(metaserver_factory: Callable[..., MetaserverPro
     ms = metaserver_factory()
     assert httpx.get(ms.url + "/docs").status_code == 200
     assert "BindingSpec" in httpx.get(ms.url + "/openapi.json").text
+
+
+def test_cli_stats_scan_limit_bounds_what_stats_counts(
+    metaserver_factory: Callable[..., MetaserverProcess],
+) -> None:
+    ms = metaserver_factory("memory", "--stats-scan-limit", "2")
+    inst = json.loads(decode_instance().model_dump_json())
+    assert httpx.put(f"{ms.url}/v1/instances/decode-0", json=inst).status_code in (200, 201)
+    for i in range(3):
+        spec = json.loads(binding_spec(request_id=f"r{i}").model_dump_json())
+        assert httpx.put(f"{ms.url}/v1/bindings/t{i}", json=spec).status_code == 201
+    stats = httpx.get(f"{ms.url}/v1/stats").json()
+    assert stats["bindings_scanned"] == 2 and stats["bindings_by_state"]["bound"] == 2

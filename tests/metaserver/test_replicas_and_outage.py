@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.metaserver.test_api import instance_json, spec_json
-from tests.support.services import MetaserverProcess, RedisServer
+from tests.support.services import MetaserverProcess, RedisSentinelGroup, RedisServer
 
 
 async def test_replicas_long_poll_wakes_on_write_through_other_replica(
@@ -106,3 +106,62 @@ async def test_redis_crash_gives_503_then_recovers_without_losing_bindings(
             if x.startswith("pdgate_metaserver_store_unavailable_total")
         )
         assert float(line.split()[1]) >= 3
+
+
+@pytest.fixture
+def sentinel_group(tmp_path: Path) -> Iterator[RedisSentinelGroup]:
+    group = RedisSentinelGroup(tmp_path / "sentinel")  # its own: the test kills its master
+    group.start()
+    try:
+        yield group
+    finally:
+        group.stop()
+
+
+def _replicated(port: int, key: str) -> bool:
+    import redis
+
+    r = redis.Redis(port=port)
+    try:
+        return bool(r.exists(key))
+    finally:
+        r.close()
+
+
+async def test_sentinel_failover_moves_the_metaserver_to_the_promoted_replica(
+    sentinel_group: RedisSentinelGroup, metaserver_factory: Callable[..., MetaserverProcess]
+) -> None:
+    """--store redis+sentinel://: the master is killed; Sentinel promotes the replica, the
+    metaserver finds it by itself (503s meanwhile), a replicated binding is still there, and a
+    long-poll that spanned the failover is woken by a write made after it."""
+    ms = metaserver_factory(sentinel_group.url)
+    async with httpx.AsyncClient(base_url=ms.url, timeout=30) as http:
+        assert (
+            await http.put("/v1/instances/decode-0", json=instance_json(ttl_s=600))
+        ).status_code == 201
+        assert (await http.put("/v1/bindings/before", json=spec_json())).status_code == 201
+        deadline = time.monotonic() + 10
+        while not _replicated(sentinel_group.replica.port, "pdgate:b:before"):
+            assert time.monotonic() < deadline, "the replica never got the binding"
+            await asyncio.sleep(0.05)
+        waiter = asyncio.create_task(http.get("/v1/bindings/after", params={"wait": 60}))
+        await asyncio.sleep(0.3)
+        assert sentinel_group.master.proc is not None
+        sentinel_group.master.proc.stop(signal.SIGKILL)
+        killed = time.monotonic()
+        statuses: list[int] = []
+        while True:
+            r = await http.put("/v1/bindings/after", json=spec_json(request_id="after"))
+            statuses.append(r.status_code)
+            if r.status_code == 201:
+                break
+            assert r.status_code == 503, r.text
+            assert time.monotonic() - killed < 30, f"no failover in 30 s: {statuses[-5:]}"
+            await asyncio.sleep(0.2)
+        took = time.monotonic() - killed
+        assert sentinel_group.master_port() == sentinel_group.replica.port
+        before = await http.get("/v1/bindings/before")
+        assert before.status_code == 200, before.text
+        got = await asyncio.wait_for(waiter, 30)
+        assert got.status_code == 200 and got.json()["transfer_id"] == "after"
+        print(f"failover: writes back {took:.1f}s after the kill, {len(statuses) - 1} 503s")

@@ -44,7 +44,7 @@ async def test_decode_first_stream_chat_hygiene_and_binding(
         max_tokens=16,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"kv_transfer_params": INJECTED, "min_tokens": 4},
+        extra_body={"kv_transfer_params": INJECTED, "min_tokens": 4, "min_completion_tokens": 4},
     )
     text, usage = "", None
     async for chunk in stream:
@@ -66,6 +66,7 @@ async def test_decode_first_stream_chat_hygiene_and_binding(
     body = p_seen["body"]
     assert body["max_tokens"] == 1 and body["stream"] is False
     assert "min_tokens" not in body and "stream_options" not in body
+    assert "min_completion_tokens" not in body
     kv_p = body["kv_transfer_params"]
     assert kv_p["do_remote_decode"] is True and kv_p["transfer_id"] == tid
     assert kv_p["decode"]["decode_instance_id"] == cluster.decode[0].instance_id

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.support.procs import VENV_BIN, Process, free_port, wait_http, wait_port
@@ -12,13 +14,14 @@ class RedisServer:
     """redis-server on a free loopback port, with append-only persistence (fsync always) so
     that a restart keeps every acknowledged write — the setting docs/metaserver.md recommends."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, replica_of: int | None = None) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server not installed (make install does it)")
         self.exe = exe
         self.workdir = workdir
         self.port = free_port()
+        self.replica_of = replica_of  # the master's port, for a replica
         self.proc: Process | None = None
 
     @property
@@ -44,6 +47,8 @@ class RedisServer:
             "--protected-mode",
             "no",
         ]
+        if self.replica_of is not None:
+            argv += ["--replicaof", "127.0.0.1", str(self.replica_of)]
         self.proc = Process(argv, log=self.workdir / "redis.log")
         wait_port(self.port)
 
@@ -51,6 +56,77 @@ class RedisServer:
         if self.proc is not None:
             self.proc.stop()
             self.proc = None
+
+
+class RedisSentinelGroup:
+    """A master, a replica and one Sentinel (quorum 1) on loopback: the smallest set that can
+    fail over, with Sentinel's timeouts cut to seconds (down after 0.5 s)."""
+
+    SERVICE = "pdgate"
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.master = RedisServer(workdir / "master")
+        self.replica = RedisServer(workdir / "replica", replica_of=self.master.port)
+        self.port = free_port()
+        self.proc: Process | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis+sentinel://127.0.0.1:{self.port}/{self.SERVICE}/0"
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.master.start()
+        self.replica.start()
+        conf = self.workdir / "sentinel.conf"  # Sentinel rewrites its config file: a fresh one
+        conf.write_text(
+            f"port {self.port}\nbind 127.0.0.1\nprotected-mode no\ndir {self.workdir}\n"
+            f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.master.port} 1\n"
+            f"sentinel down-after-milliseconds {self.SERVICE} 500\n"
+            f"sentinel failover-timeout {self.SERVICE} 3000\n"
+        )
+        self.proc = Process(
+            [self.master.exe, str(conf), "--sentinel"], log=self.workdir / "sentinel.log"
+        )
+        wait_port(self.port)
+        self._until(self._ready, timeout, "the replica to sync and Sentinel to see it")
+
+    def _ready(self) -> bool:
+        import redis
+
+        replica = redis.Redis(port=self.replica.port)
+        sentinel = redis.Redis(port=self.port)
+        try:
+            linked = replica.info("replication").get("master_link_status") == "up"
+            known = sentinel.sentinel_slaves(self.SERVICE)
+            return bool(linked and known and "s_down" not in str(known[0].get("flags", "")))
+        finally:
+            replica.close()
+            sentinel.close()
+
+    def master_port(self) -> int:
+        import redis
+
+        sentinel = redis.Redis(port=self.port, decode_responses=True)
+        try:
+            return int(sentinel.sentinel_get_master_addr_by_name(self.SERVICE)[1])
+        finally:
+            sentinel.close()
+
+    @staticmethod
+    def _until(cond: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out waiting for {what}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+            self.proc = None
+        self.replica.stop()
+        self.master.stop()
 
 
 class MetaserverProcess:
