@@ -6,7 +6,9 @@ sender driving pdgate's ``MooncakeTransport`` (so its deadline settings are what
 
 The receiver prints ``READY <session> <addr>``. The sender writes once (``FIRST ok``), then for
 ``SECOND`` and ``THIRD``: waits for the file ``--go`` + ``.2`` / ``.3``, writes, and prints
-``<NAME> ok|failed <seconds>``.
+``<NAME> ok|failed <seconds> <attempts>``. ``SECOND`` is one attempt (it times the deadline);
+``THIRD`` retries a failed write as P's sender does, up to ``write_retries`` more times (the
+first write after a lane was dropped can fail at once, on the dead connection).
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
+from connector.config import ConnectorSettings
 from connector.errors import TransferError
 from connector.transport.mooncake import MooncakeTransport
 
 PIECE = 16384
+RETRIES = ConnectorSettings.model_fields["write_retries"].default
 
 
 def main(argv: list[str]) -> int:
@@ -47,12 +51,15 @@ def main(argv: list[str]) -> int:
         while not Path(f"{args.go}.{n}").exists():
             time.sleep(0.02)
         t0 = time.monotonic()
-        try:
-            transport.write(args.to, src, dst, [PIECE] * 4)
+        outcome, attempts = "failed", 0
+        for attempts in range(1, (RETRIES if n == 3 else 0) + 2):
+            try:
+                transport.write(args.to, src, dst, [PIECE] * 4)
+            except TransferError:
+                continue
             outcome = "ok"
-        except TransferError:
-            outcome = "failed"
-        print(f"{name} {outcome} {time.monotonic() - t0:.2f}", flush=True)
+            break
+        print(f"{name} {outcome} {time.monotonic() - t0:.2f} {attempts}", flush=True)
     return 0
 
 
