@@ -52,13 +52,13 @@ def main(argv: list[str]) -> int:
             time.sleep(0.02)
         t0 = time.monotonic()
         outcome, attempts = "failed", 0
-        for attempts in range(1, (RETRIES if n == 3 else 0) + 2):
+        while outcome == "failed" and attempts <= (RETRIES if n == 3 else 0):
+            attempts += 1
             try:
                 transport.write(args.to, src, dst, [PIECE] * 4)
+                outcome = "ok"
             except TransferError:
-                continue
-            outcome = "ok"
-            break
+                pass
         print(f"{name} {outcome} {time.monotonic() - t0:.2f} {attempts}", flush=True)
     return 0
 
