@@ -15,7 +15,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import SettingsConfigDict
 
 from connector.errors import ConfigError
-from metaserver.settings import LayeredSettings
+from pdwire.settings import LayeredSettings
 
 TOKEN_ENV = "PDGATE_METASERVER_TOKEN"
 TEST_HOOKS_ENV = "PDGATE_ALLOW_TEST_HOOKS"  # must be "1" for any test_* key to be on

@@ -1,8 +1,7 @@
-"""The connector's exceptions.
+"""The connector's exceptions (malformed ``kv_transfer_params``: ``pdwire.errors.ParamsError``).
 
 ConnectorError
 ├── ConfigError           bad kv_connector_extra_config (raised at start)
-├── ParamsError           malformed kv_transfer_params on a request
 ├── LayoutError           KV caches P and D cannot exchange (shapes, dtype, TP ratio)
 ├── HandshakeError        a decode instance did not answer / refused the handshake
 ├── TransferError         the transport failed to write
@@ -17,10 +16,6 @@ class ConnectorError(Exception):
 
 
 class ConfigError(ConnectorError):
-    pass
-
-
-class ParamsError(ConnectorError):
     pass
 
 

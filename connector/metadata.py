@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from metaserver.models import Binding
+from pdwire.models import Binding
 
 
 def skew_margin(window_s: float) -> float:

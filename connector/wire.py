@@ -5,17 +5,25 @@ D → P ``Welcome``: transport session, per-layer plane base addresses, D's layo
 into them, whatever its own), and ``epoch``
 (random per D process: a changed epoch means D restarted and cached handshakes are stale).
 P → D ``Signal``: a transfer ended on one P rank (``ok``), with how many signals D should expect.
+
+``Hello``, ``Welcome`` and ``Refused`` carry the sender's ``protocol`` (``pdwire.version``); each
+side reads it before the rest of the message (``protocol_of``), so peers of different releases
+refuse each other with that reason instead of failing on a field they do not know.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from connector.layout import LayerLayout
+from pdwire.version import UNVERSIONED
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
     p_engine_id: str
+    protocol: int = UNVERSIONED
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):
@@ -28,6 +36,7 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     layer_bases: list[list[int]]  # per layer, per plane: absolute base address
     layouts: list[LayerLayout]  # the distinct layouts of D's layers (strides and all)
     layer_layouts: list[int]  # per layer: its index in ``layouts``
+    protocol: int = UNVERSIONED
 
     def layout(self, layer: int) -> LayerLayout:
         return self.layouts[self.layer_layouts[layer]]
@@ -35,6 +44,7 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
 
 class Refused(msgspec.Struct, tag="refused", frozen=True):
     reason: str
+    protocol: int = UNVERSIONED
 
 
 class Signal(msgspec.Struct, tag="signal", frozen=True):
@@ -63,3 +73,15 @@ def encode(msg: Message) -> bytes:
 def decode(data: bytes) -> Message:
     msg: Message = _decoder.decode(data)
     return msg
+
+
+def protocol_of(data: bytes) -> tuple[str, int]:
+    """(message type, protocol) of any release's message, read without its schema."""
+    try:
+        raw: Any = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return "", UNVERSIONED
+    if not isinstance(raw, dict):
+        return "", UNVERSIONED
+    version = raw.get("protocol", UNVERSIONED)
+    return str(raw.get("type", "")), version if isinstance(version, int) else UNVERSIONED

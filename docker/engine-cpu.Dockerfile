@@ -14,6 +14,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/pdgate-src
 COPY pyproject.toml README.md ./
+COPY pdwire ./pdwire
 COPY metaserver ./metaserver
 COPY proxy ./proxy
 COPY connector ./connector

@@ -10,6 +10,7 @@ ARG VENV=/opt/pdgate
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY pdwire ./pdwire
 COPY metaserver ./metaserver
 COPY proxy ./proxy
 COPY connector ./connector

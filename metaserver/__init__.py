@@ -1,7 +1,7 @@
 """pdgate metaserver: bindings (transfer → decode KV endpoint) and the instance registry.
 
 ``create_app`` builds the HTTP service around a ``Store`` (memory or Redis); the clients for
-the other parts live in ``metaserver.client``.
+the other parts live in ``pdwire.client``.
 """
 
 from metaserver.app import create_app

@@ -17,14 +17,15 @@ from metaserver.config import MetaserverSettings
 from metaserver.context import Context
 from metaserver.errors import MetaserverError
 from metaserver.fastpath import FastPath
-from metaserver.limits import ASGIApp, BodySizeLimit
 from metaserver.metrics import Metrics, MetricsMiddleware
-from metaserver.models import BindingSpec, EventIn, InstanceSpec
 from metaserver.problems import render_problem
 from metaserver.responses import JSON
 from metaserver.routes import bindings, instances, ops
 from metaserver.store import Store, create_store
 from metaserver.validation import BodyInvalid
+from pdwire.asgi import ASGIApp
+from pdwire.limits import BodySizeLimit
+from pdwire.models import BindingSpec, EventIn, InstanceSpec
 
 log = logging.getLogger("pdgate.metaserver")
 _BODY_MODELS = (BindingSpec, EventIn, InstanceSpec)

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from metaserver.config import MetaserverSettings
-from metaserver.settings import SettingsParser, redact_url
+from pdwire.settings import SettingsParser, redact_url
 
 DESCRIPTION = """\
 pdgate metaserver: records which decode instance (KV endpoint, block ids) each transfer must

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
-from metaserver.settings import LayeredSettings, redact_url
+from pdwire.settings import LayeredSettings, redact_url
 
 
 class MetaserverSettings(LayeredSettings):

@@ -17,10 +17,19 @@ from collections.abc import Awaitable, Callable
 from metaserver import service
 from metaserver.context import Context
 from metaserver.errors import MetaserverError, PayloadTooLarge
-from metaserver.limits import ASGIApp, Receive, Scope, Send
-from metaserver.models import TRANSFER_ID_PATTERN, BindingState
 from metaserver.problems import render_problem
 from metaserver.validation import BodyInvalid
+from pdwire.asgi import (
+    ASGIApp,
+    BodyTooLarge,
+    ClientDisconnected,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+)
+from pdwire.ids import TRANSFER_ID_PATTERN
+from pdwire.models import BindingState
 
 log = logging.getLogger("pdgate.metaserver")
 _PREFIX = "/v1/bindings/"
@@ -114,11 +123,16 @@ class FastPath:
                 elif name == b"content-length":
                     declared = int(value) if value.isdigit() else -1
             self.ctx.authorize(auth, write=method != "GET")
-            body = b"" if method == "GET" else await self._read_body(receive, declared)
+            try:
+                body = b"" if method == "GET" else await read_body(receive, self.max_body, declared)
+            except BodyTooLarge as exc:
+                raise PayloadTooLarge(str(exc)) from None
             reply = await handler(self.ctx, transfer_id, body)
             status, payload = reply.status, reply.body
             if reply.wait_timed_out:
                 headers = _TIMED_OUT
+        except ClientDisconnected:
+            return  # the client left before its body was complete: nothing done, nobody to tell
         except (MetaserverError, BodyInvalid) as exc:
             status, payload, extra = render_problem(exc, self.ctx.metrics)
             headers = _JSON + extra
@@ -135,22 +149,3 @@ class FastPath:
         await send({"type": "http.response.body", "body": payload})
         self._count.labels(method, route, str(status)).inc()
         self._latency[(method, route)].observe(time.perf_counter() - started)
-
-    async def _read_body(self, receive: Receive, declared: int) -> bytes:
-        limit = self.max_body
-        if declared > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        chunks: list[bytes] = []
-        size = 0
-        more = True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                break
-            chunk: bytes = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from metaserver.context import Context
 from metaserver.errors import NotFound, StoreUnavailable
-from metaserver.models import BindingSpec, BindingState, EventIn
 from metaserver.store.base import BindingPut, PutOutcome, StoredBinding, event_json
 from metaserver.validation import parse_body
+from pdwire.models import BindingSpec, BindingState, EventIn
 
 
 @dataclass(frozen=True, slots=True)

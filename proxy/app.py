@@ -10,23 +10,39 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, MutableMapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from metaserver.limits import BodySizeLimit
+from pdwire.asgi import ASGIApp, Receive, Scope, Send
+from pdwire.limits import BodySizeLimit
 from proxy.config import ProxySettings
 from proxy.errors import ProxyError, Unauthorized, error_object
 from proxy.handler import HOT_PATHS, CompletionsHandler, _authorized
 from proxy.instances import Role
 from proxy.runtime import Runtime
 
-ASGIApp = Any
+
+class ProxyApp:
+    """The proxy's ASGI app: completions straight to ``CompletionsHandler`` (which caps the
+    body itself), everything else through FastAPI behind the body cap. ``runtime`` holds the
+    shared state (registry, dispatcher, metrics)."""
+
+    def __init__(self, runtime: Runtime, hot: CompletionsHandler, rest: ASGIApp) -> None:
+        self.runtime = runtime
+        self._hot = hot
+        self._rest = rest
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in HOT_PATHS and scope["method"] == "POST":
+            await self._hot(scope, receive, send)
+        else:
+            await self._rest(scope, receive, send)
 
 
-def create_app(settings: ProxySettings) -> ASGIApp:
+def create_app(settings: ProxySettings) -> ProxyApp:
     rt = Runtime(settings)
 
     @contextlib.asynccontextmanager
@@ -51,15 +67,7 @@ def create_app(settings: ProxySettings) -> ASGIApp:
         return error_object(message, "invalid_request_error", 413)
 
     rest = BodySizeLimit(api, max_bytes=settings.max_body_bytes, error_body=error_body)
-
-    async def app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] in HOT_PATHS and scope["method"] == "POST":
-            await handler(scope, receive, send)  # enforces the body cap itself
-        else:
-            await rest(scope, receive, send)
-
-    app.runtime = rt  # type: ignore[attr-defined]
-    return app
+    return ProxyApp(rt, handler, rest)
 
 
 def _routes(api: FastAPI, rt: Runtime) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from metaserver.settings import SettingsParser
+from pdwire.settings import SettingsParser
 from proxy.config import ProxySettings
 from proxy.policies import POLICIES
 

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from metaserver.settings import LayeredSettings, redact_url
+from pdwire.settings import LayeredSettings, redact_url
 
 
 class Flow(enum.StrEnum):

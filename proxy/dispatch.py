@@ -14,12 +14,12 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from metaserver.client.retry import Backoff
+from pdwire.client.retry import Backoff
+from pdwire.ids import IdMaker
 from proxy.backend import LegError
 from proxy.config import Flow as FlowName
 from proxy.errors import BadRequest, NoInstance
 from proxy.flows import Attempt, Flow, Upstream
-from proxy.ids import IdMaker
 from proxy.instances import Instance, Registry, Role
 from proxy.metrics import Metrics
 from proxy.policies import Policy, RequestInfo

@@ -1,21 +1,43 @@
 """Fire-and-forget binding events from the proxy (``aborted``, ``failed``): never on the
-response's critical path, bounded so a slow metaserver cannot pile up tasks."""
+response's critical path, bounded so a slow metaserver cannot pile up tasks.
+
+An outcome can be known before D has written the binding it belongs to (the concurrent flow
+sends P at once, and P may answer ``push: none`` before D's write lands): an event answered
+404 is posted again a few times over ``NOT_YET_S`` before it is given up."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
-from metaserver.client import AsyncMetaserverClient, MetaserverClientError
-from metaserver.models import BindingState, EventDetail
+from pdwire.client import MetaserverClientError, NotFoundError
+from pdwire.models import BindingState, EventDetail
 
 log = logging.getLogger("pdgate.proxy.events")
 ACTOR = "proxy"
+NOT_YET_S = (0.1, 0.3, 1.0, 2.0)  # waits before re-posting an event whose binding is missing
+
+
+class EventClient(Protocol):
+    """Where events go: ``pdwire.client.AsyncMetaserverClient`` (``proxy.mock`` has a double)."""
+
+    async def post_event(
+        self, transfer_id: str, state: BindingState, actor: str, detail: EventDetail | None = None
+    ) -> object: ...
 
 
 class EventSink:
-    def __init__(self, client: AsyncMetaserverClient, *, max_pending: int = 1024) -> None:
+    def __init__(
+        self,
+        client: EventClient,
+        *,
+        max_pending: int = 1024,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
         self._client = client
+        self._sleep = sleep
         self._max = max_pending
         self._pending: set[asyncio.Task[None]] = set()
         self.dropped = 0
@@ -31,11 +53,18 @@ class EventSink:
 
     async def _send(self, transfer_id: str, state: BindingState, error: str | None) -> None:
         detail = EventDetail(error=error[:4000]) if error else None
-        try:
-            await self._client.post_event(transfer_id, state, ACTOR, detail)
-            self.sent += 1
-        except MetaserverClientError as exc:
-            log.debug("binding %s: %s event not recorded: %s", transfer_id, state.value, exc)
+        for wait in (*NOT_YET_S, None):
+            try:
+                await self._client.post_event(transfer_id, state, ACTOR, detail)
+                self.sent += 1
+                return
+            except MetaserverClientError as exc:
+                if wait is None or not isinstance(exc, NotFoundError):
+                    log.debug(
+                        "binding %s: %s event not recorded: %s", transfer_id, state.value, exc
+                    )
+                    return
+            await self._sleep(wait)
 
     async def drain(self, timeout_s: float = 5.0) -> None:
         if self._pending:

@@ -11,28 +11,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import MutableMapping
 from typing import Any
 
-from metaserver.models import BindingState
+from pdwire.asgi import BodyTooLarge, ClientDisconnected, Receive, Scope, Send, read_body
+from pdwire.ids import IdMaker, valid_id
+from pdwire.models import BindingState
 from proxy.config import Flow
 from proxy.errors import BadRequest, PayloadTooLarge, ProxyError, Unauthorized, sse_error_event
 from proxy.flows import Upstream
-from proxy.ids import VALID_ID, IdMaker
 from proxy.instances import Instance
 from proxy.rewrite import ClientRequest
 from proxy.runtime import Runtime
 from proxy.sse import fix_body, relay_stream
 
 log = logging.getLogger("pdgate.proxy")
-Scope = MutableMapping[str, Any]
 HOT_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 ON_DISCONNECT = "pdgate.on_disconnect"  # scope slot: called by proxy.server on disconnect
 _JSON = b"application/json"
-
-
-class _Disconnected(Exception):
-    pass
 
 
 class _Watcher:
@@ -42,7 +37,7 @@ class _Watcher:
 
     __slots__ = ("_scope", "_task", "_waiter", "finished", "gone")
 
-    def __init__(self, task: asyncio.Task[Any], scope: Scope, receive: Any) -> None:
+    def __init__(self, task: asyncio.Task[Any], scope: Scope, receive: Receive) -> None:
         self._task = task
         self._scope = scope
         self.gone = False
@@ -53,7 +48,7 @@ class _Watcher:
         else:
             self._waiter = asyncio.get_running_loop().create_task(self._watch(receive))
 
-    async def _watch(self, receive: Any) -> None:
+    async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
         self.fire()
@@ -100,7 +95,7 @@ class CompletionsHandler:
             child = self._histograms[flow] = self.rt.metrics.total_seconds.labels(flow.value)
         return child
 
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         rt = self.rt
         t0 = time.perf_counter()
         path: str = scope["path"]
@@ -116,7 +111,7 @@ class CompletionsHandler:
                 flow_hdr = value
             elif name == b"content-length":
                 declared = int(value) if value.isdigit() else 0
-        if rid is None or not VALID_ID.match(rid.decode("latin-1")):
+        if rid is None or not valid_id(rid.decode("latin-1")):
             rid = self._ids.next().encode()
         extra = [(b"x-request-id", rid)]
         flow = self._flow_default
@@ -140,8 +135,8 @@ class CompletionsHandler:
     async def _serve(
         self,
         scope: Scope,
-        receive: Any,
-        send: Any,
+        receive: Receive,
+        send: Send,
         endpoint: str,
         flow: Flow,
         extra: list[tuple[bytes, bytes]],
@@ -150,8 +145,12 @@ class CompletionsHandler:
         rt = self.rt
         assert rt.dispatcher is not None
         try:
-            req = ClientRequest.parse(await _read_body(receive, self._max_body), endpoint == "chat")
-        except _Disconnected:
+            try:
+                body = await read_body(receive, self._max_body)
+            except BodyTooLarge as exc:
+                raise PayloadTooLarge(str(exc)) from None
+            req = ClientRequest.parse(body, endpoint == "chat")
+        except ClientDisconnected:
             return
         except ProxyError as exc:
             rt.metrics.rejected.labels(reason=exc.kind).inc()
@@ -231,22 +230,6 @@ def _flow_of(raw: bytes) -> Flow:
         return Flow(raw.decode("latin-1"))
     except ValueError:
         raise BadRequest(f"unknown x-pd-flow {raw.decode('latin-1')!r}") from None
-
-
-async def _read_body(receive: Any, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    seen = 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise _Disconnected
-        body = msg.get("body", b"")
-        seen += len(body)
-        if seen > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        chunks.append(body)
-        if not msg.get("more_body"):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 async def _send_error(send: Any, exc: ProxyError, extra: list[tuple[bytes, bytes]]) -> None:

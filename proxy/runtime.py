@@ -11,14 +11,14 @@ from typing import Any
 
 import aiohttp
 
-from metaserver.client import AsyncMetaserverClient
-from metaserver.client.retry import Backoff
+from pdwire.client import AsyncMetaserverClient
+from pdwire.client.retry import Backoff
 from proxy.admission import Admission
 from proxy.aiohttp_backend import AiohttpBackend
 from proxy.backend import Backend
 from proxy.config import Discovery, Flow, HttpClient, ProxySettings
 from proxy.dispatch import Decider, Dispatcher
-from proxy.events import EventSink
+from proxy.events import EventClient, EventSink
 from proxy.flows import DecodeFirst, Direct, Legs, PrefillFirst, Timeouts
 from proxy.flows.base import Flow as FlowImpl
 from proxy.flows.bindings import BindingSource
@@ -80,6 +80,25 @@ class Runtime:
                 max_idle_per_origin=s.max_connections,
             )
             backend = NativeBackend(pools, idle_timeout_s=s.idle_timeout_s, fallback=backend)
+        self.wire(backend, self.metaserver)
+        source = self._discovery_source()
+        try:
+            await refresh(source, self.registry)
+        except Exception as exc:
+            log.warning("first discovery poll failed (will retry): %s", exc)
+        loop = asyncio.get_running_loop()
+        if s.discovery != Discovery.STATIC:
+            self._tasks.append(
+                loop.create_task(run_discovery(source, self.registry, s.discovery_interval_s))
+            )
+        checker = HealthChecker(self.registry, self.session, interval_s=s.health_interval_s)
+        self._tasks.append(loop.create_task(checker.run()))
+
+    def wire(self, backend: Backend, events: EventClient | None) -> None:
+        """Build the data path on ``backend``: legs, flows, dispatcher; the decode-first flows
+        when ``events`` (the metaserver client) is given. ``start`` wires the real HTTP client;
+        tests can wire ``proxy.mock.MockBackend`` into a runtime that is never started."""
+        s = self.settings
         self.backend = backend
         timeouts = Timeouts(
             s.prefill_timeout_s, s.binding_wait_s, s.first_token_timeout_s, s.request_timeout_s
@@ -89,9 +108,10 @@ class Runtime:
             Flow.DIRECT: Direct(legs),
             Flow.PREFILL_FIRST: PrefillFirst(legs),
         }
-        if self.metaserver is not None:
+        if events is not None:
             assert s.metaserver is not None
-            self.events = EventSink(self.metaserver)
+            token = s.metaserver_token.get_secret_value() if s.metaserver_token else None
+            self.events = EventSink(events)
             bindings = BindingSource(backend, s.metaserver, token)
             flows[Flow.DECODE_FIRST] = DecodeFirst(legs, bindings, self.events)
             flows[Flow.CONCURRENT] = DecodeFirst(legs, bindings, self.events, concurrent=True)
@@ -107,18 +127,6 @@ class Runtime:
             retries=s.retries,
             backoff=Backoff(base=s.backoff_base_s, cap=s.backoff_cap_s),
         )
-        source = self._discovery_source()
-        try:
-            await refresh(source, self.registry)
-        except Exception as exc:
-            log.warning("first discovery poll failed (will retry): %s", exc)
-        loop = asyncio.get_running_loop()
-        if s.discovery != Discovery.STATIC:
-            self._tasks.append(
-                loop.create_task(run_discovery(source, self.registry, s.discovery_interval_s))
-            )
-        checker = HealthChecker(self.registry, self.session, interval_s=s.health_interval_s)
-        self._tasks.append(loop.create_task(checker.run()))
 
     def _discovery_source(self) -> DiscoverySource:
         s = self.settings

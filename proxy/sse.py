@@ -9,15 +9,15 @@ on their boundaries; otherwise chunks are forwarded untouched).
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
+from pdwire.asgi import Send
 from proxy.errors import UpstreamError, sse_error_event
 from proxy.flows import Upstream
 from proxy.rewrite import decode, encode, merge_usage
 
 log = logging.getLogger("pdgate.proxy.sse")
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 _DONE = b"data: [DONE]"
 
 

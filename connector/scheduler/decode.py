@@ -16,11 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from connector.errors import ParamsError
 from connector.metadata import PdgateMetadata, RecvEntry
-from connector.params import parse_recv
-from metaserver.client import BackgroundWriter, MetaserverHTTPError
-from metaserver.models import BindingSpec, KVEndpoint
+from pdwire.client import BackgroundWriter, MetaserverHTTPError
+from pdwire.errors import ParamsError
+from pdwire.models import BindingSpec, KVEndpoint
+from pdwire.params import parse_decode_leg
+from pdwire.version import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -59,7 +60,7 @@ class DecodeSide:
 
     def matched(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         try:
-            params = parse_recv(request.kv_transfer_params)
+            params = parse_decode_leg(request.kv_transfer_params)
         except ParamsError as exc:
             log.warning("request %s: %s; computing locally", request.request_id, exc)
             return 0, False
@@ -71,7 +72,7 @@ class DecodeSide:
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         if num_external <= 0 or request.request_id in self._claimed:
             return
-        params = parse_recv(request.kv_transfer_params)
+        params = parse_decode_leg(request.kv_transfer_params)
         if params is None:
             return
         me = self._me
@@ -90,6 +91,7 @@ class DecodeSide:
             block_ids=[block_ids],
             num_cached_tokens=prompt_len - num_external,
             num_prompt_tokens=prompt_len,
+            protocol=PROTOCOL_VERSION,
             # the worker starts its kv_load_timeout_s clock when it sees the request, a step
             # later: this is D's deadline or a little before it
             load_deadline=self._wall() + self._load_timeout_s if self._load_timeout_s else None,

@@ -14,8 +14,8 @@ from connector.scheduler.decode import DecodeSide, Identity
 from connector.scheduler.lookups import Lookups
 from connector.scheduler.prefill import PrefillSide
 from connector.scheduler.registrar import Registrar
-from metaserver.client import AsyncMetaserverClient, BackgroundWriter, MetaserverClient
-from metaserver.models import InstanceRole, InstanceSpec, KVEndpoint
+from pdwire.client import AsyncMetaserverClient, BackgroundWriter, MetaserverClient
+from pdwire.models import InstanceRole, InstanceSpec, KVEndpoint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

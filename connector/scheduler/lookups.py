@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from metaserver.client import AsyncMetaserverClient, NotFoundError
-from metaserver.models import Binding, Instance, InstanceRole
+from pdwire.client import AsyncMetaserverClient, NotFoundError
+from pdwire.models import Binding, Instance, InstanceRole
 
 log = logging.getLogger("pdgate.connector.lookups")
 
@@ -121,7 +121,13 @@ class Lookups:
             self._instances[instance_id] = (inst, self._clock())
 
     def close(self) -> None:
+        """Cancel the fetches in flight, close the client, stop and close the loop."""
+
         async def _close() -> None:
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
             if self._client is not None:
                 await self._client.close()
 
@@ -133,6 +139,8 @@ class Lookups:
                 pass
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(2.0)
+        if not self._thread.is_alive() and not self._loop.is_closed():
+            self._loop.close()
 
 
 def _vouches(inst: Instance | None, b: Binding) -> bool:

@@ -16,12 +16,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from connector import tp
-from connector.errors import LayoutError, ParamsError
+from connector.errors import LayoutError
 from connector.metadata import Destination, PdgateMetadata, SendChunk
-from connector.params import SendParams, parse_send, push_report
 from connector.scheduler.lookups import Lookups
-from metaserver.client import BackgroundWriter
-from metaserver.models import Binding, BindingState, EventDetail
+from pdwire.client import BackgroundWriter
+from pdwire.errors import ParamsError
+from pdwire.models import Binding, BindingState, EventDetail
+from pdwire.params import SendParams, parse_prefill_leg, push_report
+from pdwire.version import mismatch
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -41,6 +43,16 @@ class _Push:
     next_block: int  # first block not handed to the workers yet
     emitted: bool = False
     closed: bool = False
+
+
+@dataclass
+class _Request:
+    """What P knows of one request, from the first time it looks at it until ``finished``."""
+
+    params: SendParams | None  # None: the request asked for no push, or asked badly
+    push: _Push | None = None  # set up by ``after_alloc``
+    no_push: str | None = None  # why P will push nothing for it
+    doubted_at: float | None = None  # when the registry first said no (``registry_grace_s``)
 
 
 class PrefillSide:
@@ -69,68 +81,74 @@ class PrefillSide:
         self._wall = wall_clock
         self._clock = clock
         self._grace = registry_grace_s
-        self._doubted: dict[str, float] = {}  # request id -> when the registry first said no
         self.expired = 0
-        self._pushes: dict[str, _Push] = {}
+        self._requests: dict[str, _Request] = {}  # by request id, until ``finished``
         self._manager: KVCacheManager | None = None
         self.untrusted = 0
-        self._no_push: dict[str, str] = {}  # request id -> why P will push nothing for it
-        self._params: dict[str, SendParams | None] = {}  # request id -> parsed once
 
     def bind(self, manager: KVCacheManager) -> None:
         self._manager = manager
 
-    def _send_params(self, request: Request) -> SendParams | None:
-        """The request's push parameters, parsed (and the binding validated) once per request:
-        ``matched`` runs every step while a request waits, ``after_alloc`` once more."""
+    def _state(self, request: Request) -> _Request:
+        """The request's state; its push parameters are parsed (and the binding validated)
+        once per request: ``matched`` runs every step while a request waits, ``after_alloc``
+        once more."""
         rid = request.request_id
-        if rid not in self._params:
+        state = self._requests.get(rid)
+        if state is None:
             try:
-                self._params[rid] = parse_send(request.kv_transfer_params)
+                state = _Request(parse_prefill_leg(request.kv_transfer_params))
             except ParamsError as exc:
                 log.warning("request %s: %s; no push", rid, exc)
-                self._no_push[rid] = str(exc)
-                self._params[rid] = None
-        return self._params[rid]
+                state = _Request(None, no_push=str(exc))
+            self._requests[rid] = state
+        return state
 
-    def _binding(self, request: Request) -> tuple[str, Binding | None] | None:
+    def _push_of(self, req_id: str) -> _Push | None:
+        state = self._requests.get(req_id)
+        return None if state is None else state.push
+
+    def _binding(self, request: Request, state: _Request) -> tuple[str, Binding | None] | None:
         """(transfer id, binding or None while unknown); ``None``: no push for this request."""
-        params = self._send_params(request)
+        params = state.params
         if params is None:
             return None
         if params.binding is not None:
             return params.transfer_id, params.binding
         if not self._concurrent:
             log.warning("request %s has no binding and concurrent mode is off", request.request_id)
-            self._no_push[request.request_id] = "no binding in the request (concurrent mode off)"
+            state.no_push = "no binding in the request (concurrent mode off)"
             return None
         got = self._lookups.binding(params.transfer_id)
         if isinstance(got, Exception):
             log.warning("binding %s unavailable (%s); no push", params.transfer_id, got)
-            self._no_push[request.request_id] = f"binding unavailable: {got}"
+            state.no_push = f"binding unavailable: {got}"
             return None
         return params.transfer_id, got
 
     def matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if request.request_id in self._pushes:
+        state = self._state(request)
+        if state.push is not None:
             return 0, False
-        found = self._binding(request)
+        found = self._binding(request, state)
         if found is None:
             return 0, False
         binding = found[1]
         if binding is None:
             return None, False  # ask again next step; nothing allocated meanwhile
         verdict = self._lookups.trusted(binding)
-        if verdict is None or (verdict is False and self._still_doubting(request, binding)):
+        if verdict is None or (verdict is False and self._still_doubting(request, state, binding)):
             return None, False
         return 0, False
 
-    def _still_doubting(self, request: Request, binding: Binding) -> bool:
+    def _still_doubting(self, request: Request, state: _Request, binding: Binding) -> bool:
         """A no from the registry is re-asked for ``registry_grace_s`` before it is final: a
         decoder whose heartbeat lapsed (a starved host, a metaserver restart) is back within
         a beat or two, and refusing means D waits out its whole load deadline."""
         now = self._clock()
-        since = self._doubted.setdefault(request.request_id, now)
+        if state.doubted_at is None:
+            state.doubted_at = now
+        since = state.doubted_at
         if now - since >= self._grace:
             return False
         if since == now and self._grace > 0:
@@ -145,13 +163,14 @@ class PrefillSide:
         return True
 
     def after_alloc(self, request: Request) -> None:
-        if request.request_id in self._pushes:
+        state = self._state(request)
+        if state.push is not None:
             return
-        found = self._binding(request)
+        found = self._binding(request, state)
         if found is None or found[1] is None:
             return
         tid, binding = found[0], found[1]
-        doubted = self._doubted.pop(request.request_id, None)
+        doubted, state.doubted_at = state.doubted_at, None
         if self._lookups.trusted(binding) is not True:
             self.untrusted += 1
             log.warning(
@@ -161,7 +180,7 @@ class PrefillSide:
                 binding.kv_endpoint,
                 "" if doubted is None else f" (asked for {self._clock() - doubted:.1f}s)",
             )
-            self._no_push[request.request_id] = (
+            state.no_push = (
                 f"the registry does not vouch for {binding.decode_instance_id} at "
                 f"{binding.kv_endpoint.host}:{binding.kv_endpoint.port}"
             )
@@ -170,25 +189,25 @@ class PrefillSide:
         if dest.deadline and self._wall() >= dest.deadline:
             self.expired += 1
             log.warning("transfer %s: D's load deadline already passed; no push", tid)
-            self._no_push[request.request_id] = "D's load deadline already passed"
+            state.no_push = "D's load deadline already passed"
             return
-        problem = ""
-        if binding.block_size != self._block_size:
+        problem = mismatch(binding.protocol, f"D {binding.decode_instance_id}")
+        if problem is None and binding.block_size != self._block_size:
             problem = f"D block size {binding.block_size} != P block size {self._block_size}"
-        else:
+        if problem is None:
             try:
                 tp.ratio_of(self._tp, binding.tp_size)
             except LayoutError as exc:
                 problem = str(exc)
-        if problem:  # refuse here: the worker must never meet a pairing it cannot route
+        if problem is not None:  # refuse here: the worker must never meet a pairing it cannot route
             self.refused += 1
             log.error("transfer %s: %s; no push", tid, problem)
-            self._no_push[request.request_id] = problem
+            state.no_push = problem
             if self._events is not None:
                 detail = EventDetail(error=problem)
                 self._events.post_event(tid, BindingState.FAILED, self._actor, detail)
             return
-        self._pushes[request.request_id] = _Push(
+        state.push = _Push(
             request=request,
             transfer_id=tid,
             dest=dest,
@@ -199,11 +218,11 @@ class PrefillSide:
 
     def fill(self, meta: PdgateMetadata, out: SchedulerOutput) -> None:
         for req_id in out.preempted_req_ids or ():
-            push = self._pushes.get(req_id)
+            push = self._push_of(req_id)
             if push is not None and not push.closed:
                 self._close(meta, push, [], fail="prefill preempted")
         for req_id, count in out.num_scheduled_tokens.items():
-            push = self._pushes.get(req_id)
+            push = self._push_of(req_id)
             if push is None or push.closed:
                 continue
             end = push.request.num_computed_tokens + count
@@ -240,14 +259,14 @@ class PrefillSide:
     def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Whether to delay freeing the request's blocks (the workers report when to free), and
         the push report for P's answer (``None`` for requests that asked for no push)."""
-        rid = request.request_id
-        self._doubted.pop(rid, None)
-        why = self._no_push.pop(rid, None)
-        params = self._params.pop(rid) if rid in self._params else _parse_quietly(request)
-        push = self._pushes.pop(rid, None)
+        state = self._requests.pop(request.request_id, None)
+        if state is None:  # ``matched`` never saw it (aborted while waiting)
+            state = _Request(_parse_quietly(request))
+        push = state.push
         if push is not None:
             self._lookups.forget_binding(push.transfer_id)
             return push.emitted, push_report(push.transfer_id, None)
+        params, why = state.params, state.no_push
         if params is None and why is None:
             return False, None
         tid = params.transfer_id if params is not None else None
@@ -257,6 +276,6 @@ class PrefillSide:
 def _parse_quietly(request: Request) -> SendParams | None:
     """For a request ``matched`` never saw (aborted while waiting)."""
     try:
-        return parse_send(request.kv_transfer_params)
+        return parse_prefill_leg(request.kv_transfer_params)
     except ParamsError:
         return None

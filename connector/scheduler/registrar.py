@@ -11,8 +11,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from metaserver.client import MetaserverClient
-from metaserver.models import InstanceSpec
+from pdwire.client import MetaserverClient
+from pdwire.models import InstanceSpec
 
 log = logging.getLogger("pdgate.connector.registrar")
 

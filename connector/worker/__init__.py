@@ -1,7 +1,9 @@
 """Worker half of the connector (one per TP rank).
 
 * ``ConnectorWorker`` (half.py) — the API vLLM calls on each rank.
-* ``Sender`` (sender.py) — P: event-synchronised, coalesced, batched writes + done signals.
+* ``Sender`` (sender.py) — P: event-synchronised, coalesced, batched writes + done signals;
+  its thread is loop.py, over batch.py (pieces → writes), writer.py (retried write),
+  record.py (bytes, spans, signals), signing.py (digests), ledger.py / transfer.py (state).
 * ``RecvTracker`` (receiver.py) — D: signal counting, early/late signals, deadlines.
 * ``HandshakeCache`` (handshake.py), ``SideChannelServer`` (side_channel.py) — P ↔ D control.
 * ``KVMemory`` (memory.py) — this rank's KV tensors, layout and registration.

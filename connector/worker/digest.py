@@ -15,12 +15,24 @@ is refused there at start). Cost: two CRC passes over the pushed bytes on P, one
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from connector.device import Pieces, host_checksums
 from connector.worker.memory import KVMemory
 
-Written = tuple[int, int, int, int, int]  # D layer index, src addr, dst addr, length, crc
-Digest = tuple[int, int, int, int]  # D layer index, dst addr, length, crc
+
+class Written(NamedTuple):
+    """A piece P wrote, with the CRC32 of its source at write time."""
+
+    layer: int  # D layer index
+    src: int
+    dst: int
+    length: int
+    crc: int
+
+
+Digest = tuple[int, int, int, int]  # (``Signal.digests``) D layer index, dst addr, length, crc
+
 Checksums = Callable[[Pieces], list[int]]
 
 
@@ -30,11 +42,11 @@ def sign(
     """(digests of the sources as they are now, pieces whose source changed since written)."""
     digests: list[Digest] = []
     changed: list[Written] = []
-    nows = checksums([(src, n) for _, src, _, n, _ in written])
-    for (layer, src, dst, n, at_write), now in zip(written, nows, strict=True):
-        if now != at_write:
-            changed.append((layer, src, dst, n, at_write))
-        digests.append((layer, dst, n, now))
+    nows = checksums([(w.src, w.length) for w in written])
+    for w, now in zip(written, nows, strict=True):
+        if now != w.crc:
+            changed.append(w)
+        digests.append((w.layer, w.dst, w.length, now))
     return digests, changed
 
 

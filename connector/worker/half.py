@@ -18,10 +18,12 @@ from connector.transport import Transport, make_transport
 from connector.worker import digest
 from connector.worker.memory import KVMemory
 from connector.worker.receiver import RecvTracker
-from connector.worker.sender import Sender, Transfer
+from connector.worker.sender import Sender, SenderCallbacks, SenderOptions, Transfer
 from connector.worker.side_channel import SideChannelServer
-from metaserver.client import BackgroundWriter, MetaserverClient
-from metaserver.models import BindingState, EventDetail
+from connector.worker.tamper import TamperingTransport
+from pdwire.client import BackgroundWriter, MetaserverClient
+from pdwire.models import BindingState, EventDetail
+from pdwire.version import PROTOCOL_VERSION, mismatch
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,6 +74,7 @@ class ConnectorWorker:
         self.block_size = block_size  # vLLM's block (None: the caches' own)
         self.role = role or "kv_both"
         self.epoch = secrets.token_hex(8)
+        self.protocol = PROTOCOL_VERSION  # what this rank speaks in its handshakes
         self.device = device or make_device(settings.device)
         self._transport = transport
         self._clock = clock
@@ -82,6 +85,7 @@ class ConnectorWorker:
             )
         self.memory: KVMemory | None = None
         self.sender: Sender | None = None
+        self.tamper: TamperingTransport | None = None  # TEST ONLY: ``test_corrupt_push``
         self.server: SideChannelServer | None = None
         self.tracker = RecvTracker(
             settings.kv_load_timeout_s, clock, landing_wait_s=settings.landing_wait_s
@@ -131,23 +135,30 @@ class ConnectorWorker:
                 self.tracker.on_signal,
             )
         if self.role in ("kv_producer", "kv_both"):
-            self.sender = Sender(
-                self.transport,
-                self.memory,
-                self.rank,
-                self.tp_size,
-                self.total_kv_heads,
-                self.use_mla,
-                self.engine_id,
-                self.settings.handshake_timeout_s,
-                on_end=self._report_end,
-                on_first_write=self._report_pushing,
-                verify=verify,
-                recheck_sources=self.settings.verify_kv,
-                corrupt=self.settings.test_corrupt_push,
-                write_retries=self.settings.write_retries,
-                checksums=self.device.checksums,
-            )
+            self.sender = self._make_sender(self.memory, verify)
+
+    def _make_sender(self, memory: KVMemory, verify: bool) -> Sender:
+        s = self.settings
+        options = SenderOptions(
+            engine_id=self.engine_id,
+            rank=self.rank,
+            tp_size=self.tp_size,
+            total_kv_heads=self.total_kv_heads,
+            use_mla=self.use_mla,
+            handshake_timeout_s=s.handshake_timeout_s,
+            write_retries=s.write_retries,
+            verify=verify,
+            recheck_sources=s.verify_kv,
+        )
+        transport: Transport = self.transport
+        checksums: digest.Checksums = self.device.checksums
+        if s.test_corrupt_push:  # TEST ONLY: D gets garbage for a block; see worker/tamper.py
+            self.tamper = TamperingTransport(transport, memory.block_bytes, options.me)
+            transport = self.tamper
+            if verify and not s.verify_kv:  # arrival digests describe the bytes sent
+                checksums = self.tamper.sent_checksums(checksums)
+        callbacks = SenderCallbacks(on_end=self._report_end, on_first_write=self._report_pushing)
+        return Sender(transport, memory, options, callbacks, checksums=checksums)
 
     def _digests_on(self) -> bool:
         """P signs its pieces with ``verify_kv``, and always when the transport's writes finish
@@ -187,7 +198,11 @@ class ConnectorWorker:
 
     def _welcome(self, hello: wire.Hello) -> wire.Welcome | wire.Refused:
         if self.memory is None:
-            return wire.Refused("KV caches not registered yet")
+            return wire.Refused("KV caches not registered yet", self.protocol)
+        why = mismatch(hello.protocol, f"P engine {hello.p_engine_id}", self.protocol)
+        if why is not None:
+            log.warning("rank %d refuses a handshake: %s", self.rank, why)
+            return wire.Refused(why, self.protocol)
         return wire.Welcome(
             engine_id=self.engine_id,
             epoch=self.epoch,
@@ -198,6 +213,7 @@ class ConnectorWorker:
             layer_bases=self.memory.bases,
             layouts=self.memory.layouts,
             layer_layouts=self.memory.layer_layout,
+            protocol=self.protocol,
         )
 
     # ---- per step -------------------------------------------------------------------------

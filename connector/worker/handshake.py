@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from connector import wire
 from connector.errors import HandshakeError
 from connector.worker.side_channel import handshake
+from pdwire.version import PROTOCOL_VERSION
 
 log = logging.getLogger("pdgate.connector.handshake")
 
@@ -47,11 +48,12 @@ class HandshakeCache:
         on_ready: Callable[[], None],
         ask: Ask = handshake,
         check: Callable[[Peer], None] | None = None,
+        protocol: int = PROTOCOL_VERSION,
         workers: int = 4,
         retry_after_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._hello = wire.Hello(p_engine_id)
+        self._hello = wire.Hello(p_engine_id, protocol)
         self._timeout = timeout_s
         self._on_ready = on_ready
         self._ask = ask

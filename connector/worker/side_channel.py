@@ -14,6 +14,7 @@ from typing import Any
 
 from connector import wire
 from connector.errors import HandshakeError
+from pdwire.version import mismatch
 
 log = logging.getLogger("pdgate.connector.side_channel")
 
@@ -100,9 +101,13 @@ def handshake(host: str, port: int, hello: wire.Hello, timeout_s: float) -> wire
         sock.send(wire.encode(hello))
         if not sock.poll(int(timeout_s * 1000)):
             raise HandshakeError(f"no handshake answer from {host}:{port} in {timeout_s}s")
-        msg = wire.decode(sock.recv())
+        raw = sock.recv()
     finally:
         sock.close(0)
+    kind, version = wire.protocol_of(raw)
+    if kind == "welcome" and (why := mismatch(version, f"D at {host}:{port}", hello.protocol)):
+        raise HandshakeError(why)  # checked first: another release's Welcome may not decode
+    msg = wire.decode(raw)
     if isinstance(msg, wire.Refused):
         raise HandshakeError(f"{host}:{port} refused the handshake: {msg.reason}")
     if not isinstance(msg, wire.Welcome):

@@ -9,14 +9,14 @@ from fastapi import APIRouter, Path, Query, Request, Response
 from metaserver import service
 from metaserver.context import ctx
 from metaserver.errors import NotFound
-from metaserver.models import (
-    TRANSFER_ID_PATTERN,
+from metaserver.responses import json_bytes, json_list
+from pdwire.ids import TRANSFER_ID_PATTERN
+from pdwire.models import (
     Binding,
     BindingSpec,
     BindingState,
     EventIn,
 )
-from metaserver.responses import json_bytes, json_list
 
 router = APIRouter(prefix="/v1/bindings", tags=["bindings"])
 TransferId = Annotated[str, Path(pattern=TRANSFER_ID_PATTERN)]

@@ -8,10 +8,11 @@ from fastapi import APIRouter, Path, Request, Response
 
 from metaserver.context import ctx
 from metaserver.errors import NotFound
-from metaserver.models import INSTANCE_ID_PATTERN, Instance, InstanceRole, InstanceSpec
 from metaserver.responses import json_bytes, json_list
 from metaserver.store.base import PutOutcome
 from metaserver.validation import parse_body
+from pdwire.ids import INSTANCE_ID_PATTERN
+from pdwire.models import Instance, InstanceRole, InstanceSpec
 
 router = APIRouter(prefix="/v1/instances", tags=["instances"])
 InstanceId = Annotated[str, Path(pattern=INSTANCE_ID_PATTERN)]

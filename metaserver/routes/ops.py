@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from metaserver.context import ctx
-from metaserver.models import BindingState, Stats
+from pdwire.models import BindingState, Stats
 
 router = APIRouter(tags=["operations"])
 

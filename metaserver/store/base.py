@@ -12,7 +12,7 @@ import enum
 import json
 from dataclasses import dataclass
 
-from metaserver.models import BindingSpec, BindingState
+from pdwire.models import BindingSpec, BindingState
 
 # Past this many events, consecutive ``pushing`` events are folded into the last one.
 MAX_EVENTS = 64

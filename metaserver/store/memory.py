@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from metaserver.errors import Conflict, NotFound, Unprocessable
-from metaserver.models import BindingState
 from metaserver.store.base import (
     MAX_EVENTS,
     BindingPut,
@@ -26,6 +25,7 @@ from metaserver.store.base import (
     check_transition,
     decode_instance_problem,
 )
+from pdwire.models import BindingState
 
 Clock = Callable[[], float]
 _SWEEP_EVERY = 512

@@ -30,7 +30,6 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from metaserver.errors import Conflict, NotFound, StoreUnavailable, Unprocessable
-from metaserver.models import BindingState
 from metaserver.store import redis_scripts as lua
 from metaserver.store.base import (
     MAX_EVENTS,
@@ -45,7 +44,8 @@ from metaserver.store.base import (
     decode_instance_problem,
 )
 from metaserver.store.redis_batch import ScriptBatcher
-from metaserver.store.redis_pool import make_pool
+from metaserver.store.redis_pool import close_pool, make_pool
+from pdwire.models import BindingState
 
 log = logging.getLogger("pdgate.metaserver.redis")
 _LATENCY_SAMPLES = 1000
@@ -112,7 +112,7 @@ class RedisStore(Store):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._listener
         await self._r.aclose()
-        await self._pool.disconnect()
+        await close_pool(self._pool)
 
     async def ping(self) -> None:
         await self._call(self._r.ping)

@@ -93,3 +93,11 @@ def make_pool(url: str, **options: Any) -> aioredis.ConnectionPool:
         ssl=s.ssl,
         **options,
     )
+
+
+async def close_pool(pool: aioredis.ConnectionPool) -> None:
+    """Disconnect the pool, and the connections a Sentinel pool keeps to its Sentinels."""
+    await pool.disconnect()
+    manager = getattr(pool, "sentinel_manager", None)
+    for sentinel in getattr(manager, "sentinels", ()):
+        await sentinel.aclose()

@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from pdwire.params import parse_push_report
 from proxy.backend import Backend, LegError, Response
 from proxy.errors import UpstreamError, UpstreamTimeout
 from proxy.instances import Instance
@@ -88,27 +89,10 @@ class PrefillAnswer(msgspec.Struct):
 _prefill_answer = msgspec.json.Decoder(PrefillAnswer)
 
 
-class PushReport(msgspec.Struct):
-    """pdgate's connector on P reports in its answer whether it pushed (``push``: ``started``
-    or ``none``, then with a ``reason``); other connectors put other things here."""
-
-    push: str = ""
-    reason: str = ""
-
-
-_push_report = msgspec.json.Decoder(PushReport)
-
-
 def no_push_reason(answer: PrefillAnswer) -> str | None:
     """Why P set up no push to D, when its connector says it did not; else ``None``."""
-    raw = bytes(answer.kv_transfer_params)
-    if not raw or raw == b"null":
-        return None
-    try:
-        report = _push_report.decode(raw)
-    except msgspec.DecodeError:
-        return None  # not an object of ours: assume the push happened
-    return (report.reason or "no reason given") if report.push == "none" else None
+    report = parse_push_report(bytes(answer.kv_transfer_params))
+    return None if report is None else report.no_push_reason
 
 
 class Legs:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pdwire.client import binding_url
 from proxy.backend import Backend
 from proxy.errors import UpstreamError
 
@@ -18,13 +19,12 @@ class BindingSource:
     def __init__(self, backend: Backend, base_url: str, token: str | None) -> None:
         self._backend = backend
         self.base_url = base_url.rstrip("/")
-        self._prefix = self.base_url + "/v1/bindings/"
         self._headers = {"authorization": f"Bearer {token}"} if token else None
 
     async def wait(self, transfer_id: str, wait_s: float) -> msgspec.Raw:
         """D's binding as JSON bytes; ``BindingMissing`` if it never appeared; ``UpstreamError``
         when the metaserver fails."""
-        url = f"{self._prefix}{transfer_id}?wait={wait_s:g}"
+        url = binding_url(self.base_url, transfer_id, wait_s)
         status, body = await self._backend.get(url, self._headers, wait_s + 5.0)
         if status == 200 and body[:1] == b"{":
             return msgspec.Raw(body)

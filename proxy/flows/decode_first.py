@@ -23,7 +23,10 @@ import logging
 import time
 from typing import Any
 
-from metaserver.models import BindingState
+import msgspec
+
+from pdwire.models import BindingState
+from pdwire.params import decode_leg, prefill_leg
 from proxy.backend import LegError
 from proxy.errors import BindingTimeout, UpstreamError
 from proxy.events import EventSink
@@ -79,8 +82,8 @@ class DecodeFirst:
 
     async def open(self, a: Attempt) -> Upstream:
         url = self._bindings.base_url
-        d_kv = {"do_remote_prefill": True, "transfer_id": a.tid, "metaserver": url}
-        p_kv: dict[str, Any] = {"do_remote_decode": True, "transfer_id": a.tid, "metaserver": url}
+        d_kv = decode_leg(a.tid, url)
+        binding: msgspec.Raw | None = None
         task = asyncio.current_task()
         assert task is not None
         d_task = asyncio.get_running_loop().create_task(
@@ -92,18 +95,20 @@ class DecodeFirst:
             if not self._concurrent:
                 watch.armed = True
                 try:
-                    p_kv["decode"] = await self._binding(a)
+                    binding = await self._binding(a)
                 except asyncio.CancelledError:
                     if not watch.absorb():
                         raise
                     return await d_task  # D answered (or failed) without waiting for KV
                 watch.armed = False
-            watch.any_end = False  # from now on only D's failure interrupts P
-            if d_task.done():
-                watch(d_task)
+            # from now on only D's failure interrupts P (a D that ended since the binding came
+            # has its callback pending: it runs armed, at P's leg's first await)
+            watch.any_end = False
             watch.armed = True
             try:
-                answer: PrefillAnswer = await self._legs.prefill(a, p_kv)
+                answer: PrefillAnswer = await self._legs.prefill(
+                    a, prefill_leg(a.tid, url, binding)
+                )
             except asyncio.CancelledError:
                 if not watch.absorb():
                     raise
@@ -133,7 +138,7 @@ class DecodeFirst:
         self._events.post(a.tid, BindingState.FAILED, f"P pushed nothing: {why}")
         return await self._legs.decode(a, a.req.for_decode(None))
 
-    async def _binding(self, a: Attempt) -> Any:
+    async def _binding(self, a: Attempt) -> msgspec.Raw:
         t0 = time.perf_counter()
         try:
             raw = await self._bindings.wait(a.tid, self._wait_s)

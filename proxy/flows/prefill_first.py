@@ -3,20 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from pdwire.params import pull_prefill_leg
 from proxy.backend import LegError
 from proxy.errors import UpstreamError
 from proxy.flows.base import Attempt, Legs, Upstream, prefill_cached
 
-PREFILL_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+PREFILL_PARAMS = pull_prefill_leg()  # built once: the legs never change it
 
 
 class PrefillFirst:

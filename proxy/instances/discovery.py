@@ -14,7 +14,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from metaserver.client import AsyncMetaserverClient
+from pdwire.client import AsyncMetaserverClient
 from proxy.instances.instance import Role
 from proxy.instances.registry import Registry
 

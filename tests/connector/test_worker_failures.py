@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 
+import msgspec
+import pytest
 import torch
 
 from connector import wire
@@ -276,3 +279,55 @@ def test_worker_failed_handshake_is_retried_after_a_pause() -> None:
         assert torch.equal(d.caches[0][C.LAYERS[1]][1], full[C.LAYERS[1]][0])
     finally:
         C.close(p, *([d] if d else []))
+
+
+class _OldWelcome(msgspec.Struct, tag="welcome"):
+    """The Welcome of pdgate protocol 1 (before layouts were read from strides)."""
+
+    engine_id: str
+    epoch: str
+    tp_rank: int
+    tp_size: int
+    session: str
+    layer_names: list[str]
+    layer_bases: list[list[int]]
+    layout: dict[str, int]
+
+
+@pytest.mark.parametrize("who", ["old-d", "new-p"])
+def test_worker_peers_of_another_protocol_refuse_each_other_at_the_handshake(
+    who: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A D of an older release (its Welcome says protocol 1) or a P of a newer one (its Hello
+    says 3): one line in each log names both versions, nothing is written, D fails the load."""
+    port = C.free_port_range(1)
+    d = C.make_instance("d-eng", "kv_consumer", 1, port=port)
+    p = C.make_instance("p-eng", "kv_producer", 1)
+    sender = p.workers[0].sender
+    assert sender is not None
+    if who == "old-d":  # the first release's Welcome: no protocol field, one ``layout``
+        server = d.workers[0].server
+        assert server is not None
+        server._welcome = lambda hello: _OldWelcome("d-eng", "e", 0, 1, "s", [], [], {})  # type: ignore[assignment,return-value]
+    else:
+        sender.handshakes._hello = wire.Hello("p-eng", 3)
+    try:
+        C.fill_prefill(p)
+        C.expect(d, "dreq", "tproto", [1])
+        with caplog.at_level(logging.WARNING, logger="pdgate.connector"):
+            C.push(p, "preq", "tproto", C.destination(d, port), [[(0, 1)]])
+            got = C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
+        assert got[0][2] == {"dreq"}
+        assert not d.caches[0][C.LAYERS[0]].any()
+        lines = [
+            r.getMessage() for r in caplog.records if "protocol version mismatch" in r.getMessage()
+        ]
+        on_p = [m for m in lines if m.startswith("handshake with 127.0.0.1")]
+        assert on_p, lines
+        if who == "old-d":
+            assert f"D at 127.0.0.1:{port} speaks pdgate protocol 1, this side 2" in on_p[0]
+        else:
+            on_d = [m for m in lines if m.startswith("rank 0 refuses a handshake")]
+            assert on_d and "P engine p-eng speaks pdgate protocol 3, this side 2" in on_d[0]
+    finally:
+        C.close(p, d)

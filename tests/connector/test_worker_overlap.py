@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from connector.worker.overlap import overlap, parse
-from metaserver.models import BindingState
+from pdwire.models import BindingState
 from tests.connector import cluster as C
 
 
@@ -105,6 +105,9 @@ class _GatedDevice:
     def record_event(self) -> _Gate:
         self.events.append(_Gate())
         return self.events[-1]
+
+    def checksums(self, pieces: object) -> list[int]:
+        raise AssertionError("verify_kv is off in this test")
 
 
 def test_worker_sender_writes_finished_layers_before_waiting_on_an_unfinished_one() -> None:

@@ -4,16 +4,24 @@ catches it, and the hook cannot be turned on without ``PDGATE_ALLOW_TEST_HOOKS=1
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
+import zlib
 
 import pytest
 import torch
 
 from connector.config import ConnectorSettings, load_settings
-from connector.errors import ConfigError
+from connector.device import CpuDevice, host_checksums
+from connector.errors import ConfigError, TransferError
+from connector.metadata import Destination
+from connector.tp import Route
 from connector.transport import InProcessTransport
-from connector.worker.tamper import PATTERN, Tamper
+from connector.worker.batch import Part, Pieces, Write
+from connector.worker.tamper import PATTERN, TamperingTransport
+from connector.worker.transfer import LayerTask, Transfer
+from connector.worker.writer import IN_FLIGHT
 from tests.connector import cluster as C
 
 _tid = itertools.count()
@@ -28,6 +36,20 @@ class SignalsBeforeLanding(InProcessTransport):
     @property
     def lands_on_completion(self) -> bool:
         return False
+
+
+class FailsFirstWrite(InProcessTransport):
+    """The first write fails (a stalled lane): P's sender writes the batch again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    def write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
+        if not self.failed:
+            self.failed = True
+            raise TransferError(f"in-process write to {session} failed (injected)")
+        super().write(session, src, dst, lengths)
 
 
 def _hooks_on(monkeypatch: pytest.MonkeyPatch, verify: bool) -> None:
@@ -82,7 +104,7 @@ def test_tamper_hook_is_refused_without_the_allow_env(monkeypatch: pytest.Monkey
 
 def test_tamper_apply_replaces_at_most_one_block_of_the_first_piece() -> None:
     t = InProcessTransport()
-    tamper = Tamper(t, 64, "test")
+    tamper = TamperingTransport(t, 64, "test")
     # a coalesced piece of two blocks: its first 64 bytes come from the buffer, the rest intact
     src, dst, lengths = tamper.apply([1000, 5000], [2000, 6000], [128, 64])
     assert (src, dst, lengths) == ([tamper.addr, 1064, 5000], [2000, 2064, 6000], [64, 64, 64])
@@ -103,9 +125,9 @@ def test_tamper_d_gets_garbage_for_the_first_block_of_layer_0_only(
     try:
         assert failed == set()  # without verify_kv the wrong KV goes unnoticed
         _assert_only_first_block_of_layer_0_is_garbage(p, d, full)
-        sender = p.workers[0].sender
-        assert sender is not None and sender._tamper is not None
-        assert sender._tamper.corrupted == 1  # once per transfer, not once per chunk
+        tamper = p.workers[0].tamper
+        assert tamper is not None  # the worker gave its sender the tampering transport
+        assert tamper.corrupted == 1  # once per transfer, not once per chunk
         assert any("TEST HOOK test_corrupt_push IS ON" in r.getMessage() for r in caplog.records)
     finally:
         C.close(p, d)
@@ -137,8 +159,7 @@ def test_tamper_off_sends_p_kv_unchanged(monkeypatch: pytest.MonkeyPatch) -> Non
     p, d, full, failed = _run()
     try:
         assert failed == set()
-        sender = p.workers[0].sender
-        assert sender is not None and sender._tamper is None
+        assert p.workers[0].tamper is None
         for name in C.LAYERS:
             for pb, db in PAIRS:
                 assert torch.equal(d.caches[0][name][db], full[name][pb])
@@ -156,7 +177,8 @@ def test_tamper_arrival_digests_describe_what_was_sent_so_d_takes_the_garbage(
     p, d, full, failed = _run(SignalsBeforeLanding())
     try:
         sender = p.workers[0].sender
-        assert sender is not None and sender._verify and not sender._recheck  # arrival digests
+        assert sender is not None  # arrival digests:
+        assert sender.options.verify and not sender.options.recheck_sources
         assert failed == set()
         assert d.workers[0].tracker.verified == 1 and d.workers[0].tracker.corrupt == 0
         _assert_only_first_block_of_layer_0_is_garbage(p, d, full)
@@ -171,7 +193,60 @@ def test_tamper_with_verify_kv_over_a_late_landing_transport_still_fails_the_loa
     p, d, _, failed = _run(SignalsBeforeLanding())
     try:
         sender = p.workers[0].sender
-        assert sender is not None and sender._verify and sender._recheck
+        assert sender is not None
+        assert sender.options.verify and sender.options.recheck_sources
         assert failed == {"dreq"} and d.workers[0].tracker.corrupt == 1
     finally:
         C.close(p, d)
+
+
+def test_tamper_a_retried_write_sends_the_same_garbage(monkeypatch: pytest.MonkeyPatch) -> None:
+    _hooks_on(monkeypatch, verify=False)
+    transport = FailsFirstWrite()
+    p, d, full, failed = _run(transport)
+    try:
+        assert transport.failed and failed == set()
+        _assert_only_first_block_of_layer_0_is_garbage(p, d, full)
+        tamper = p.workers[0].tamper
+        assert tamper is not None and tamper.corrupted == 1
+    finally:
+        C.close(p, d)
+
+
+def _write_of(layer: int, pieces: Pieces, session: str) -> Write:
+    dest = Destination("d", "d-eng", "127.0.0.1", 1, 1, 1, False, 16)
+    tr = Transfer("req", "tid", dest, Route(0, 1, 0, 1))
+    w = Write(session)
+    w.add(Part(LayerTask(tr, [(0, 0)], layer, CpuDevice().record_event()), 0, pieces))
+    return w
+
+
+def test_tamper_sent_checksums_are_of_the_bytes_that_landed() -> None:
+    """Arrival digests over the tampering transport: the CRC32 of a piece whose head came from
+    the pattern buffer is that of the bytes D received (pattern, then the rest of P's source)."""
+    p_mem, d_mem = (ctypes.c_ubyte * 256)(*range(256)), (ctypes.c_ubyte * 256)()
+    p_t, d_t = InProcessTransport(), InProcessTransport()
+    p_t.register(ctypes.addressof(p_mem), 256)
+    d_t.register(ctypes.addressof(d_mem), 256)
+    tamper = TamperingTransport(p_t, 64, "test")
+    src, dst = ctypes.addressof(p_mem), ctypes.addressof(d_mem)
+    pieces = Pieces([src, src + 200], [dst, dst + 200], [160, 16])  # 160 > one "block" of 64
+    w = _write_of(0, pieces, d_t.session)
+    token = IN_FLIGHT.set(w)
+    try:
+        tamper.write(w.session, w.src, w.dst, w.lengths)
+    finally:
+        IN_FLIGHT.reset(token)
+    assert bytes(d_mem[:64]) == bytes([PATTERN]) * 64 and bytes(d_mem[64:160]) == bytes(
+        p_mem[64:160]
+    )
+    sent = tamper.sent_checksums(host_checksums)
+    got = sent(list(zip(pieces.src, pieces.lengths, strict=True)))
+    assert got == [zlib.crc32(bytes(d_mem[:160])), zlib.crc32(bytes(d_mem[200:216]))]
+    assert sent([(src, 160)]) == host_checksums([(src, 160)])  # taken once: then P's own bytes
+    assert tamper.corrupted == 1
+    other = _write_of(1, pieces, d_t.session)  # not layer 0: sent as it is
+    tamper.write(other.session, other.src, other.dst, other.lengths)
+    assert tamper.corrupted == 1
+    for t in (p_t, d_t):
+        t.close()

@@ -17,10 +17,22 @@ class Generation:
     logprobs: tuple[float, ...]
 
 
+# clients made during one test; the autouse fixture ``close_clients`` (conftest) closes them
+_opened: list[AsyncOpenAI] = []
+
+
 def client(base_url: str, *, timeout: float = 120.0, **kw: Any) -> AsyncOpenAI:
-    return AsyncOpenAI(
+    c = AsyncOpenAI(
         base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=timeout, **kw
     )
+    _opened.append(c)
+    return c
+
+
+async def close_all() -> None:
+    """Close every client ``client`` made (their pooled connections), then forget them."""
+    while _opened:
+        await _opened.pop().close()
 
 
 def _ids(tokens: list[str]) -> tuple[int, ...]:
@@ -46,7 +58,7 @@ async def complete(
         assert choice.logprobs is not None and choice.logprobs.tokens is not None
         lps = tuple(float(x) for x in choice.logprobs.token_logprobs or [])
         return Generation(choice.text, _ids(choice.logprobs.tokens), lps)
-    text, tokens, lps = "", [], []
+    text, tokens, streamed = "", list[str](), list[float]()
     async for chunk in await c.completions.create(stream=True, **args):
         if not chunk.choices:
             continue
@@ -54,8 +66,8 @@ async def complete(
         text += ch.text
         if ch.logprobs and ch.logprobs.tokens:
             tokens += ch.logprobs.tokens
-            lps += [float(x) for x in ch.logprobs.token_logprobs or []]
-    return Generation(text, _ids(tokens), tuple(lps))
+            streamed += [float(x) for x in ch.logprobs.token_logprobs or []]
+    return Generation(text, _ids(tokens), tuple(streamed))
 
 
 async def chat(

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from launch.supervisor import ChildFailed, Supervisor
+from tests.e2e.client import close_all
 from tests.e2e.stack import (
     READY_TIMEOUT_S,
     Deployment,
@@ -23,6 +24,13 @@ from tests.support.procs import REPO
 from tests.support.services import RedisServer
 
 LOG_DIR = REPO / ".cache" / "e2e-logs"  # kept after the run (pytest's tmp dirs rotate away)
+
+
+@pytest.fixture(autouse=True)
+async def close_clients() -> AsyncIterator[None]:
+    """Every openai client a test made is closed on the test's own loop before it ends."""
+    yield
+    await close_all()
 
 
 @dataclass

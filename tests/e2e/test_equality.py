@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 import httpx
 import pytest
@@ -21,11 +22,11 @@ def prompt_ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 1000) for _ in range(n)]
 
 
-async def latest_binding(engines: Engines) -> dict[str, object]:
+async def latest_binding(engines: Engines) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=engines.pd.metaserver, timeout=10) as ms:
         bindings = (await ms.get("/v1/bindings", params={"limit": 1})).json()["bindings"]
     assert bindings, "no binding recorded"
-    binding: dict[str, object] = bindings[0]
+    binding: dict[str, Any] = bindings[0]
     return binding
 
 

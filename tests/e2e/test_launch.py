@@ -66,6 +66,8 @@ def test_e2e_pd_launch_serves_then_stops_everything_on_ctrl_c(tiny_model: Path) 
                 proc.kill()
                 proc.wait(10)
     reader.join(10)
+    if proc.stdout is not None:
+        proc.stdout.close()
     assert "all processes stopped" in "\n".join(lines)
     deadline = time.monotonic() + 10
     while any(group_alive(pid) for pid in pids):

@@ -11,6 +11,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -60,11 +61,11 @@ async def wait_for_log(dep: Deployment, name: str, text: str, timeout_s: float =
         await asyncio.sleep(0.2)
 
 
-async def latest_binding(dep: Deployment) -> dict[str, object]:
+async def latest_binding(dep: Deployment) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=dep.metaserver, timeout=10) as ms:
         bindings = (await ms.get("/v1/bindings", params={"limit": 1})).json()["bindings"]
     assert bindings, "no binding recorded: the request did not go through P/D"
-    binding: dict[str, object] = bindings[0]
+    binding: dict[str, Any] = bindings[0]
     return binding
 
 

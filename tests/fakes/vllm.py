@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pdwire.version import PROTOCOL_VERSION
 from tests.fakes import render
 
 
@@ -315,6 +316,7 @@ class FakeVLLM:
                 "block_size": 16,
                 "block_ids": [[0]],
                 "num_prompt_tokens": 16,
+                "protocol": PROTOCOL_VERSION,
             }
             assert self.session is not None
             async with self.session.put(f"{self.metaserver}/v1/bindings/{tid}", json=spec) as r:

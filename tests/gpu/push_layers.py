@@ -66,7 +66,7 @@ import torch  # noqa: E402
 
 from connector.layout import pair_pieces  # noqa: E402
 from connector.metadata import PdgateMetadata, SendChunk  # noqa: E402
-from connector.transport import InProcessTransport  # noqa: E402
+from connector.transport import InProcessTransport, Transport  # noqa: E402
 from tests.connector import cluster as C  # noqa: E402
 from tests.support import kv_views  # noqa: E402
 
@@ -223,7 +223,7 @@ def run_case(case: Case, a: argparse.Namespace, watch: SyncWatch | None) -> Resu
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(a.layers)]
     heads = 1 if case.mla else a.heads
     copy = CudaCopy() if dev == "cuda" else None
-    transports = [
+    transports: list[Transport] = [
         InProcessTransport(copy) if copy else InProcessTransport() for _ in range(case.p_tp + 1)
     ]
     port = C.free_port_range(1)
@@ -316,7 +316,8 @@ def run_case(case: Case, a: argparse.Namespace, watch: SyncWatch | None) -> Resu
             if dev == "cuda":
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
-        recv, failed = set(), set()
+        recv: set[str] = set()
+        failed: set[str] = set()
         deadline = time.monotonic() + 120
         while "dreq" not in recv | failed and time.monotonic() < deadline:
             _, r, f = d.workers[0].transfer_results(set())

@@ -20,6 +20,7 @@ from connector.config import ConnectorSettings, load_settings
 from launch import cli as launch_cli
 from launch import plan as launch_plan
 from metaserver import cli as metaserver_cli
+from pdwire.settings import SettingsParser
 from proxy import cli as proxy_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,7 +123,7 @@ def test_docs_cli_commands_use_real_flags() -> None:
         ]
         assert not unknown, f"{page}: `{program}` has no flag {unknown} (abbreviations count too)"
         try:
-            if isinstance(parser, metaserver_cli.SettingsParser):
+            if isinstance(parser, SettingsParser):
                 parser.load(args)  # flags and the settings' own validation
             else:
                 parser.parse_args(args)

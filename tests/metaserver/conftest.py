@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from metaserver import MetaserverSettings, create_app
-from metaserver.models import BindingSpec, InstanceSpec, KVEndpoint
 from metaserver.store import MemoryStore, Store
 from metaserver.store.redis import RedisStore
+from pdwire.models import BindingSpec, InstanceSpec, KVEndpoint
 
 _ns = itertools.count()
 STORES = ["memory", "redis", "sentinel"]  # sentinel: the master a real redis-sentinel names

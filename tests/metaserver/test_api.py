@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from metaserver.models import Binding, Instance
+from pdwire.models import Binding, Instance
 from tests.metaserver.conftest import binding_spec, decode_instance
 
 TOKEN = "s3cret"

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from metaserver.client import (
+from pdwire.client import (
     AsyncMetaserverClient,
     AuthError,
     BackgroundWriter,
@@ -22,7 +22,7 @@ from metaserver.client import (
     ServerError,
     ValidationFailed,
 )
-from metaserver.models import BindingState, EventDetail
+from pdwire.models import BindingState, EventDetail
 from tests.metaserver.conftest import binding_spec, decode_instance
 from tests.support.fault_server import Reply, fault_server
 from tests.support.procs import free_port
@@ -155,9 +155,12 @@ def test_background_writer_reports_failures_to_callback() -> None:
         writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST))
         got: list[Exception | None] = []
         event = threading.Event()
-        writer.post_event(
-            "t1", BindingState.DONE, "p", on_done=lambda b, e: (got.append(e), event.set())
-        )
+
+        def done(_body: bytes | None, error: Exception | None) -> None:
+            got.append(error)
+            event.set()
+
+        writer.post_event("t1", BindingState.DONE, "p", on_done=done)
         assert event.wait(5)
         assert isinstance(got[0], ValidationFailed)
         assert writer.failed == 1
@@ -176,12 +179,13 @@ def test_background_writer_late_event_conflict_is_quiet_only_when_asked(
         writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST))
         got: list[Exception | None] = []
         event = threading.Event()
+
+        def done(_body: bytes | None, error: Exception | None) -> None:
+            got.append(error)
+            event.set()
+
         writer.post_event(
-            "t1",
-            BindingState.PREFILL_STARTED,
-            "p",
-            on_done=lambda b, e: (got.append(e), event.set()),
-            quiet_conflict=quiet,
+            "t1", BindingState.PREFILL_STARTED, "p", on_done=done, quiet_conflict=quiet
         )
         assert event.wait(5)
         writer.close()

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from metaserver.errors import Conflict, NotFound, Unprocessable
-from metaserver.models import Binding, BindingState, KVEndpoint
 from metaserver.store import Store
 from metaserver.store.base import MAX_EVENTS, BindingPut, PutOutcome, event_json
+from pdwire.models import Binding, BindingState, KVEndpoint
 from tests.metaserver.conftest import binding_spec, decode_instance
 
 S = BindingState

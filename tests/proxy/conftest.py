@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -67,15 +67,23 @@ class RunningProxy:
     runtime: Runtime
     server: uvicorn.Server
     task: asyncio.Task[None]
+    clients: list[openai.AsyncOpenAI | httpx.AsyncClient] = field(default_factory=list)
 
     def client(self, **kw: Any) -> openai.AsyncOpenAI:
+        """An OpenAI client of the proxy, closed with the proxy."""
         kw.setdefault("api_key", "unused")
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", max_retries=0, **kw)
+        c = openai.AsyncOpenAI(base_url=self.url + "/v1", max_retries=0, **kw)
+        self.clients.append(c)
+        return c
 
     def http(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.url, timeout=30)
+        c = httpx.AsyncClient(base_url=self.url, timeout=30)
+        self.clients.append(c)
+        return c
 
     async def stop(self) -> None:
+        for c in self.clients:
+            await (c.close() if isinstance(c, openai.AsyncOpenAI) else c.aclose())
         self.server.should_exit = True
         await asyncio.wait_for(self.task, 15)
 

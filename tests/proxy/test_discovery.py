@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from metaserver.client import AsyncMetaserverClient
+from pdwire.client import AsyncMetaserverClient
 from proxy.instances import MetaserverDiscovery, Role
 from tests.proxy.conftest import Cluster, ProxyFactory
 from tests.proxy.test_flows import PROMPT

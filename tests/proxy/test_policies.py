@@ -102,23 +102,28 @@ def test_prefix_memory_is_bounded() -> None:
     assert len(policy) == 50
 
 
+def _state(cb: CircuitBreaker) -> CircuitState:
+    """A fresh read (mypy would keep an earlier ``cb.state`` narrowed across ``record``)."""
+    return cb.state
+
+
 def test_circuit_opens_half_opens_and_closes() -> None:
     clock = Clock()
     cb = CircuitBreaker(failures=2, open_s=10, clock=clock)
     cb.record(False)
-    assert cb.allows() and cb.state == CircuitState.CLOSED
+    assert cb.allows() and _state(cb) == CircuitState.CLOSED
     cb.record(False)
-    assert cb.state == CircuitState.OPEN and not cb.allows() and cb.opens == 1
+    assert _state(cb) == CircuitState.OPEN and not cb.allows() and cb.opens == 1
     clock.now += 10
-    assert cb.state == CircuitState.HALF_OPEN and cb.allows()
+    assert _state(cb) == CircuitState.HALF_OPEN and cb.allows()
     cb.on_dispatch()
     assert not cb.allows()  # one trial at a time
     cb.record(False)
-    assert cb.state == CircuitState.OPEN
+    assert _state(cb) == CircuitState.OPEN
     clock.now += 10
     cb.on_dispatch()
     cb.record(True)
-    assert cb.state == CircuitState.CLOSED and cb.allows() and cb.consecutive == 0
+    assert _state(cb) == CircuitState.CLOSED and cb.allows() and cb.consecutive == 0
 
 
 def test_registry_drains_removed_instance_until_idle() -> None:

@@ -109,7 +109,9 @@ class RedisSentinelGroup:
 
         sentinel = redis.Redis(port=self.port, decode_responses=True)
         try:
-            return int(sentinel.sentinel_get_master_addr_by_name(self.SERVICE)[1])
+            addr = sentinel.sentinel_get_master_addr_by_name(self.SERVICE)
+            assert isinstance(addr, tuple), addr
+            return int(addr[1])
         finally:
             sentinel.close()
 

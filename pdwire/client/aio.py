@@ -2,7 +2,7 @@
 
 One pooled ``aiohttp.ClientSession`` per client; pass your own to share a pool. Every call has a
 timeout; connection errors, timeouts and 5xx are retried with backoff + jitter; 4xx raise the
-typed errors of ``metaserver.client.errors`` at once.
+typed errors of ``pdwire.client.errors`` at once.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from types import TracebackType
 
 import aiohttp
 
-from metaserver.client import _protocol as P
-from metaserver.client.errors import MetaserverUnavailable, NotFoundError, error_for_status
-from metaserver.client.retry import RetryPolicy
-from metaserver.models import (
+from pdwire.client import _protocol as P
+from pdwire.client.errors import MetaserverUnavailable, NotFoundError, error_for_status
+from pdwire.client.retry import RetryPolicy
+from pdwire.models import (
     Binding,
     BindingSpec,
     BindingState,

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import urlencode
 
 from pydantic import BaseModel
 
-from metaserver.models import (
+from pdwire.models import (
     Binding,
     BindingSpec,
     BindingState,
@@ -41,6 +42,13 @@ def get_binding(transfer_id: str, wait: float | None, state: BindingState | None
     if state is not None:
         params["state"] = state.value
     return Call("GET", f"/v1/bindings/{transfer_id}", params or None, None, wait or 0.0)
+
+
+def binding_url(base_url: str, transfer_id: str, wait: float | None = None) -> str:
+    """The whole URL of ``get_binding`` (for HTTP clients that take one string)."""
+    call = get_binding(transfer_id, wait, None)
+    query = f"?{urlencode(call.params)}" if call.params else ""
+    return f"{base_url.rstrip('/')}{call.path}{query}"
 
 
 def delete_binding(transfer_id: str) -> Call:

@@ -12,8 +12,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-TRANSFER_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
-INSTANCE_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+from pdwire.ids import INSTANCE_ID_PATTERN
+from pdwire.version import UNVERSIONED
 
 MAX_KV_GROUPS = 16
 MAX_BLOCKS_PER_GROUP = 65_536
@@ -85,6 +85,10 @@ class BindingSpec(_Strict):
         default=0, description="prompt tokens D already holds (prefix cache); P skips them"
     )
     num_prompt_tokens: Annotated[int, Field(ge=1, le=2**24)]
+    protocol: Annotated[int, Field(ge=1, le=1_000_000)] = Field(
+        default=UNVERSIONED,
+        description="the pdgate protocol version D speaks (pdwire.version); P refuses another",
+    )
     load_deadline: Annotated[float, Field(gt=0)] | None = Field(
         default=None,
         description="Unix time after which D stops waiting and recomputes; P must not write "

@@ -1,12 +1,13 @@
-"""Clients for the other parts of pdgate.
+"""The metaserver's clients, shared by the proxy and the connector.
 
 * ``AsyncMetaserverClient`` (aiohttp) — the proxy;
 * ``MetaserverClient`` (blocking) and ``BackgroundWriter`` (fire-and-forget, one thread) — the
   vLLM connector, whose scheduler thread must never block on the network.
 """
 
-from metaserver.client.aio import AsyncMetaserverClient
-from metaserver.client.errors import (
+from pdwire.client._protocol import binding_url
+from pdwire.client.aio import AsyncMetaserverClient
+from pdwire.client.errors import (
     AuthError,
     BadRequest,
     ConflictError,
@@ -18,8 +19,8 @@ from metaserver.client.errors import (
     ServerError,
     ValidationFailed,
 )
-from metaserver.client.retry import NO_BACKOFF, Backoff, RetryPolicy
-from metaserver.client.sync import BackgroundWriter, MetaserverClient
+from pdwire.client.retry import NO_BACKOFF, Backoff, RetryPolicy
+from pdwire.client.sync import BackgroundWriter, MetaserverClient
 
 __all__ = [
     "NO_BACKOFF",
@@ -38,4 +39,5 @@ __all__ = [
     "RetryPolicy",
     "ServerError",
     "ValidationFailed",
+    "binding_url",
 ]

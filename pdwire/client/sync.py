@@ -18,15 +18,15 @@ from types import TracebackType
 
 import httpx
 
-from metaserver.client import _protocol as P
-from metaserver.client.errors import (
+from pdwire.client import _protocol as P
+from pdwire.client.errors import (
     ConflictError,
     MetaserverUnavailable,
     NotFoundError,
     error_for_status,
 )
-from metaserver.client.retry import RetryPolicy
-from metaserver.models import (
+from pdwire.client.retry import RetryPolicy
+from pdwire.models import (
     Binding,
     BindingSpec,
     BindingState,
@@ -35,7 +35,7 @@ from metaserver.models import (
     InstanceSpec,
 )
 
-log = logging.getLogger("pdgate.metaserver.client")
+log = logging.getLogger("pdgate.pdwire.client")
 
 
 class MetaserverClient:

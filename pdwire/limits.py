@@ -1,16 +1,13 @@
-"""ASGI middleware capping request bodies (also used by the proxy)."""
+"""ASGI middleware capping request bodies (the proxy's and the metaserver's)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+from pdwire.asgi import ASGIApp, Message, Receive, Scope, Send
+
 ErrorBody = Callable[[str], dict[str, Any]]
 
 

@@ -1,0 +1,84 @@
+"""The sender's transfers by request id, shared by the forward thread and the sender thread.
+
+The forward thread opens transfers, counts the tasks it queues and asks whether a request's
+blocks may be freed; the sender thread counts tasks done and marks transfers ended. One lock
+guards the counters; waiters on a request's queue draining are woken as tasks finish.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from connector import tp
+from connector.metadata import SendChunk
+from connector.worker.transfer import Task, Transfer
+
+Router = Callable[[SendChunk], tp.Route | None]
+
+
+class Ledger:
+    def __init__(self, route: Router) -> None:
+        self._route = route
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self.transfers: dict[str, Transfer] = {}
+
+    # ---- forward thread -------------------------------------------------------------------
+    def open(self, chunk: SendChunk) -> Transfer:
+        """The request's transfer, opened at its first chunk."""
+        with self._lock:
+            tr = self.transfers.get(chunk.req_id)
+            if tr is None:
+                route = self._route(chunk)
+                tr = Transfer(chunk.req_id, chunk.transfer_id, chunk.dest, route)
+                self.transfers[chunk.req_id] = tr
+                if route is None:
+                    tr.ended = True  # a replica: another rank writes these heads
+            return tr
+
+    def get(self, req_id: str) -> Transfer | None:
+        with self._lock:
+            return self.transfers.get(req_id)
+
+    def queued(self, task: Task) -> None:
+        with self._lock:
+            task.transfer.queued += 1
+
+    def settled(self, req_id: str) -> bool:
+        """Whether P's blocks of ``req_id`` may be released: every push from them has ended,
+        and no abandoned write can still read them (``settle_s`` after the end)."""
+        with self._lock:
+            tr = self.transfers.get(req_id)
+            if tr is None:
+                return True
+            if tr.queued or not tr.ended:
+                return False
+            return not tr.settle_s or time.perf_counter() >= tr.ended_at + tr.settle_s
+
+    def quiet(self, req_id: str) -> bool:
+        with self._lock:
+            return self._quiet_locked(req_id)
+
+    def wait_quiet(self, req_id: str, timeout_s: float) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self._quiet_locked(req_id), timeout_s)
+
+    def _quiet_locked(self, req_id: str) -> bool:
+        tr = self.transfers.get(req_id)
+        return tr is None or tr.queued == 0
+
+    def forget(self, req_id: str) -> None:
+        with self._lock:
+            self.transfers.pop(req_id, None)
+
+    # ---- sender thread --------------------------------------------------------------------
+    def done(self, task: Task) -> None:
+        with self._cv:
+            task.transfer.queued -= 1
+            self._cv.notify_all()
+
+    def ended(self, tr: Transfer) -> None:
+        with self._lock:
+            tr.ended = True

@@ -1,0 +1,103 @@
+"""What the sender thread records on its transfers: writes that landed or failed, and ends.
+
+After a write: its bytes and span on each transfer it carried, their pieces signed (with
+``verify``), a first-write callback per transfer; after a failed one: the error, and the D
+handshake dropped (the next transfer asks again). At a transfer's end the done or failed signal
+goes to D, with the digests, and the end callback runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from connector import wire
+from connector.errors import TransferError
+from connector.worker.batch import Write
+from connector.worker.handshake import HandshakeCache
+from connector.worker.ledger import Ledger
+from connector.worker.side_channel import SignalClient
+from connector.worker.signing import Signer
+from connector.worker.transfer import EndTask, Outcome, Span, Transfer
+
+log = logging.getLogger("pdgate.connector.sender")
+
+
+class Recorder:
+    def __init__(
+        self,
+        me: str,
+        ledger: Ledger,
+        handshakes: HandshakeCache,
+        signer: Signer | None,
+        on_end: Outcome | None,
+        on_first_write: Outcome | None,
+    ) -> None:
+        self._me = me  # "<engine id>/<rank>": the signals' sender
+        self._ledger = ledger
+        self._handshakes = handshakes
+        self._signer = signer  # with ``verify``
+        self._on_end = on_end
+        self._on_first_write = on_first_write
+        self._signals: SignalClient | None = None
+
+    def open(self) -> None:
+        """On the sender thread (ZeroMQ sockets stay on the thread that made them)."""
+        self._signals = SignalClient()
+
+    def close(self) -> None:
+        if self._signals is not None:
+            self._signals.close()
+
+    def wrote(self, w: Write, span: Span) -> None:
+        log.debug(
+            "wrote %d pieces, %d bytes to %s in %.3fs",
+            len(w.src),
+            sum(w.lengths),
+            w.session,
+            span.end - span.start,
+        )
+        for part in w.parts:
+            tr = part.task.transfer
+            tr.bytes += part.nbytes
+            spans = tr.write_spans
+            if not spans or spans[-1] is not span:
+                spans.append(span)
+            if self._signer is not None:
+                self._signer.record(tr, part)
+            if not tr.announced:
+                tr.announced = True
+                self._notify(self._on_first_write, tr)
+
+    def failed(self, w: Write, exc: TransferError) -> None:
+        for part in w.parts:
+            tr = part.task.transfer
+            tr.error = str(exc)
+            d = tr.dest
+            self._handshakes.forget(d.host, tr.d_port, d.engine_id)
+
+    def end(self, end: EndTask) -> None:
+        tr = end.transfer
+        log.debug("transfer %s ends (%s)", tr.transfer_id, tr.error or end.fail or "ok")
+        assert tr.route is not None and self._signals is not None
+        error = tr.error or end.fail
+        digests = self._signer.digests(tr) if self._signer is not None and not error else []
+        sig = wire.Signal(
+            tr.transfer_id, self._me, not error, tr.route.expected, error, digests, tr.settle_s
+        )
+        if not self._signals.send(tr.dest.host, tr.d_port, sig):
+            tr.error = tr.error or "signal not sent"
+        tr.ended_at = time.perf_counter()
+        self._ledger.ended(tr)
+        if error:
+            log.warning("transfer %s (%s) failed: %s", tr.transfer_id, tr.req_id, error)
+        self._ledger.done(end)
+        self._notify(self._on_end, tr)
+
+    @staticmethod
+    def _notify(callback: Outcome | None, tr: Transfer) -> None:
+        if callback is not None:
+            try:
+                callback(tr)
+            except Exception:
+                log.exception("transfer callback failed")

@@ -1,0 +1,65 @@
+"""The sender's transport write: one batch, retried on failure with the same bytes.
+
+A failed attempt may still land later (``Transport.late_landing_s``), so its transfers tell D
+to hold their blocks that long before decoding from them or freeing them (``settle_s``).
+
+``IN_FLIGHT`` names the write being issued, for transport wrappers that act on what a write
+carries (which transfer and layer each piece belongs to) rather than on bare addresses; the
+test-only ``test_corrupt_push`` wrapper (tamper.py) is one.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import time
+
+from connector.errors import TransferError
+from connector.transport import Transport
+from connector.worker.batch import Write
+
+log = logging.getLogger("pdgate.connector.sender")
+
+IN_FLIGHT: contextvars.ContextVar[Write | None] = contextvars.ContextVar(
+    "pdgate_write_in_flight", default=None
+)
+
+
+class RetryingWriter:
+    def __init__(self, transport: Transport, retries: int) -> None:
+        self._transport = transport
+        self._retries = retries
+        self.writes = 0  # writes that succeeded
+
+    def write(self, w: Write) -> None:
+        """Send ``w``, retried up to ``retries`` times; raises the last ``TransferError``."""
+        token = IN_FLIGHT.set(w)
+        try:
+            self._attempts(w)
+        finally:
+            IN_FLIGHT.reset(token)
+        self.writes += 1
+
+    def _attempts(self, w: Write) -> None:
+        for attempt in range(self._retries + 1):
+            t0 = time.perf_counter()
+            try:
+                self._transport.write(w.session, w.src, w.dst, w.lengths)
+                return
+            except TransferError as exc:
+                late = self._transport.late_landing_s
+                for part in w.parts:
+                    tr = part.task.transfer
+                    tr.settle_s = max(tr.settle_s, late)
+                if attempt == self._retries:
+                    raise
+                log.warning(
+                    "write of %d pieces (%d bytes) to %s failed after %.1fs (%s); retry %d of %d",
+                    len(w.src),
+                    sum(w.lengths),
+                    w.session,
+                    time.perf_counter() - t0,
+                    exc,
+                    attempt + 1,
+                    self._retries,
+                )

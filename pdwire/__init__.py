@@ -1,0 +1,73 @@
+"""pdwire: the contract between pdgate's proxy, metaserver and connector.
+
+The three parts depend on this package and on no other of the three; it depends on none of
+FastAPI, vLLM, torch or Mooncake.
+
+* ``pdwire.version`` — ``PROTOCOL_VERSION``, carried by bindings and by the P–D handshake;
+* ``pdwire.ids`` — the transfer/instance id pattern (written once) and ``IdMaker``;
+* ``pdwire.models`` — bindings, instances, events: the metaserver's HTTP bodies;
+* ``pdwire.params`` — ``kv_transfer_params`` of each leg and P's push report, one builder and
+  one parser per message;
+* ``pdwire.client`` — the metaserver's clients (async, blocking, background writer), retry
+  and backoff, ``binding_url``;
+* ``pdwire.settings`` — the layered settings base (flags > env > YAML > defaults) and its CLI;
+* ``pdwire.asgi`` / ``pdwire.limits`` — ASGI types, the request-body reader, the body cap.
+"""
+
+from __future__ import annotations
+
+from pdwire.errors import ParamsError, WireError
+from pdwire.ids import ID_PATTERN, IdMaker, valid_id
+from pdwire.models import (
+    Binding,
+    BindingSpec,
+    BindingState,
+    EventDetail,
+    EventIn,
+    Instance,
+    InstanceRole,
+    InstanceSpec,
+    KVEndpoint,
+)
+from pdwire.params import (
+    PushReport,
+    RecvParams,
+    SendParams,
+    decode_leg,
+    parse_decode_leg,
+    parse_prefill_leg,
+    parse_push_report,
+    prefill_leg,
+    pull_prefill_leg,
+    push_report,
+)
+from pdwire.version import PROTOCOL_VERSION, mismatch
+
+__all__ = [
+    "ID_PATTERN",
+    "PROTOCOL_VERSION",
+    "Binding",
+    "BindingSpec",
+    "BindingState",
+    "EventDetail",
+    "EventIn",
+    "IdMaker",
+    "Instance",
+    "InstanceRole",
+    "InstanceSpec",
+    "KVEndpoint",
+    "ParamsError",
+    "PushReport",
+    "RecvParams",
+    "SendParams",
+    "WireError",
+    "decode_leg",
+    "mismatch",
+    "parse_decode_leg",
+    "parse_prefill_leg",
+    "parse_push_report",
+    "prefill_leg",
+    "pull_prefill_leg",
+    "push_report",
+    "valid_id",
+]

@@ -1,0 +1,28 @@
+"""Transfer and instance ids: the one pattern, a check, and a cheap generator."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+
+ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"  # transfer ids and instance ids alike
+TRANSFER_ID_PATTERN = ID_PATTERN
+INSTANCE_ID_PATTERN = ID_PATTERN
+_ID = re.compile(ID_PATTERN)
+
+
+def valid_id(value: object) -> bool:
+    return isinstance(value, str) and _ID.match(value) is not None
+
+
+class IdMaker:
+    """Unique ids without per-call randomness: a random per-process prefix plus a counter
+    (each attempt of a request gets a new transfer id)."""
+
+    def __init__(self, kind: str) -> None:
+        self._prefix = f"{kind}-{os.urandom(6).hex()}-"
+        self._count = itertools.count(1)
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._count)}"

@@ -1,0 +1,341 @@
+"""decode-first through ``proxy.mock``: the happy paths and every cancel path of
+``proxy/flows/decode_first.py`` (D failing or answering during the binding wait and during P's
+leg, P refusing the push, the client hanging up at each point), in memory, in milliseconds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdwire.models import BindingState
+from pdwire.params import decode_leg, push_report
+from proxy.config import Flow
+from proxy.mock import MockBackend, Outcome, RecordedEvent, Reply
+from tests.proxy.inmemory import (
+    BINDING,
+    D_URL,
+    MS_URL,
+    P_URL,
+    PUSHED,
+    SSE,
+    InMemoryProxy,
+    legs,
+    never,
+    sse_text,
+    wait_until,
+)
+
+ABORTED, FAILED = BindingState.ABORTED, BindingState.FAILED
+
+
+async def test_decode_first_nonstream_sends_binding_to_prefill() -> None:
+    usage_d = {"prompt_tokens": 40, "completion_tokens": 4}
+    usage_p = {"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 16}}
+    backend = MockBackend(
+        {
+            "decode": Reply.completion("hi", usage=usage_d),
+            "get": Reply.json(BINDING),
+            "prefill": Reply.completion(
+                "x", kv_transfer_params=push_report(None, None), usage=usage_p
+            ),
+        }
+    )
+    px = InMemoryProxy(backend, metaserver_token="s3cret")
+    ex = await px.send()
+    assert ex.status == 200
+    assert ex.json()["choices"][0]["text"] == "hi"
+    assert ex.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 16  # P's count
+    (get,) = backend.calls_of("get")
+    (d,) = backend.calls_of("decode", D_URL)
+    (p,) = backend.calls_of("prefill", P_URL)
+    tid = d.request_id
+    assert p.request_id == tid and tid.startswith("pd-")
+    assert get.url.startswith(f"{MS_URL}/v1/bindings/{tid}?wait=")
+    assert get.headers == {"authorization": "Bearer s3cret"}
+    assert backend.calls[-1] is p  # P only once the binding is in
+    assert d.json()["kv_transfer_params"] == decode_leg(tid, MS_URL)
+    kv_p = p.json()["kv_transfer_params"]
+    assert kv_p == {
+        "do_remote_decode": True,
+        "transfer_id": tid,
+        "metaserver": MS_URL,
+        "decode": BINDING,
+    }
+    assert p.json()["max_tokens"] == 1 and p.json()["stream"] is False
+    s = px.settings
+    assert (d.timeout_s, p.timeout_s) == (s.request_timeout_s, s.prefill_timeout_s)
+    assert get.timeout_s == s.binding_wait_s + 5.0
+    assert legs(backend) == [
+        ("decode", Outcome.RELEASED),
+        ("get", Outcome.ANSWERED),
+        ("prefill", Outcome.RELEASED),
+    ]
+    await px.settle()
+    assert px.events == []
+    assert px.requests("ok", 200) == 1
+    assert px.d.circuit.consecutive == 0 and px.d.served == 1 and px.p.served == 1
+
+
+async def test_decode_first_stream_relays_decode_chunks() -> None:
+    backend = MockBackend({"decode": SSE, "get": Reply.json(BINDING), "prefill": PUSHED})
+    px = InMemoryProxy(backend)
+    ex = await px.send(stream=True)
+    assert ex.status == 200 and ex.headers[b"content-type"] == b"text/event-stream"
+    assert ex.ended and sse_text(ex.body) == "Hello world"
+    assert ex.body.endswith(b"data: [DONE]\n\n")
+    (d,) = backend.calls_of("decode")
+    assert d.json()["stream"] is True and d.timeout_s == px.settings.first_token_timeout_s
+    assert d.outcome == Outcome.RELEASED and d.response is not None
+    assert d.response.chunks_read == 3
+    await px.settle()
+    assert px.events == [] and px.requests("ok", 200) == 1
+
+
+async def test_concurrent_sends_prefill_at_once_without_binding() -> None:
+    p_gate = asyncio.Event()
+    backend = MockBackend({"decode": SSE, "prefill": PUSHED.after(p_gate)})  # no "get" route
+    px = InMemoryProxy(backend, flow=Flow.CONCURRENT)
+    ex = px.request(stream=True)
+    p = await backend.called("prefill", waiting=True)
+    assert p.json()["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "transfer_id": p.request_id,
+        "metaserver": MS_URL,
+    }
+    p_gate.set()
+    await ex.done()
+    assert ex.status == 200 and sse_text(ex.body) == "Hello world"
+    assert backend.calls_of("get") == []
+    await px.settle()
+
+
+async def test_decode_first_decode_failure_during_binding_wait_aborts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    d_gate = asyncio.Event()
+    backend = MockBackend(
+        {
+            "decode": Reply.fail("D died").after(d_gate),
+            "get": Reply.json(BINDING).after(never()),
+            "prefill": PUSHED,
+        }
+    )
+    px = InMemoryProxy(backend)
+    ex = px.request()
+    await backend.called("get", waiting=True)
+    d = await backend.called("decode", waiting=True)
+    d_gate.set()
+    await ex.done()
+    assert ex.status == 502
+    assert ex.json()["error"]["message"] == f"decode {D_URL}: D died"
+    assert legs(backend) == [("decode", Outcome.FAILED), ("get", Outcome.CANCELLED)]
+    await px.settle()
+    tid = d.request_id
+    assert px.events == [RecordedEvent(tid, ABORTED, "proxy", f"decode {D_URL}: D died")]
+    assert px.d.circuit.consecutive == 1 and px.p.circuit.consecutive == 0
+    assert f"attempt failed tid={tid} flow=decode-first leg=decode" in caplog.text
+    assert px.requests("upstream_error", 502) == 1
+
+
+async def test_decode_first_decode_failure_during_prefill_cancels_prefill() -> None:
+    d_gate = asyncio.Event()
+    backend = MockBackend(
+        {
+            "decode": Reply.fail("D died").after(d_gate),
+            "get": Reply.json(BINDING),
+            "prefill": PUSHED.after(never()),
+        }
+    )
+    px = InMemoryProxy(backend)
+    ex = px.request(stream=True)
+    await backend.called("prefill", waiting=True)
+    d = await backend.called("decode", waiting=True)
+    d_gate.set()
+    await ex.done()
+    assert ex.status == 502 and "D died" in ex.json()["error"]["message"]
+    assert legs(backend) == [
+        ("decode", Outcome.FAILED),
+        ("get", Outcome.ANSWERED),
+        ("prefill", Outcome.CANCELLED),
+    ]
+    await px.settle()
+    assert px.events == [RecordedEvent(d.request_id, ABORTED, "proxy", f"decode {D_URL}: D died")]
+    assert px.p.circuit.consecutive == 0  # P is not to blame
+
+
+async def test_decode_first_decode_answer_during_binding_wait_skips_prefill() -> None:
+    backend = MockBackend({"decode": SSE, "get": Reply.json(BINDING).after(never())})
+    px = InMemoryProxy(backend)
+    ex = await px.send(stream=True)
+    assert ex.status == 200 and sse_text(ex.body) == "Hello world"
+    assert legs(backend) == [("decode", Outcome.RELEASED), ("get", Outcome.CANCELLED)]
+    assert backend.calls_of("prefill") == []
+    await px.settle()
+    assert px.events == []
+
+
+async def test_decode_first_decode_answer_before_prefill_ends_is_kept() -> None:
+    p_gate = asyncio.Event()
+    backend = MockBackend(
+        {"decode": SSE, "get": Reply.json(BINDING), "prefill": PUSHED.after(p_gate)}
+    )
+    px = InMemoryProxy(backend)
+    ex = px.request(stream=True)
+    await backend.called("prefill", waiting=True)
+    d = await backend.called("decode")
+    await wait_until(lambda: d.outcome == Outcome.OPEN)  # D's first chunk is in
+    assert not ex.task.done() and ex.status is None  # still waiting for P
+    p_gate.set()
+    await ex.done()
+    assert ex.status == 200 and sse_text(ex.body) == "Hello world"
+    assert legs(backend) == [
+        ("decode", Outcome.RELEASED),
+        ("get", Outcome.ANSWERED),
+        ("prefill", Outcome.RELEASED),
+    ]
+    await px.settle()
+    assert px.events == []
+
+
+async def test_decode_first_no_push_sends_decode_the_plain_request(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    refused = Reply.completion("x", kv_transfer_params=push_report(None, "decoder not vouched"))
+    backend = MockBackend(
+        {
+            "decode": [SSE.after(never()), SSE],  # the first one waits for KV that never comes
+            "get": Reply.json(BINDING),
+            "prefill": refused,
+        }
+    )
+    px = InMemoryProxy(backend)
+    ex = await px.send(stream=True)
+    assert ex.status == 200 and sse_text(ex.body) == "Hello world"
+    first, second = backend.calls_of("decode")
+    tid = first.request_id
+    assert first.outcome == Outcome.CANCELLED and second.outcome == Outcome.RELEASED
+    assert first.json()["kv_transfer_params"] == decode_leg(tid, MS_URL)
+    assert "kv_transfer_params" not in second.json() and second.request_id == tid
+    await px.settle()
+    assert px.events == [
+        RecordedEvent(tid, FAILED, "proxy", "P pushed nothing: decoder not vouched")
+    ]
+    assert px.metric("pd_prefill_no_push_total") == 1.0
+    assert f"{tid}: P pushed nothing (decoder not vouched)" in caplog.text
+
+
+async def test_decode_first_no_push_after_decode_answered_keeps_answer() -> None:
+    p_gate = asyncio.Event()
+    refused = Reply.completion("x", kv_transfer_params=push_report(None, "too late"))
+    backend = MockBackend(
+        {"decode": SSE, "get": Reply.json(BINDING), "prefill": refused.after(p_gate)}
+    )
+    px = InMemoryProxy(backend)
+    ex = px.request(stream=True)
+    await backend.called("prefill", waiting=True)
+    d = await backend.called("decode")
+    await wait_until(lambda: d.outcome == Outcome.OPEN)
+    p_gate.set()
+    await ex.done()
+    assert ex.status == 200 and sse_text(ex.body) == "Hello world"
+    assert len(backend.calls_of("decode")) == 1  # no plain request: D did not wait
+    await px.settle()
+    assert px.events == [] and px.metric("pd_prefill_no_push_total") == 0.0
+
+
+async def test_decode_first_prefill_error_marks_binding_failed() -> None:
+    backend = MockBackend(
+        {
+            "decode": SSE.after(never()),
+            "get": Reply.json(BINDING),
+            "prefill": Reply(503, [b"overloaded"]),
+        }
+    )
+    px = InMemoryProxy(backend)
+    ex = await px.send(stream=True)
+    assert ex.status == 502 and ex.json()["error"]["message"].startswith(f"prefill {P_URL}: ")
+    assert legs(backend) == [
+        ("decode", Outcome.CANCELLED),
+        ("get", Outcome.ANSWERED),
+        ("prefill", Outcome.FAILED),
+    ]
+    await px.settle()
+    ((tid, state, _, error),) = px.events
+    assert tid == backend.calls_of("decode")[0].request_id
+    assert state == FAILED and "overloaded" in str(error)
+    assert px.p.circuit.consecutive == 1 and px.d.circuit.consecutive == 0
+
+
+async def test_decode_first_missing_binding_is_504_and_aborts() -> None:
+    backend = MockBackend({"decode": SSE.after(never()), "get": Reply.json({}, status=404)})
+    px = InMemoryProxy(backend)
+    ex = await px.send()
+    assert ex.status == 504 and ex.json()["error"]["type"] == "binding_timeout"
+    assert legs(backend) == [("decode", Outcome.CANCELLED), ("get", Outcome.ANSWERED)]
+    await px.settle()
+    ((tid, state, _, error),) = px.events
+    assert state == ABORTED and f"no binding for {tid}" in str(error)
+    assert px.d.circuit.consecutive == 1  # D never wrote it
+
+
+async def test_decode_first_retry_uses_new_transfer_id() -> None:
+    backend = MockBackend(
+        {
+            "decode": [Reply.fail("D died"), SSE],
+            "get": [Reply.json(BINDING).after(never()), Reply.json(BINDING)],
+            "prefill": PUSHED,
+        }
+    )
+    px = InMemoryProxy(backend, retries=1)
+    ex = await px.send(stream=True)
+    assert ex.status == 200 and sse_text(ex.body) == "Hello world"
+    first, second = backend.calls_of("decode")
+    (p,) = backend.calls_of("prefill")
+    assert first.request_id != second.request_id == p.request_id
+    await px.settle()
+    assert [(e.transfer_id, e.state) for e in px.events] == [(first.request_id, ABORTED)]
+    assert px.metric("pd_retries_total", reason="upstream_error") == 1.0
+    assert px.d.circuit.consecutive == 0  # the success closed it again
+
+
+async def test_decode_first_decode_failure_as_binding_arrives_cancels_prefill() -> None:
+    gate = asyncio.Event()  # the binding and D's failure land in the same loop iteration
+    backend = MockBackend(
+        {
+            "decode": Reply.fail("D died").after(gate),
+            "get": Reply.json(BINDING).after(gate),
+            "prefill": PUSHED.after(never()),
+        }
+    )
+    px = InMemoryProxy(backend)
+    ex = px.request()
+    await backend.called("get", waiting=True)
+    await backend.called("decode", waiting=True)
+    gate.set()
+    await ex.done()
+    assert ex.status == 502
+    assert legs(backend) == [
+        ("decode", Outcome.FAILED),
+        ("get", Outcome.ANSWERED),
+        ("prefill", Outcome.CANCELLED),
+    ]
+    await px.settle()
+    assert [e.state for e in px.events] == [ABORTED]
+
+
+async def test_decode_first_first_token_timeout_is_504() -> None:
+    backend = MockBackend(
+        {"decode": Reply.sse([never(), "late"]), "get": Reply.json(BINDING), "prefill": PUSHED}
+    )
+    px = InMemoryProxy(backend, first_token_timeout_s=0.01)
+    ex = await px.send(stream=True)
+    assert ex.status == 504
+    assert ex.json()["error"]["message"] == f"decode {D_URL}: no first byte in 0.01s"
+    assert legs(backend) == [
+        ("decode", Outcome.CLOSED),
+        ("get", Outcome.ANSWERED),
+        ("prefill", Outcome.RELEASED),
+    ]
+    await px.settle()
+    assert [e.state for e in px.events] == [ABORTED]

@@ -1,0 +1,67 @@
+"""``EventSink``: an event whose binding is not written yet is posted again; others are not."""
+
+from __future__ import annotations
+
+from pdwire.client import ConflictError, MetaserverClientError, NotFoundError
+from pdwire.models import BindingState, EventDetail
+from proxy.events import NOT_YET_S, EventSink
+
+
+class ScriptedClient:
+    """Answers each post with the next scripted error, then records it as stored."""
+
+    def __init__(self, *errors: MetaserverClientError) -> None:
+        self.errors = list(errors)
+        self.calls = 0
+        self.stored: list[tuple[str, BindingState, str | None]] = []
+
+    async def post_event(
+        self, transfer_id: str, state: BindingState, actor: str, detail: EventDetail | None = None
+    ) -> None:
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        self.stored.append((transfer_id, state, detail.error if detail else None))
+
+
+def _not_found() -> NotFoundError:
+    return NotFoundError(404, "binding t not found", "POST", "/v1/bindings/t/events")
+
+
+async def test_events_binding_written_late_gets_the_event() -> None:
+    client, waits = ScriptedClient(_not_found(), _not_found()), list[float]()
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+
+    sink = EventSink(client, sleep=sleep)
+    sink.post("t", BindingState.FAILED, "P pushed nothing: no")
+    await sink.drain()
+    assert client.stored == [("t", BindingState.FAILED, "P pushed nothing: no")]
+    assert waits == list(NOT_YET_S[:2]) and sink.sent == 1
+
+
+async def test_events_binding_never_written_gives_up_after_the_waits() -> None:
+    client, waits = ScriptedClient(*[_not_found() for _ in range(9)]), list[float]()
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+
+    sink = EventSink(client, sleep=sleep)
+    sink.post("t", BindingState.ABORTED)
+    await sink.drain()
+    assert client.calls == len(NOT_YET_S) + 1 and waits == list(NOT_YET_S)
+    assert client.stored == [] and sink.sent == 0
+
+
+async def test_events_other_errors_are_not_retried() -> None:
+    conflict = ConflictError(409, "binding t is done", "POST", "/v1/bindings/t/events")
+    client, waits = ScriptedClient(conflict), list[float]()
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+
+    sink = EventSink(client, sleep=sleep)
+    sink.post("t", BindingState.ABORTED)
+    await sink.drain()
+    assert client.calls == 1 and waits == [] and sink.sent == 0
