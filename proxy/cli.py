@@ -73,6 +73,7 @@ def build_parser() -> SettingsParser[ProxySettings]:
     opt("--connect-timeout", "connect_timeout_s", float)
     opt("--prefill-timeout", "prefill_timeout_s", float)
     opt("--binding-wait", "binding_wait_s", float)
+    opt("--prefill-grace", "prefill_grace_s", float)
     opt("--first-token-timeout", "first_token_timeout_s", float)
     opt("--idle-timeout", "idle_timeout_s", float)
     opt("--request-timeout", "request_timeout_s", float)

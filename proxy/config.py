@@ -80,6 +80,12 @@ class ProxySettings(LayeredSettings):
     connect_timeout_s: float = Field(3.0, gt=0, description="TCP connect to a backend")
     prefill_timeout_s: float = Field(300.0, gt=0, description="the whole prefill leg")
     binding_wait_s: float = Field(30.0, gt=0, description="D writing its binding")
+    prefill_grace_s: float = Field(
+        2.0,
+        ge=0,
+        description="decode-first: once D streams, how long P's answer is still awaited "
+        "(its push report and cached tokens) before P's leg is dropped",
+    )
     first_token_timeout_s: float = Field(300.0, gt=0, description="D's first streamed byte")
     request_timeout_s: float = Field(600.0, gt=0, description="whole non-streaming answer")
     idle_timeout_s: float = Field(120.0, gt=0, description="longest gap between streamed chunks")

@@ -200,6 +200,12 @@ class Metrics:
             "prompt itself",
             registry=r,
         ).labels()
+        self.prefill_dropped = counter(
+            "pd_prefill_dropped_total",
+            "D answered and P did not within --prefill-grace: P's leg cancelled, its report "
+            "and cached-token count dropped",
+            registry=r,
+        ).labels()
         self.events_dropped = counter(
             "pd_binding_events_dropped_total", "binding events not sent (queue full)", registry=r
         )

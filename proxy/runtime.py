@@ -101,7 +101,11 @@ class Runtime:
         s = self.settings
         self.backend = backend
         timeouts = Timeouts(
-            s.prefill_timeout_s, s.binding_wait_s, s.first_token_timeout_s, s.request_timeout_s
+            s.prefill_timeout_s,
+            s.binding_wait_s,
+            s.first_token_timeout_s,
+            s.request_timeout_s,
+            s.prefill_grace_s,
         )
         legs = Legs(backend, timeouts, self.metrics)
         flows: dict[Flow, FlowImpl] = {

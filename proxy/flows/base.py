@@ -17,13 +17,21 @@ from proxy.rewrite import ClientRequest, cached_tokens_of
 
 
 class Timeouts:
-    __slots__ = ("binding_wait", "first_token", "prefill", "request")
+    __slots__ = ("binding_wait", "first_token", "prefill", "prefill_grace", "request")
 
-    def __init__(self, prefill: float, binding_wait: float, first_token: float, request: float):
+    def __init__(
+        self,
+        prefill: float,
+        binding_wait: float,
+        first_token: float,
+        request: float,
+        prefill_grace: float = 2.0,
+    ):
         self.prefill = prefill
         self.binding_wait = binding_wait
         self.first_token = first_token
         self.request = request
+        self.prefill_grace = prefill_grace  # P's answer awaited this long once D answered
 
 
 class Attempt:

@@ -44,22 +44,39 @@ log = logging.getLogger("pdgate.proxy.flows")
 
 
 class _DecodeWatch:
-    """While armed, D's task ending (``any_end``) or failing interrupts the request's task."""
+    """While armed, D's task failing interrupts the request's task, and so does D answering:
+    at once (``any_end``: the binding wait), or after ``grace`` seconds (P's leg: P's report
+    may still come; a P that hangs must not hold D's answer)."""
 
-    __slots__ = ("any_end", "armed", "fired", "task")
+    __slots__ = ("_timer", "any_end", "armed", "fired", "grace", "task")
 
-    def __init__(self, task: asyncio.Task[Any]) -> None:
+    def __init__(self, task: asyncio.Task[Any], grace: float) -> None:
         self.task = task
+        self.grace = grace
         self.armed = False
         self.any_end = True
         self.fired = False
+        self._timer: asyncio.TimerHandle | None = None
 
     def __call__(self, d_task: asyncio.Task[Upstream]) -> None:
         if not self.armed or self.fired:
             return
         if self.any_end or d_task.cancelled() or d_task.exception() is not None:
+            self._fire()
+        else:
+            self._timer = self.task.get_loop().call_later(self.grace, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        if self.armed and not self.fired:
             self.fired = True
             self.task.cancel()
+
+    def disarm(self) -> None:
+        self.armed = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def absorb(self) -> bool:
         """In an ``except CancelledError``: True when the cancel was ours alone."""
@@ -77,6 +94,7 @@ class DecodeFirst:
         self._events = events
         self._concurrent = concurrent
         self._wait_s = legs.timeouts.binding_wait
+        self._grace_s = legs.timeouts.prefill_grace
         self._binding_hist = legs.metrics.binding_wait_seconds
         self.name = "concurrent" if concurrent else "decode-first"
 
@@ -89,7 +107,7 @@ class DecodeFirst:
         d_task = asyncio.get_running_loop().create_task(
             self._legs.decode(a, a.req.for_decode(d_kv))
         )
-        watch = _DecodeWatch(task)
+        watch = _DecodeWatch(task, self._grace_s)
         d_task.add_done_callback(watch)
         try:
             if not self._concurrent:
@@ -100,9 +118,10 @@ class DecodeFirst:
                     if not watch.absorb():
                         raise
                     return await d_task  # D answered (or failed) without waiting for KV
-                watch.armed = False
-            # from now on only D's failure interrupts P (a D that ended since the binding came
-            # has its callback pending: it runs armed, at P's leg's first await)
+                watch.disarm()
+            # from now on D's failure interrupts P at once, D's answer after the grace (a D
+            # that ended since the binding came has its callback pending: it runs armed, at
+            # P's leg's first await)
             watch.any_end = False
             watch.armed = True
             try:
@@ -112,14 +131,16 @@ class DecodeFirst:
             except asyncio.CancelledError:
                 if not watch.absorb():
                     raise
+                if _answered(d_task):
+                    return self._without_prefill(a, d_task.result())
                 await d_task  # raises D's error
                 raise
-            watch.armed = False
+            watch.disarm()
             why = no_push_reason(answer)
             if why is None or _answered(d_task):
                 up = await d_task
         except BaseException as exc:
-            watch.armed = False
+            watch.disarm()
             _drop(d_task)
             failed = isinstance(exc, LegError) and exc.leg == "prefill"
             state = BindingState.FAILED if failed else BindingState.ABORTED
@@ -128,6 +149,16 @@ class DecodeFirst:
         if why is not None and not _answered(d_task):
             return await self._decode_alone(a, d_task, why)
         up.prefill_cached = prefill_cached(answer)
+        up.binding_tracked = True
+        return up
+
+    def _without_prefill(self, a: Attempt, up: Upstream) -> Upstream:
+        """D answered and P did not within the grace: P's leg was cancelled (its request
+        aborted); D's answer goes out without P's report or cached-token count."""
+        log.warning(
+            "%s: D answered; P's answer not in %.1fs later, its leg dropped", a.tid, self._grace_s
+        )
+        self._legs.metrics.prefill_dropped.inc()
         up.binding_tracked = True
         return up
 

@@ -198,6 +198,63 @@ async def test_decode_first_decode_answer_before_prefill_ends_is_kept() -> None:
     assert px.events == []
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
+async def test_decode_first_prefill_silent_past_the_grace_is_dropped(
+    stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A frozen P (its answer never comes) holds D's answer only ``prefill_grace_s``: then P's
+    leg is cancelled and D's answer goes out, without P's cached-token count."""
+    usage_d = {"prompt_tokens": 40, "completion_tokens": 4}
+    backend = MockBackend(
+        {
+            "decode": SSE if stream else Reply.completion("hi", usage=usage_d),
+            "get": Reply.json(BINDING),
+            "prefill": PUSHED.after(never()),
+        }
+    )
+    px = InMemoryProxy(backend, prefill_grace_s=0.05)
+    ex = await px.send(stream=stream)
+    assert ex.status == 200
+    if stream:
+        assert sse_text(ex.body) == "Hello world"
+    else:
+        assert ex.json()["choices"][0]["text"] == "hi"
+        assert "prompt_tokens_details" not in ex.json()["usage"]  # P's count never came
+    assert legs(backend) == [
+        ("decode", Outcome.RELEASED),
+        ("get", Outcome.ANSWERED),
+        ("prefill", Outcome.CANCELLED),
+    ]
+    assert px.metric("pd_prefill_dropped_total") == 1.0
+    assert "its leg dropped" in caplog.text
+    await px.settle()
+    assert px.events == []  # P's connector and D report the transfer's end themselves
+
+
+async def test_decode_first_prefill_answering_within_the_grace_is_merged() -> None:
+    p_gate = asyncio.Event()
+    usage_p = {"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 16}}
+    pushed = Reply.completion("x", kv_transfer_params=push_report(None, None), usage=usage_p)
+    backend = MockBackend(
+        {
+            "decode": Reply.completion("hi", usage={"prompt_tokens": 40}),
+            "get": Reply.json(BINDING),
+            "prefill": pushed.after(p_gate),
+        }
+    )
+    px = InMemoryProxy(backend, prefill_grace_s=30)
+    ex = px.request()
+    d = await backend.called("decode")
+    await wait_until(lambda: d.outcome == Outcome.OPEN)  # D's answer is in; P is not
+    await backend.called("prefill", waiting=True)
+    p_gate.set()
+    await ex.done()
+    assert ex.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
+    assert backend.calls_of("prefill")[0].outcome == Outcome.RELEASED
+    assert px.metric("pd_prefill_dropped_total") == 0.0
+    await px.settle()
+
+
 async def test_decode_first_no_push_sends_decode_the_plain_request(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
