@@ -2,8 +2,11 @@
 
 vLLM's scheduler thread must never wait on the network, so the connector hands writes to a
 ``BackgroundWriter``: ``submit`` puts the call on a bounded queue and returns at once (``False``
-if the queue is full); one daemon thread performs the calls with retries and reports each
-outcome to an optional callback (from that thread).
+if the queue is full); a few daemon threads (``lanes``) perform the calls with retries and
+report each outcome to an optional callback (from that thread). Calls about one binding or one
+instance run one after another, in submission order (a binding's ``PUT`` before its events);
+calls about different ones run side by side, so one slow or failing write (5 s timeouts, 3
+retries) delays only the calls queued behind it for the same binding.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -140,31 +144,59 @@ class _Job:
     on_done: Outcome | None
     quiet_conflict: bool = False  # a 409 is expected (another process got there first)
 
+    @property
+    def key(self) -> str:
+        """What the call is about (``/v1/bindings/{id}``, ``/v1/instances/{id}``): calls with
+        one key keep their order."""
+        return "/".join(self.call.path.split("/")[:4])
+
 
 _STOP = object()
 
 
 class BackgroundWriter:
-    """Bounded queue + one thread in front of a ``MetaserverClient``. ``submit`` never blocks."""
+    """Bounded queue + ``lanes`` threads in front of a ``MetaserverClient`` (httpx's client is
+    thread-safe). ``submit`` never blocks."""
 
-    def __init__(self, client: MetaserverClient, *, maxsize: int = 4096) -> None:
+    def __init__(self, client: MetaserverClient, *, maxsize: int = 4096, lanes: int = 4) -> None:
+        if lanes < 1:
+            raise ValueError(f"lanes must be >= 1, not {lanes}")
         self.client = client
-        self._queue: queue.Queue[_Job | object] = queue.Queue(maxsize)
+        self._max = maxsize
+        self._ready: queue.SimpleQueue[_Job | object] = queue.SimpleQueue()
+        # key -> calls submitted behind the one of that key now ready or running
+        self._behind: dict[str, deque[_Job]] = {}
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0  # submitted, not finished
         self.dropped = 0
         self.failed = 0
         self.completed = 0
-        self._thread = threading.Thread(
-            target=self._run, name="pdgate-metaserver-writer", daemon=True
-        )
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"pdgate-metaserver-writer-{i}", daemon=True)
+            for i in range(lanes)
+        ]
+        for t in self._threads:
+            t.start()
 
     def submit(
         self, call: P.Call, on_done: Outcome | None = None, quiet_conflict: bool = False
     ) -> bool:
-        try:
-            self._queue.put_nowait(_Job(call, on_done, quiet_conflict))
-        except queue.Full:
-            self.dropped += 1
+        job = _Job(call, on_done, quiet_conflict)
+        with self._lock:
+            if self._pending >= self._max:
+                self.dropped += 1
+                full = True
+            else:
+                full = False
+                self._pending += 1
+                waiting = self._behind.get(job.key)
+                if waiting is None:
+                    self._behind[job.key] = deque()
+                    self._ready.put(job)
+                else:
+                    waiting.append(job)
+        if full:
             log.warning("metaserver write queue full; dropped %s %s", call.method, call.path)
             return False
         return True
@@ -189,41 +221,62 @@ class BackgroundWriter:
         return self.submit(call, on_done, quiet_conflict)
 
     def pending(self) -> int:
-        return self._queue.qsize()
+        """Calls submitted and not finished (queued or running)."""
+        with self._lock:
+            return self._pending
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
+            job = self._ready.get()
             if job is _STOP:
                 return
             assert isinstance(job, _Job)
-            body: bytes | None = None
-            error: Exception | None = None
             try:
-                body = self.client.send(job.call)
+                self._perform(job)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    waiting = self._behind[job.key]
+                    if waiting:
+                        self._ready.put(waiting.popleft())
+                    else:
+                        del self._behind[job.key]
+                    if self._pending == 0:
+                        self._idle.notify_all()
+
+    def _perform(self, job: _Job) -> None:
+        body: bytes | None = None
+        error: Exception | None = None
+        try:
+            body = self.client.send(job.call)
+        except Exception as exc:  # reported to the callback, never raised in this thread
+            error = exc
+            late = job.quiet_conflict and isinstance(exc, ConflictError)
+            log.log(
+                logging.DEBUG if late else logging.WARNING,
+                "metaserver %s %s failed: %s",
+                job.call.method,
+                job.call.path,
+                exc,
+            )
+        with self._lock:
+            if error is None:
                 self.completed += 1
-            except Exception as exc:  # reported to the callback, never raised in this thread
-                error = exc
+            else:
                 self.failed += 1
-                late = job.quiet_conflict and isinstance(exc, ConflictError)
-                log.log(
-                    logging.DEBUG if late else logging.WARNING,
-                    "metaserver %s %s failed: %s",
-                    job.call.method,
-                    job.call.path,
-                    exc,
-                )
-            if job.on_done is not None:
-                try:
-                    job.on_done(body, error)
-                except Exception:
-                    log.exception("metaserver write callback raised")
+        if job.on_done is not None:
+            try:
+                job.on_done(body, error)
+            except Exception:
+                log.exception("metaserver write callback raised")
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Finish queued writes (up to ``timeout_s``), stop the thread, close the client."""
-        try:
-            self._queue.put(_STOP, timeout=timeout_s)
-        except queue.Full:
-            pass
-        self._thread.join(timeout_s)
+        """Finish submitted writes (up to ``timeout_s``), stop the threads, close the client."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            self._idle.wait_for(lambda: self._pending == 0, timeout_s)
+        for _ in self._threads:
+            self._ready.put(_STOP)
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
         self.client.close()

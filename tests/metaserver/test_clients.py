@@ -150,6 +150,55 @@ def test_background_writer_never_blocks_and_reports_outcomes() -> None:
         assert len(outcomes) == accepted.count(True)
 
 
+def test_background_writer_slow_write_delays_only_its_own_binding() -> None:
+    """One write that hangs (the server takes 2 s) does not hold the bindings of other
+    requests; the calls about the slow binding itself still go in submission order."""
+    with fault_server(Reply(201, b"{}", delay_s=2.0), default=Reply(201, b"{}")) as srv:
+        writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST))
+        finished: dict[str, float] = {}
+        lock = threading.Lock()
+        all_done = threading.Event()
+
+        def record(name: str) -> Callable[[bytes | None, Exception | None], None]:
+            def on_done(_body: bytes | None, error: Exception | None) -> None:
+                assert error is None
+                with lock:
+                    finished[name] = time.perf_counter()
+                    if len(finished) == 7:
+                        all_done.set()
+
+            return on_done
+
+        t0 = time.perf_counter()
+        writer.put_binding("slow", binding_spec(), record("slow"))
+        while not srv.requests:  # the slow PUT is on the wire
+            time.sleep(0.005)
+        writer.post_event("slow", BindingState.ABORTED, "d", on_done=record("slow-event"))
+        for i in range(5):
+            writer.put_binding(f"t{i}", binding_spec(), record(f"t{i}"))
+        assert all_done.wait(10)
+        writer.close()
+    others = [finished[f"t{i}"] - t0 for i in range(5)]
+    assert max(others) < 1.0, others  # not behind the 2 s write
+    assert finished["slow"] - t0 >= 2.0
+    assert finished["slow-event"] > finished["slow"]  # the event waited for its PUT
+    paths = [path for _, path, _ in srv.requests]
+    assert paths.index("/v1/bindings/slow/events") > paths.index("/v1/bindings/t4")
+
+
+def test_background_writer_close_finishes_what_was_submitted() -> None:
+    with fault_server(default=Reply(201, b"{}", delay_s=0.05)) as srv:
+        writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST), lanes=2)
+        for i in range(4):
+            writer.put_binding(f"t{i}", binding_spec())
+            writer.post_event(f"t{i}", BindingState.DONE, "p")
+        writer.close(timeout_s=10)
+        assert writer.completed == 8 and writer.pending() == 0
+        assert len(srv.requests) == 8
+    with MetaserverClient("http://127.0.0.1:9") as c, pytest.raises(ValueError, match="lanes"):
+        BackgroundWriter(c, lanes=0)
+
+
 def test_background_writer_reports_failures_to_callback() -> None:
     with fault_server(default=Reply(422, b'{"detail":"not registered"}')) as srv:
         writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST))
