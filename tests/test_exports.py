@@ -61,6 +61,7 @@ EXPORTS: dict[str, list[str]] = {
         "RetryPolicy",
         "ServerError",
         "ValidationFailed",
+        "auth_headers",
         "binding_url",
     ],
     "proxy": ["ProxySettings", "create_app"],

@@ -5,7 +5,7 @@
   vLLM connector, whose scheduler thread must never block on the network.
 """
 
-from pdwire.client._protocol import binding_url
+from pdwire.client._protocol import auth_headers, binding_url
 from pdwire.client.aio import AsyncMetaserverClient
 from pdwire.client.errors import (
     AuthError,
@@ -39,5 +39,6 @@ __all__ = [
     "RetryPolicy",
     "ServerError",
     "ValidationFailed",
+    "auth_headers",
     "binding_url",
 ]

@@ -22,6 +22,16 @@ from pdwire.models import (
 M = TypeVar("M", bound=BaseModel)
 
 
+def auth_headers(token: str | None) -> dict[str, str]:
+    """The header that authorizes a call (``--token`` on the metaserver), or none."""
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
+def headers(token: str | None) -> dict[str, str]:
+    """What every client call sends: a JSON body type and, with a token, the authorization."""
+    return {"content-type": "application/json", **auth_headers(token)}
+
+
 @dataclass(frozen=True, slots=True)
 class Call:
     method: str

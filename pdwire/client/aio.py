@@ -40,9 +40,7 @@ class AsyncMetaserverClient:
         self.base_url = base_url.rstrip("/")
         self._timeout = timeout_s
         self._retry = retry or RetryPolicy()
-        self._headers = {"content-type": "application/json"}
-        if token:
-            self._headers["authorization"] = f"Bearer {token}"
+        self._headers = P.headers(token)
         self._own_session = session is None
         self._session = session
         self._max_connections = max_connections

@@ -52,13 +52,12 @@ class MetaserverClient:
         retry: RetryPolicy | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        headers = {"content-type": "application/json"}
-        if token:
-            headers["authorization"] = f"Bearer {token}"
         self.base_url = base_url.rstrip("/")
         self._timeout = timeout_s
         self._retry = retry or RetryPolicy()
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, transport=transport)
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=P.headers(token), transport=transport
+        )
         self._closed = False
 
     def close(self) -> None:
@@ -142,13 +141,13 @@ Outcome = Callable[[bytes | None, Exception | None], None]
 class _Job:
     call: P.Call
     on_done: Outcome | None
-    quiet_conflict: bool = False  # a 409 is expected (another process got there first)
+    quiet_conflict: bool  # a 409 is expected (another process got there first)
+    key: str  # what the call is about: calls with one key keep their order
 
-    @property
-    def key(self) -> str:
-        """What the call is about (``/v1/bindings/{id}``, ``/v1/instances/{id}``): calls with
-        one key keep their order."""
-        return "/".join(self.call.path.split("/")[:4])
+
+def _order_key(path: str) -> str:
+    """``/v1/bindings/{id}`` for a binding and its events, ``/v1/instances/{id}``."""
+    return "/".join(path.split("/")[:4])
 
 
 _STOP = object()
@@ -182,7 +181,7 @@ class BackgroundWriter:
     def submit(
         self, call: P.Call, on_done: Outcome | None = None, quiet_conflict: bool = False
     ) -> bool:
-        job = _Job(call, on_done, quiet_conflict)
+        job = _Job(call, on_done, quiet_conflict, _order_key(call.path))
         with self._lock:
             if self._pending >= self._max:
                 self.dropped += 1

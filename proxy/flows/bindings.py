@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdwire.client import binding_url
+from pdwire.client import auth_headers, binding_url
 from proxy.backend import Backend
 from proxy.errors import UpstreamError
 
@@ -19,7 +19,7 @@ class BindingSource:
     def __init__(self, backend: Backend, base_url: str, token: str | None) -> None:
         self._backend = backend
         self.base_url = base_url.rstrip("/")
-        self._headers = {"authorization": f"Bearer {token}"} if token else None
+        self._headers = auth_headers(token) or None
 
     async def wait(self, transfer_id: str, wait_s: float) -> msgspec.Raw:
         """D's binding as JSON bytes; ``BindingMissing`` if it never appeared; ``UpstreamError``
