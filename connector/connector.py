@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
     from connector.scheduler import ConnectorScheduler
@@ -115,6 +116,10 @@ class PdgateConnector(KVConnectorBase_V1):
         if self._blocks is not None:
             self._blocks.update(scheduler_output)
         return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.scheduler is not None:
+            self.scheduler.update_connector_output(connector_output.finished_recving)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -74,3 +74,5 @@ class PdgateMetadata(KVConnectorMetadata):
     sends: list[SendChunk] = field(default_factory=list)
     recvs: list[RecvEntry] = field(default_factory=list)
     failed_recvs: list[str] = field(default_factory=list)  # req ids whose binding was rejected
+    # aborted req ids whose binding ended before P took it: no push can come, free at once
+    released_recvs: list[str] = field(default_factory=list)

@@ -138,6 +138,16 @@ class Binding(BindingSpec):
     updated_at: float
     events: list[Event]
 
+    @property
+    def claimed(self) -> bool:
+        """Whether a prefill instance took this transfer (its compare-and-set ``bound →
+        prefill_started`` won). Until P signals D or D's deadline passes, P may be writing into
+        D's blocks; a binding that ended unclaimed never had, and never will have, a push."""
+        return any(e.state in _PUSH_STATES for e in self.events)
+
+
+_PUSH_STATES = frozenset({BindingState.PREFILL_STARTED, BindingState.PUSHING, BindingState.DONE})
+
 
 class InstanceRole(enum.StrEnum):
     PREFILL = "prefill"

@@ -8,11 +8,14 @@ one line naming both versions, instead of failing somewhere later.
 History: 1 — the first release (no version field; a missing version reads as 1).
 2 — D's handshake describes its KV memory by strides (``LayerLayout`` per layer); bindings
 state ``load_deadline`` and ``protocol``.
+3 — the binding is the lease: P claims a transfer (``bound → prefill_started``, compare-and-set)
+before it writes anything, and D frees the blocks of an aborted request at once when its own
+``bound → aborted`` wins; P's sender keeps each open push alive with ``progress`` signals.
 """
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 UNVERSIONED = 1  # what a message without a version field speaks
 
 

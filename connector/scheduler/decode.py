@@ -5,6 +5,12 @@
 fire-and-forget writer: ``schedule()`` never waits on the network. A binding the metaserver
 rejects (4xx) fails the load at once; an unreachable metaserver leaves it to the deadline
 (the write may have landed, so P may still be pushing into these blocks).
+
+The binding is the lease. When a request still waiting for its KV is aborted, D ends its binding
+(``aborted``, from the writer's thread). If P never took it (no ``prefill_started`` in its
+history: P's own compare-and-set from ``bound`` lost or never ran) no push can start any more,
+and the worker is told to release the blocks at once; otherwise they stay held until P's done
+signal or the deadline, as P may be writing into them.
 """
 
 from __future__ import annotations
@@ -12,14 +18,16 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vllm.v1.request import RequestStatus
+
 from connector.metadata import PdgateMetadata, RecvEntry
-from pdwire.client import BackgroundWriter, MetaserverHTTPError
+from pdwire.client import BackgroundWriter, ConflictError, MetaserverHTTPError, NotFoundError
 from pdwire.errors import ParamsError
-from pdwire.models import BindingSpec, KVEndpoint
+from pdwire.models import Binding, BindingSpec, BindingState, EventDetail, KVEndpoint
 from pdwire.params import parse_decode_leg
 from pdwire.version import PROTOCOL_VERSION
 
@@ -56,7 +64,11 @@ class DecodeSide:
         self._claimed: set[str] = set()  # req ids that already asked for their remote prefill
         self._new: list[RecvEntry] = []
         self._rejected: collections.deque[str] = collections.deque()
+        self._loading: dict[str, str] = {}  # req id -> transfer id, until its KV is in
+        self._released: collections.deque[str] = collections.deque()  # abort won: free now
         self.bindings_sent = 0
+        self.released = 0  # aborted loads freed at once (P never took the binding)
+        self.held = 0  # aborted loads P had taken: held until its signal or the deadline
 
     def matched(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         try:
@@ -104,6 +116,7 @@ class DecodeSide:
                 self._rejected.append(req_id)
 
         self._claimed.add(req_id)
+        self._loading[req_id] = params.transfer_id
         load_from = (prompt_len - num_external) // me.block_size
         self._new.append(RecvEntry(req_id, params.transfer_id, block_ids, load_from))
         self.bindings_sent += 1
@@ -114,8 +127,55 @@ class DecodeSide:
         meta.recvs, self._new = self._new, []
         while self._rejected:
             meta.failed_recvs.append(self._rejected.popleft())
+        while self._released:
+            meta.released_recvs.append(self._released.popleft())
+
+    def loaded(self, req_ids: Iterable[str]) -> None:
+        """The worker finished these loads (``finished_recving``): nothing to end any more."""
+        for req_id in req_ids:
+            self._loading.pop(req_id, None)
 
     def finished(self, request: Request) -> None:
         # While the request waits for KV, vLLM itself keeps its blocks until the worker
-        # reports it in finished_recving (after P's signal or the deadline).
-        self._claimed.discard(request.request_id)
+        # reports it in finished_recving (after P's signal, the deadline, or a won abort).
+        req_id = request.request_id
+        self._claimed.discard(req_id)
+        tid = self._loading.pop(req_id, None)
+        if tid is None or request.status != RequestStatus.FINISHED_ABORTED:
+            return
+
+        def on_done(body: bytes | None, error: Exception | None) -> None:
+            self._after_abort(req_id, tid, body, error)
+
+        detail = EventDetail(message="D's request was aborted while it waited for the KV")
+        self._writer.post_event(
+            tid,
+            BindingState.ABORTED,
+            self._me.instance_id,
+            detail,
+            on_done=on_done,
+            quiet_conflict=True,  # the proxy often ends it first
+        )
+
+    def _after_abort(
+        self, req_id: str, tid: str, body: bytes | None, error: Exception | None
+    ) -> None:
+        """On the writer's thread: release the blocks when P cannot have taken the binding."""
+        binding: Binding | None = None
+        if body is not None:
+            binding = Binding.model_validate_json(body)
+        elif isinstance(error, ConflictError):  # already ended (by the proxy, P, D's deadline)
+            try:
+                binding = self._writer.client.find_binding(tid)
+            except Exception as exc:
+                log.info("transfer %s: reading the ended binding failed: %s", tid, exc)
+                return
+        elif not isinstance(error, NotFoundError):
+            return  # unreachable metaserver: P may hold the lease; the deadline decides
+        if binding is not None and binding.claimed:
+            self.held += 1
+            log.debug("transfer %s (%s): P took it; blocks held until P's signal", tid, req_id)
+            return
+        self.released += 1
+        log.debug("transfer %s (%s): aborted before P took it; blocks freed", tid, req_id)
+        self._released.append(req_id)

@@ -144,6 +144,10 @@ class ConnectorScheduler:
             self.prefill.fill(meta, out)
         return meta
 
+    def update_connector_output(self, finished_recving: set[str] | None) -> None:
+        if self.decode is not None and finished_recving:
+            self.decode.loaded(finished_recving)
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:

@@ -12,14 +12,23 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
-from pdwire.client import AsyncMetaserverClient, NotFoundError
-from pdwire.models import Binding, Instance, InstanceRole
+from pdwire.client import AsyncMetaserverClient, ConflictError, NotFoundError
+from pdwire.models import Binding, BindingState, Instance, InstanceRole
 
 log = logging.getLogger("pdgate.connector.lookups")
 
 Verdict = bool | None  # True trusted, False rejected, None not known yet
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The outcome of P's compare-and-set ``bound → prefill_started`` on a binding."""
+
+    won: bool
+    why: str = ""  # when lost: the reason P pushes nothing
 
 
 class Lookups:
@@ -40,6 +49,7 @@ class Lookups:
         self._lock = threading.Lock()
         self._bindings: dict[str, Binding | Exception] = {}
         self._binding_pending: set[str] = set()
+        self._claims: dict[str, Claim | None] = {}  # None: under way
         self._instances: dict[str, tuple[Instance | None, float]] = {}
         self._instance_pending: set[str] = set()
         self._loop = asyncio.new_event_loop()
@@ -73,6 +83,33 @@ class Lookups:
     def forget_binding(self, transfer_id: str) -> None:
         with self._lock:
             self._bindings.pop(transfer_id, None)
+            self._claims.pop(transfer_id, None)
+
+    # -- the lease: P takes a transfer before it writes anything -----------------------------
+    def claim(self, transfer_id: str, actor: str) -> Claim | None:
+        """P's ``bound → prefill_started`` (started once; ``None`` while under way). Lost when
+        the binding already ended (D or the proxy aborted it, the deadline passed): then D may
+        have freed the blocks, so nothing may be written into them."""
+        with self._lock:
+            if transfer_id in self._claims:
+                return self._claims[transfer_id]
+            self._claims[transfer_id] = None
+        self._spawn(self._claim(transfer_id, actor))
+        return None
+
+    async def _claim(self, transfer_id: str, actor: str) -> None:
+        try:
+            await self._http().post_event(transfer_id, BindingState.PREFILL_STARTED, actor)
+            result = Claim(True)
+        except ConflictError as exc:
+            result = Claim(False, f"the binding ended before P took it ({exc.detail})")
+        except NotFoundError:
+            result = Claim(False, "the binding is gone (expired or deleted) before P took it")
+        except Exception as exc:  # unreachable metaserver: without the lease, no push
+            result = Claim(False, f"could not take the binding: {exc}")
+        with self._lock:
+            if transfer_id in self._claims:
+                self._claims[transfer_id] = result
 
     async def _fetch_binding(self, transfer_id: str) -> None:
         result: Binding | Exception

@@ -3,8 +3,13 @@
 Each step, for every request pushing to D, the blocks that became complete in this chunk go to
 the workers (full blocks only; the tail block on the last chunk; blocks D already has are
 skipped). ``finished`` keeps P's blocks (delay-free) until the workers report every push from
-them ended. Without a binding yet (concurrent mode) or before D's registration is confirmed,
-``matched`` answers ``None``: vLLM skips the request this step, so it holds no blocks.
+them ended. Without a binding yet (concurrent mode), before D's registration is confirmed or
+before P's lease on the binding is confirmed, ``matched`` answers ``None``: vLLM skips the
+request this step, so it holds no blocks.
+
+The lease: P writes nothing into D's blocks before its compare-and-set ``bound →
+prefill_started`` won in the metaserver. D (or the proxy) ending the binding first makes P push
+nothing, and lets D free its blocks at once.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class _Request:
     push: _Push | None = None  # set up by ``after_alloc``
     no_push: str | None = None  # why P will push nothing for it
     doubted_at: float | None = None  # when the registry first said no (``registry_grace_s``)
+    claimed: Binding | None = None  # P holds the lease (its ``prefill_started`` won)
 
 
 class PrefillSide:
@@ -85,6 +91,7 @@ class PrefillSide:
         self._requests: dict[str, _Request] = {}  # by request id, until ``finished``
         self._manager: KVCacheManager | None = None
         self.untrusted = 0
+        self.lost_claims = 0  # transfers ended (aborted, failed) before P could take them
 
     def bind(self, manager: KVCacheManager) -> None:
         self._manager = manager
@@ -127,18 +134,35 @@ class PrefillSide:
         return params.transfer_id, got
 
     def matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """``None`` (ask again next step; nothing allocated meanwhile) until P knows whether it
+        pushes: the binding is known, its decoder vouched for, the pairing workable and the
+        lease taken (``bound → prefill_started``)."""
         state = self._state(request)
-        if state.push is not None:
+        if state.push is not None or state.claimed is not None or state.no_push is not None:
             return 0, False
         found = self._binding(request, state)
         if found is None:
             return 0, False
-        binding = found[1]
+        tid, binding = found
         if binding is None:
-            return None, False  # ask again next step; nothing allocated meanwhile
+            return None, False
         verdict = self._lookups.trusted(binding)
         if verdict is None or (verdict is False and self._still_doubting(request, state, binding)):
             return None, False
+        if verdict is False:
+            self._distrust(request, state, tid, binding)
+            return 0, False
+        if self._refuse(state, tid, binding):
+            return 0, False
+        claim = self._lookups.claim(tid, self._actor)
+        if claim is None:
+            return None, False
+        if not claim.won:
+            self.lost_claims += 1
+            log.info("transfer %s: %s; no push", tid, claim.why)
+            state.no_push = claim.why
+            return 0, False
+        state.claimed = binding
         return 0, False
 
     def _still_doubting(self, request: Request, state: _Request, binding: Binding) -> bool:
@@ -162,35 +186,30 @@ class PrefillSide:
             )
         return True
 
-    def after_alloc(self, request: Request) -> None:
-        state = self._state(request)
-        if state.push is not None:
-            return
-        found = self._binding(request, state)
-        if found is None or found[1] is None:
-            return
-        tid, binding = found[0], found[1]
-        doubted, state.doubted_at = state.doubted_at, None
-        if self._lookups.trusted(binding) is not True:
-            self.untrusted += 1
-            log.warning(
-                "transfer %s names %s at %s, which the registry does not vouch for%s; no push",
-                tid,
-                binding.decode_instance_id,
-                binding.kv_endpoint,
-                "" if doubted is None else f" (asked for {self._clock() - doubted:.1f}s)",
-            )
-            state.no_push = (
-                f"the registry does not vouch for {binding.decode_instance_id} at "
-                f"{binding.kv_endpoint.host}:{binding.kv_endpoint.port}"
-            )
-            return
-        dest = Destination.of(binding, self._window)
-        if dest.deadline and self._wall() >= dest.deadline:
+    def _distrust(self, request: Request, state: _Request, tid: str, binding: Binding) -> None:
+        doubted = state.doubted_at
+        self.untrusted += 1
+        log.warning(
+            "transfer %s names %s at %s, which the registry does not vouch for%s; no push",
+            tid,
+            binding.decode_instance_id,
+            binding.kv_endpoint,
+            "" if doubted is None else f" (asked for {self._clock() - doubted:.1f}s)",
+        )
+        state.no_push = (
+            f"the registry does not vouch for {binding.decode_instance_id} at "
+            f"{binding.kv_endpoint.host}:{binding.kv_endpoint.port}"
+        )
+
+    def _refuse(self, state: _Request, tid: str, binding: Binding) -> bool:
+        """Whether P must not take this transfer (checked before the lease, so that a refusal
+        leaves the binding unclaimed and D free to drop its blocks at once)."""
+        deadline = Destination.of(binding, self._window).deadline
+        if deadline and self._wall() >= deadline:
             self.expired += 1
             log.warning("transfer %s: D's load deadline already passed; no push", tid)
             state.no_push = "D's load deadline already passed"
-            return
+            return True
         problem = mismatch(binding.protocol, f"D {binding.decode_instance_id}")
         if problem is None and binding.block_size != self._block_size:
             problem = f"D block size {binding.block_size} != P block size {self._block_size}"
@@ -199,13 +218,29 @@ class PrefillSide:
                 tp.ratio_of(self._tp, binding.tp_size)
             except LayoutError as exc:
                 problem = str(exc)
-        if problem is not None:  # refuse here: the worker must never meet a pairing it cannot route
-            self.refused += 1
-            log.error("transfer %s: %s; no push", tid, problem)
-            state.no_push = problem
-            if self._events is not None:
-                detail = EventDetail(error=problem)
-                self._events.post_event(tid, BindingState.FAILED, self._actor, detail)
+        if problem is None:
+            return False
+        # refused here, the worker never meets a pairing it cannot route
+        self.refused += 1
+        log.error("transfer %s: %s; no push", tid, problem)
+        state.no_push = problem
+        if self._events is not None:
+            self._events.post_event(
+                tid, BindingState.FAILED, self._actor, EventDetail(error=problem)
+            )
+        return True
+
+    def after_alloc(self, request: Request) -> None:
+        state = self._state(request)
+        binding = state.claimed
+        if state.push is not None or binding is None or state.params is None:
+            return
+        tid = state.params.transfer_id
+        dest = Destination.of(binding, self._window)
+        if dest.deadline and self._wall() >= dest.deadline:
+            self.expired += 1
+            log.warning("transfer %s: D's load deadline passed while P waited; no push", tid)
+            state.no_push = "D's load deadline already passed"
             return
         state.push = _Push(
             request=request,
@@ -234,14 +269,6 @@ class PrefillSide:
             upto = min(upto, len(push.d_blocks), len(p_blocks))
             pairs = [(p_blocks[i], push.d_blocks[i]) for i in range(push.next_block, upto)]
             push.next_block = max(push.next_block, upto)
-            if not push.emitted and self._events is not None:
-                # P's worker posts ``pushing`` from another process and may get there first
-                self._events.post_event(
-                    push.transfer_id,
-                    BindingState.PREFILL_STARTED,
-                    self._actor,
-                    quiet_conflict=True,
-                )
             if last:
                 self._close(meta, push, pairs)
             elif pairs:

@@ -227,6 +227,8 @@ class ConnectorWorker:
             self._recv_blocks[recv.req_id] = recv.block_ids[recv.load_from :]
         for req_id in meta.failed_recvs:
             self.tracker.fail(req_id)
+        if meta.released_recvs:
+            self.tracker.release(meta.released_recvs)
         if self.sender is not None:
             for chunk in meta.sends:
                 log.debug(

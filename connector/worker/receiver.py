@@ -3,8 +3,9 @@
 Signals are counted per transfer id and sender. One that arrives before the request is known
 is buffered (for up to the deadline); one for a transfer already finished (late, duplicate, an
 old attempt) is ignored. A request whose signals do not all arrive by its deadline is reported
-failed, so vLLM recomputes or fails it; an aborted request is released (without failure) only
-once P confirmed or the deadline passed — until then P may still be writing its blocks.
+failed, so vLLM recomputes or fails it; an aborted request is released (without failure) once P
+confirmed or the deadline passed — until then P may still be writing its blocks — or at once
+when the scheduler says P never took the binding (``release``).
 
 With digests in the signals (``verify_kv``, or always over a transport whose writes finish
 before they land, like Mooncake tcp), a mismatch first means "not landed yet": the request keeps
@@ -32,6 +33,7 @@ class _Recv:
     transfer_id: str
     deadline: float
     aborted: bool = False
+    released: bool = False  # aborted before P took the binding: nothing can land any more
     signalled_at: float | None = None  # all done signals in, digests not matching yet
     settling: bool = False  # holding the blocks for a failed write's late pieces (logged once)
 
@@ -89,6 +91,14 @@ class RecvTracker:
                 if recv is not None:
                     recv.aborted = True
 
+    def release(self, req_ids: Iterable[str]) -> None:
+        """Aborted requests whose binding ended before P took it: finish them now."""
+        with self._lock:
+            for req_id in req_ids:
+                recv = self._recvs.get(req_id)
+                if recv is not None:
+                    recv.aborted = recv.released = True
+
     def on_signal(self, sig: wire.Signal) -> None:
         log.debug(
             "signal %s from %s ok=%s expected=%d", sig.transfer_id, sig.sender, sig.ok, sig.expected
@@ -132,7 +142,7 @@ class RecvTracker:
 
     def _verdict(self, recv: _Recv, now: float) -> bool | None:
         """True: all KV arrived; False: failed or expired; None: keep waiting."""
-        if recv.req_id in self._failed_now:
+        if recv.req_id in self._failed_now or recv.released:
             return False
         entry = self._signals.get(recv.transfer_id)
         if entry is not None and entry.by_sender and now < entry.settle_until:

@@ -188,22 +188,83 @@ def test_decode_rejected_binding_fails_the_load_at_once(
     assert failed == [req.request_id]
 
 
-def test_decode_abort_while_waiting_keeps_blocks_until_worker_releases(
+def _abort_and_watch(s: Scheduler, req_id: str, seconds: float) -> list[str]:
+    """Abort ``req_id`` (waiting for its KV) and collect what the scheduler tells the worker to
+    release at once, for up to ``seconds``."""
+    s.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+    released: list[str] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not released:
+        _, meta = H.step(s)
+        released += meta.released_recvs
+        time.sleep(0.02)
+    return released
+
+
+def test_decode_abort_before_p_took_the_binding_frees_the_blocks_at_once(
     metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
 ) -> None:
     s = make_decoder(metaserver.url)
     before = H.free_blocks(s)
-    req = H.request(H.prompt(40), _recv_params("tid-abort"))
+    req = H.request(H.prompt(40), _recv_params("tid-abort-early"))
     s.add_request(req)
     H.step(s)
+    _wait_binding(metaserver.url, "tid-abort-early")
     assert H.free_blocks(s) == before - 3
-    s.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    t0 = time.monotonic()
+    assert _abort_and_watch(s, req.request_id, 5.0) == [req.request_id]
+    assert time.monotonic() - t0 < 2.0
+    final = httpx.get(f"{metaserver.url}/v1/bindings/tid-abort-early").json()
+    assert final["state"] == "aborted"  # P's compare-and-set can no longer win
+    assert [e["actor"] for e in final["events"]] == ["decoder-0", "decoder-0"]
+    H.step(s, recving={req.request_id})  # the worker finishes it on that word
     H.step(s)
+    H.assert_empty(s)
+    assert H.connector_of(s).scheduler.decode.released == 1  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("ended_by_proxy", [False, True])
+def test_decode_abort_after_p_took_the_binding_keeps_blocks_until_worker_releases(
+    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler], ended_by_proxy: bool
+) -> None:
+    s = make_decoder(metaserver.url)
+    before = H.free_blocks(s)
+    tid = f"tid-abort-late-{ended_by_proxy}"
+    req = H.request(H.prompt(40), _recv_params(tid))
+    s.add_request(req)
+    H.step(s)
+    _wait_binding(metaserver.url, tid)
+    events = f"{metaserver.url}/v1/bindings/{tid}/events"
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    taken = httpx.post(events, json={"state": "prefill_started", "actor": "p"}, headers=auth)
+    assert taken.status_code == 200, taken.text
+    if ended_by_proxy:  # the proxy's abort lands first: D's own is a conflict
+        r = httpx.post(events, json={"state": "aborted", "actor": "proxy"}, headers=auth)
+        assert r.status_code == 200, r.text
+    assert _abort_and_watch(s, req.request_id, 1.5) == []
     assert H.free_blocks(s) == before - 3  # P may still be writing: blocks stay
     assert H.connector_of(s).request_finished(req, []) == (False, None)
+    assert H.connector_of(s).scheduler.decode.held == 1  # type: ignore[union-attr]
     H.step(s, recving={req.request_id})  # worker: P confirmed or deadline passed
     H.step(s)
     H.assert_empty(s)
+
+
+def test_decode_finished_load_is_not_ended_again(
+    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+) -> None:
+    s = make_decoder(metaserver.url)
+    req = H.request(H.prompt(40), _recv_params("tid-loaded"), max_tokens=50)
+    s.add_request(req)
+    H.step(s)
+    _wait_binding(metaserver.url, "tid-loaded")
+    H.step(s, recving={req.request_id})  # the KV is in; the request decodes
+    H.step(s)
+    assert _abort_and_watch(s, req.request_id, 0.5) == []
+    decode = H.connector_of(s).scheduler.decode  # type: ignore[union-attr]
+    assert decode is not None and decode.held == decode.released == 0
+    state = httpx.get(f"{metaserver.url}/v1/bindings/tid-loaded").json()["state"]
+    assert state == "bound"  # no abort posted for a request that was not waiting any more
 
 
 def test_decode_request_loads_then_decodes_and_is_not_claimed_twice(

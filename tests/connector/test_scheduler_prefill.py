@@ -375,3 +375,52 @@ def test_prefill_refuses_a_decoder_with_more_tp_ranks_before_computing(
             break
         time.sleep(0.05)
     assert failed and "multiple of D tp 2" in failed[0]["detail"]["error"]
+
+
+def test_prefill_takes_the_lease_before_its_first_push(
+    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    _register_decoder(metaserver.url)
+    s = make_prefiller(metaserver.url, batched=40)
+    b = _bind(metaserver.url, "tid-lease", 60)
+    req = H.request(H.prompt(60), _send_params("tid-lease", b), max_tokens=1)
+    s.add_request(req)
+    out, meta = _step_until_scheduled(s, req.request_id)
+    assert _pushes(meta, req.request_id)  # the first chunk's blocks go out …
+    now = httpx.get(f"{metaserver.url}/v1/bindings/tid-lease").json()
+    # … only after P's compare-and-set bound → prefill_started landed
+    assert now["state"] == "prefill_started"
+    assert [(e["state"], e["actor"]) for e in now["events"]] == [
+        ("bound", "dec-1"),
+        ("prefill_started", "pre-1"),
+    ]
+
+
+@pytest.mark.parametrize("ended", ["aborted", "failed"])
+def test_prefill_pushes_nothing_into_a_binding_that_ended_before_p_took_it(
+    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler], ended: str
+) -> None:
+    _register_decoder(metaserver.url)
+    s = make_prefiller(metaserver.url, batched=64)
+    tid = f"tid-late-{ended}"
+    b = _bind(metaserver.url, tid, 40)
+    r = httpx.post(  # D's request was aborted first: it may free these blocks at once
+        f"{metaserver.url}/v1/bindings/{tid}/events",
+        json={"state": ended, "actor": "dec-1"},
+        headers=AUTH,
+    )
+    assert r.status_code == 200, r.text
+    req = H.request(H.prompt(40), _send_params(tid, b), max_tokens=1)
+    s.add_request(req)
+    out, meta = _step_until_scheduled(s, req.request_id)
+    assert meta.sends == []  # computed and answered, nothing written into D's blocks
+    for _ in range(2):
+        out, meta = H.step(s)
+        assert meta.sends == []
+    report = H.FINISHED_PARAMS[req.request_id]
+    assert report is not None
+    assert report["push"] == "none" and report["transfer_id"] == tid
+    assert report["reason"].startswith("the binding ended before P took it"), report
+    assert ended in report["reason"], report
+    assert httpx.get(f"{metaserver.url}/v1/bindings/{tid}").json()["state"] == ended
+    H.assert_empty(s)

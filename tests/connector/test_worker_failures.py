@@ -16,6 +16,7 @@ from connector.metadata import PdgateMetadata, RecvEntry
 from connector.transport import InProcessTransport
 from connector.worker.receiver import RecvTracker
 from connector.worker.side_channel import handshake
+from pdwire.version import PROTOCOL_VERSION
 from tests.connector import cluster as C
 
 
@@ -84,6 +85,17 @@ def test_receiver_aborted_request_waits_for_p_or_deadline_then_releases_without_
     assert t.poll() == ({"r1"}, set())
     clock.now += 31
     assert t.poll() == ({"r2"}, set())
+
+
+def test_receiver_releases_an_aborted_load_p_never_took_at_once() -> None:
+    t = RecvTracker(30.0, FakeClock())
+    t.expect("r1", "t1")
+    t.expect("r2", "t2")
+    t.release(["r1", "unknown"])  # the scheduler won bound → aborted for t1
+    assert t.poll() == ({"r1"}, set())  # finished, not failed: the request is gone anyway
+    t.on_signal(_sig("t1", "p/0"))  # nothing can come, and if it did it is ignored
+    assert t.poll() == (set(), set()) and t.ignored_signals == 1
+    assert t.pending() == 1
 
 
 def test_worker_handshake_with_nobody_listening_fails_and_releases_p() -> None:
@@ -310,7 +322,7 @@ def test_worker_peers_of_another_protocol_refuse_each_other_at_the_handshake(
         assert server is not None
         server._welcome = lambda hello: _OldWelcome("d-eng", "e", 0, 1, "s", [], [], {})  # type: ignore[assignment,return-value]
     else:
-        sender.handshakes._hello = wire.Hello("p-eng", 3)
+        sender.handshakes._hello = wire.Hello("p-eng", PROTOCOL_VERSION + 1)
     try:
         C.fill_prefill(p)
         C.expect(d, "dreq", "tproto", [1])
@@ -325,9 +337,12 @@ def test_worker_peers_of_another_protocol_refuse_each_other_at_the_handshake(
         on_p = [m for m in lines if m.startswith("handshake with 127.0.0.1")]
         assert on_p, lines
         if who == "old-d":
-            assert f"D at 127.0.0.1:{port} speaks pdgate protocol 1, this side 2" in on_p[0]
+            expected = f"speaks pdgate protocol 1, this side {PROTOCOL_VERSION}"
+            assert f"D at 127.0.0.1:{port} {expected}" in on_p[0]
         else:
             on_d = [m for m in lines if m.startswith("rank 0 refuses a handshake")]
-            assert on_d and "P engine p-eng speaks pdgate protocol 3, this side 2" in on_d[0]
+            newer = PROTOCOL_VERSION + 1
+            expected = f"p-eng speaks pdgate protocol {newer}, this side {PROTOCOL_VERSION}"
+            assert on_d and f"P engine {expected}" in on_d[0]
     finally:
         C.close(p, d)
