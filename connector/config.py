@@ -75,6 +75,19 @@ class ConnectorSettings(LayeredSettings):
     verify_kv: bool = Field(
         False, description="P sends a crc32 per pushed piece, D checks them (cpu memory only)"
     )
+    keepalive_s: float = Field(
+        0.5,
+        ge=0,
+        le=60,
+        description="P: while a push is open, tell D it is alive this often (0: never)",
+    )
+    silence_s: float = Field(
+        3.0,
+        ge=0,
+        le=600,
+        description="D: a load whose P sent keep-alives and then nothing for this long fails "
+        "(recomputed or failed, per kv_load_failure_policy); 0: wait for the deadline",
+    )
     landing_wait_s: float = Field(
         10.0,
         ge=0,

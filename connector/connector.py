@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from connector.compat import (
@@ -26,7 +27,7 @@ from connector.compat import (
     refuse_unsupported,
 )
 from connector.config import load_settings
-from connector.metadata import PdgateMetadata
+from connector.metadata import PdgateMetadata, PdgateWorkerMetadata
 from connector.scheduler.blocks import BlockTracker
 
 if TYPE_CHECKING:
@@ -119,7 +120,9 @@ class PdgateConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self.scheduler is not None:
-            self.scheduler.update_connector_output(connector_output.finished_recving)
+            meta = connector_output.kv_connector_worker_meta
+            silent = meta.silent if isinstance(meta, PdgateWorkerMetadata) else frozenset()
+            self.scheduler.update_connector_output(connector_output.finished_recving, silent)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -179,6 +182,12 @@ class PdgateConnector(KVConnectorBase_V1):
         if self._legacy and res.failed_recving and self.worker is not None:
             self._load_errors |= self.worker.blocks_of(res.failed_recving)
         return res.finished_sending or None, res.finished_recving or None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self.worker is None:
+            return None
+        silent = self.worker.silent_loads()
+        return PdgateWorkerMetadata(silent) if silent else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM before 0.32: the blocks of loads that failed (it recomputes from the first);

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from pdwire.models import Binding
 
@@ -76,3 +79,16 @@ class PdgateMetadata(KVConnectorMetadata):
     failed_recvs: list[str] = field(default_factory=list)  # req ids whose binding was rejected
     # aborted req ids whose binding ended before P took it: no push can come, free at once
     released_recvs: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PdgateWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler half each step (vLLM aggregates the ranks')."""
+
+    # req ids whose load failed because P went silent: P may be frozen and write later, so the
+    # scheduler keeps their blocks out of use until the load's deadline
+    silent: frozenset[str] = frozenset()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, PdgateWorkerMetadata)
+        return PdgateWorkerMetadata(self.silent | other.silent)

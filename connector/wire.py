@@ -60,7 +60,15 @@ class Signal(msgspec.Struct, tag="signal", frozen=True):
     settle_s: float = 0.0
 
 
-Message = Hello | Welcome | Refused | Signal
+class Alive(msgspec.Struct, tag="alive", frozen=True):
+    """P's sender is alive and these transfers to this D rank are still open: sent every
+    ``keepalive_s`` while a push is open. D fails a load whose P went silent (``silence_s``)."""
+
+    sender: str  # "<p engine id>/<p rank>"
+    transfer_ids: list[str]
+
+
+Message = Hello | Welcome | Refused | Signal | Alive
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

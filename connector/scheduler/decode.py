@@ -32,7 +32,8 @@ from pdwire.params import parse_decode_leg
 from pdwire.version import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import Request
 
 log = logging.getLogger("pdgate.connector.decode")
@@ -47,6 +48,21 @@ class Identity:
     num_kv_heads: int | None
     use_mla: bool
     block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Load:
+    """A request waiting for P's push."""
+
+    transfer_id: str
+    blocks: list[int]  # the blocks P writes (after D's own prefix hit)
+    expires: float  # monotonic: D's load deadline (P never writes after it)
+
+
+@dataclass(frozen=True, slots=True)
+class _Quarantine:
+    expires: float
+    blocks: list[KVCacheBlock]
 
 
 class DecodeSide:
@@ -64,11 +80,17 @@ class DecodeSide:
         self._claimed: set[str] = set()  # req ids that already asked for their remote prefill
         self._new: list[RecvEntry] = []
         self._rejected: collections.deque[str] = collections.deque()
-        self._loading: dict[str, str] = {}  # req id -> transfer id, until its KV is in
+        self._loading: dict[str, _Load] = {}  # by req id, until its KV is in
+        self._manager: KVCacheManager | None = None
+        self._quarantined: list[_Quarantine] = []
         self._released: collections.deque[str] = collections.deque()  # abort won: free now
         self.bindings_sent = 0
         self.released = 0  # aborted loads freed at once (P never took the binding)
         self.held = 0  # aborted loads P had taken: held until its signal or the deadline
+        self.quarantined_blocks = 0  # blocks a silent P may still write, kept out of use now
+
+    def bind(self, manager: KVCacheManager) -> None:
+        self._manager = manager
 
     def matched(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         try:
@@ -116,8 +138,9 @@ class DecodeSide:
                 self._rejected.append(req_id)
 
         self._claimed.add(req_id)
-        self._loading[req_id] = params.transfer_id
         load_from = (prompt_len - num_external) // me.block_size
+        expires = time.monotonic() + self._load_timeout_s
+        self._loading[req_id] = _Load(params.transfer_id, block_ids[load_from:], expires)
         self._new.append(RecvEntry(req_id, params.transfer_id, block_ids, load_from))
         self.bindings_sent += 1
         if not self._writer.put_binding(params.transfer_id, spec, on_done=on_done):
@@ -129,20 +152,57 @@ class DecodeSide:
             meta.failed_recvs.append(self._rejected.popleft())
         while self._released:
             meta.released_recvs.append(self._released.popleft())
+        self._end_quarantines()
 
     def loaded(self, req_ids: Iterable[str]) -> None:
         """The worker finished these loads (``finished_recving``): nothing to end any more."""
         for req_id in req_ids:
             self._loading.pop(req_id, None)
 
+    def quarantine(self, req_ids: Iterable[str]) -> None:
+        """Loads failed because P went silent: P may only be frozen and write into these blocks
+        when it wakes (it never writes past D's deadline), so hold one more reference on each
+        until the deadline: vLLM frees or recomputes the request into other blocks meanwhile."""
+        if self._manager is None:
+            return
+        pool = self._manager.block_pool
+        for req_id in req_ids:
+            load = self._loading.get(req_id)
+            if load is None or not load.blocks:
+                continue
+            blocks = [pool.blocks[b] for b in load.blocks]
+            pool.touch(blocks)
+            self.quarantined_blocks += len(blocks)
+            self._quarantined.append(_Quarantine(load.expires, blocks))
+            log.info(
+                "transfer %s (%s): %d blocks kept out of use for %.0fs (P may still write them)",
+                load.transfer_id,
+                req_id,
+                len(blocks),
+                max(0.0, load.expires - time.monotonic()),
+            )
+
+    def _end_quarantines(self) -> None:
+        if not self._quarantined:
+            return
+        now = time.monotonic()
+        assert self._manager is not None
+        ended = [q for q in self._quarantined if q.expires <= now]
+        if ended:
+            self._quarantined = [q for q in self._quarantined if q.expires > now]
+        for q in ended:
+            self._manager.block_pool.free_blocks(q.blocks)
+            self.quarantined_blocks -= len(q.blocks)
+
     def finished(self, request: Request) -> None:
         # While the request waits for KV, vLLM itself keeps its blocks until the worker
         # reports it in finished_recving (after P's signal, the deadline, or a won abort).
         req_id = request.request_id
         self._claimed.discard(req_id)
-        tid = self._loading.pop(req_id, None)
-        if tid is None or request.status != RequestStatus.FINISHED_ABORTED:
+        load = self._loading.pop(req_id, None)
+        if load is None or request.status != RequestStatus.FINISHED_ABORTED:
             return
+        tid = load.transfer_id
 
         def on_done(body: bytes | None, error: Exception | None) -> None:
             self._after_abort(req_id, tid, body, error)

@@ -116,6 +116,8 @@ class ConnectorScheduler:
     def bind(self, manager: KVCacheManager) -> None:
         if self.prefill is not None:
             self.prefill.bind(manager)
+        if self.decode is not None:
+            self.decode.bind(manager)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -144,8 +146,14 @@ class ConnectorScheduler:
             self.prefill.fill(meta, out)
         return meta
 
-    def update_connector_output(self, finished_recving: set[str] | None) -> None:
-        if self.decode is not None and finished_recving:
+    def update_connector_output(
+        self, finished_recving: set[str] | None, silent: frozenset[str] = frozenset()
+    ) -> None:
+        if self.decode is None:
+            return
+        if silent:  # before vLLM frees (or recomputes into) their blocks, this same step
+            self.decode.quarantine(silent)
+        if finished_recving:
             self.decode.loaded(finished_recving)
 
     def request_finished(

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from connector import wire
+from connector.compat import features
 from connector.config import ConnectorSettings
 from connector.device import Device, make_device
 from connector.errors import ConfigError
@@ -88,7 +89,12 @@ class ConnectorWorker:
         self.tamper: TamperingTransport | None = None  # TEST ONLY: ``test_corrupt_push``
         self.server: SideChannelServer | None = None
         self.tracker = RecvTracker(
-            settings.kv_load_timeout_s, clock, landing_wait_s=settings.landing_wait_s
+            settings.kv_load_timeout_s,
+            clock,
+            landing_wait_s=settings.landing_wait_s,
+            # the scheduler quarantines what a silent P may still write only where vLLM hands
+            # the connector its KV cache manager
+            silence_s=settings.silence_s if features().bind_manager else 0.0,
         )
         self._absorbed: PdgateMetadata | None = None
         self._sends: set[str] = set()  # req ids this rank knows as sending
@@ -133,6 +139,7 @@ class ConnectorWorker:
                 port,
                 self._welcome,
                 self.tracker.on_signal,
+                self.tracker.on_alive,
             )
         if self.role in ("kv_producer", "kv_both"):
             self.sender = self._make_sender(self.memory, verify)
@@ -149,6 +156,7 @@ class ConnectorWorker:
             write_retries=s.write_retries,
             verify=verify,
             recheck_sources=s.verify_kv,
+            keepalive_s=s.keepalive_s,
         )
         transport: Transport = self.transport
         checksums: digest.Checksums = self.device.checksums
@@ -294,6 +302,10 @@ class ConnectorWorker:
         recving, failed = self.tracker.poll()
         self._ended_blocks = {r: self._recv_blocks.pop(r, []) for r in recving}
         return sending, recving, failed
+
+    def silent_loads(self) -> frozenset[str]:
+        """Loads failed (this step) because P went silent (see ``RecvTracker.take_silent``)."""
+        return frozenset(self.tracker.take_silent())
 
     def blocks_of(self, req_ids: set[str]) -> set[int]:
         """The blocks the loads of ``req_ids`` were to fill, for loads the last

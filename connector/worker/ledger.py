@@ -69,6 +69,11 @@ class Ledger:
         tr = self.transfers.get(req_id)
         return tr is None or tr.queued == 0
 
+    def open_transfers(self) -> list[Transfer]:
+        """Transfers this rank writes and has not ended (for the keep-alives)."""
+        with self._lock:
+            return [t for t in self.transfers.values() if not t.ended and t.route is not None]
+
     def forget(self, req_id: str) -> None:
         with self._lock:
             self.transfers.pop(req_id, None)

@@ -43,6 +43,7 @@ class _Signals:
     first_at: float
     by_sender: dict[str, wire.Signal] = field(default_factory=dict)
     settle_until: float = 0.0  # a P rank's failed write may land until then: hold the blocks
+    alive_at: float | None = None  # P's last keep-alive for this transfer
 
 
 class RecvTracker:
@@ -52,8 +53,10 @@ class RecvTracker:
         clock: Callable[[], float] = time.monotonic,
         retired_max: int = 65_536,
         landing_wait_s: float = 10.0,
+        silence_s: float = 0.0,
     ) -> None:
         self._timeout = timeout_s
+        self._silence = silence_s
         self._landing_wait = landing_wait_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -68,6 +71,8 @@ class RecvTracker:
         self.corrupt = 0
         self.verified = 0  # transfers whose digests all matched
         self.late_landings = 0  # of those: matched only after their done signals
+        self.silent = 0  # loads failed because P stopped sending keep-alives
+        self._quarantine: set[str] = set()  # failed while P may still write: see ``take_silent``
         # ``verify_kv``: checks a complete transfer's digests ("" = the KV landed intact)
         self.verify: Callable[[wire.Signal], str] | None = None
 
@@ -117,6 +122,24 @@ class RecvTracker:
             if sig.settle_s > 0:
                 entry.settle_until = max(entry.settle_until, self._clock() + sig.settle_s)
 
+    def on_alive(self, alive: wire.Alive) -> None:
+        now = self._clock()
+        with self._lock:
+            for tid in alive.transfer_ids:
+                if tid in self._retired:
+                    continue
+                entry = self._signals.get(tid)
+                if entry is None:
+                    entry = self._signals[tid] = _Signals(now)
+                entry.alive_at = now
+
+    def take_silent(self) -> set[str]:
+        """Req ids failed for P's silence since the last call: P may only be frozen and write
+        again later, so their blocks must stay out of use until the deadline."""
+        with self._lock:
+            silent, self._quarantine = self._quarantine, set()
+        return silent
+
     def pending(self) -> int:
         with self._lock:
             return len(self._recvs)
@@ -165,6 +188,20 @@ class RecvTracker:
                 return False
             if len(entry.by_sender) >= max(s.expected for s in sigs):
                 return self._intact(recv, sigs, now)
+        alive_at = entry.alive_at if entry is not None else None
+        # (an aborted request has no answer to hurry: it keeps waiting for P or the deadline)
+        silent = alive_at is not None and now - alive_at >= self._silence
+        if self._silence and silent and not recv.aborted:
+            self.silent += 1
+            self._quarantine.add(recv.req_id)
+            log.warning(
+                "transfer %s (%s): no word from P for %.1fs (killed or frozen?); failing the "
+                "load; its blocks stay out of use until the deadline",
+                recv.transfer_id,
+                recv.req_id,
+                now - (alive_at or now),
+            )
+            return False
         if now >= recv.deadline:
             self.expired += 1
             got = len(entry.by_sender) if entry is not None else 0

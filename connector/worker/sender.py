@@ -24,6 +24,7 @@ from connector.transport import Transport
 from connector.worker import digest
 from connector.worker.batch import check_pairable
 from connector.worker.handshake import HandshakeCache, Peer
+from connector.worker.keepalive import KeepAlive
 from connector.worker.ledger import Ledger
 from connector.worker.loop import SenderLoop
 from connector.worker.memory import KVMemory
@@ -48,6 +49,7 @@ class SenderOptions:
     write_retries: int = 1  # a failed batch is written again this many times
     verify: bool = False  # sign every piece written (``verify_kv``, or proof of arrival)
     recheck_sources: bool = True  # with ``verify``: read P's KV again at the end (verify_kv)
+    keepalive_s: float = 0.5  # ``Alive`` to D for each open transfer this often (0: never)
 
     @property
     def me(self) -> str:
@@ -95,6 +97,8 @@ class Sender:
         self._loop = SenderLoop(
             memory, self._ledger, self.handshakes, self._writer, recorder, wall_clock
         )
+        self.keepalive = KeepAlive(options.me, self._ledger, options.keepalive_s)
+        self.keepalive.start()
         self._loop.start()
 
     @property
@@ -159,5 +163,6 @@ class Sender:
         self._loop.wake()
 
     def close(self) -> None:
+        self.keepalive.stop()
         self._loop.stop(2.0)
         self.handshakes.close()

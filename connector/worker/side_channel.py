@@ -38,6 +38,7 @@ class SideChannelServer:
         port: int,
         make_welcome: Callable[[wire.Hello], wire.Welcome | wire.Refused],
         on_signal: Callable[[wire.Signal], None],
+        on_alive: Callable[[wire.Alive], None] | None = None,
     ) -> None:
         zmq = _zmq()
         self._ctx = zmq.Context()
@@ -48,6 +49,7 @@ class SideChannelServer:
         self.port = port
         self._welcome = make_welcome
         self._on_signal = on_signal
+        self._on_alive = on_alive
         self._stop = threading.Event()
         self.bad_messages = 0
         self._thread = threading.Thread(target=self._run, name=f"pdgate-side-{port}", daemon=True)
@@ -80,6 +82,9 @@ class SideChannelServer:
                     self._on_signal(msg)
                 except Exception:
                     log.exception("signal handler failed")
+            elif isinstance(msg, wire.Alive):
+                if self._on_alive is not None:
+                    self._on_alive(msg)
             else:
                 self.bad_messages += 1
         self._sock.close(0)
@@ -116,14 +121,15 @@ def handshake(host: str, port: int, hello: wire.Hello, timeout_s: float) -> wire
 
 
 class SignalClient:
-    """Done/failed signals to D ranks (use from one thread: ZeroMQ sockets are not shared)."""
+    """Done/failed signals and keep-alives to D ranks (use from one thread: ZeroMQ sockets are
+    not shared)."""
 
     def __init__(self) -> None:
         zmq = _zmq()
         self._ctx = zmq.Context.instance()
         self._socks: dict[tuple[str, int], Any] = {}
 
-    def send(self, host: str, port: int, signal: wire.Signal) -> bool:
+    def send(self, host: str, port: int, signal: wire.Signal | wire.Alive) -> bool:
         zmq = _zmq()
         sock = self._socks.get((host, port))
         if sock is None:

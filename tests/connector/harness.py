@@ -26,7 +26,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from connector.connector import PdgateConnector
-from connector.metadata import PdgateMetadata
+from connector.metadata import PdgateMetadata, PdgateWorkerMetadata
 
 BLOCK = 16
 EOS = 2
@@ -125,6 +125,7 @@ def runner_output(
     sending: set[str] | None = None,
     recving: set[str] | None = None,
     failed: set[str] | None = None,
+    silent: set[str] | None = None,
     token: int = 7,
     s: Scheduler | None = None,
 ) -> ModelRunnerOutput:
@@ -133,12 +134,14 @@ def runner_output(
     connector's ``get_block_ids_with_load_errors``: those after D's own prefix hit)."""
     req_ids = list(out.num_scheduled_tokens)
     kv = None
+    worker_meta = PdgateWorkerMetadata(frozenset(silent)) if silent else None
     if sending or recving or failed:
         if "failed_recving" in KVConnectorOutput.__dataclass_fields__:
             kv = KVConnectorOutput(
                 finished_sending=sending or None,
                 finished_recving=recving or None,
                 failed_recving=failed or set(),
+                kv_connector_worker_meta=worker_meta,
             )
         else:
             assert s is not None or not failed
@@ -147,6 +150,7 @@ def runner_output(
                 finished_sending=sending or None,
                 finished_recving=recving or None,
                 invalid_block_ids=invalid,
+                kv_connector_worker_meta=worker_meta,
             )
     return ModelRunnerOutput(
         req_ids=req_ids,

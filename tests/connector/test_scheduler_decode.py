@@ -12,6 +12,7 @@ import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from connector.compat import features
 from connector.metadata import PdgateMetadata
 from tests.connector import harness as H
 from tests.connector.slow_proxy import SlowProxy
@@ -300,4 +301,34 @@ def test_decode_failed_load_is_recomputed_locally(
     assert meta.recvs == []
     for _ in range(4):
         H.step(s)
+    H.assert_empty(s)
+
+
+def test_decode_load_failed_for_a_silent_p_recomputes_in_other_blocks_until_the_deadline(
+    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+) -> None:
+    if not features().bind_manager:
+        pytest.skip("this vLLM never hands the connector its KVCacheManager: silence_s is off")
+    s = make_decoder(metaserver.url, kv_load_timeout_s=3.0)
+    before = H.free_blocks(s)
+    req = H.request(H.prompt(40), _recv_params("tid-silent"), max_tokens=2)
+    s.add_request(req)
+    H.step(s)
+    loading = H.block_ids(s, req.request_id)
+    assert len(loading) == 3
+    rid = req.request_id
+    # the worker: P went silent, the load failed; a frozen P may still write those blocks
+    H.step(s, recving={rid}, failed={rid}, silent={rid})
+    out, _ = H.step(s)
+    assert out.num_scheduled_tokens.get(rid) == 40  # recomputed at once …
+    assert not set(H.block_ids(s, rid)) & set(loading)  # … into other blocks
+    for _ in range(4):
+        H.step(s)
+    assert not s.requests  # answered
+    assert H.free_blocks(s) == before - 3  # the silent P's blocks are still out of use
+    decode = H.connector_of(s).scheduler.decode  # type: ignore[union-attr]
+    assert decode is not None and decode.quarantined_blocks == 3
+    time.sleep(3.0)
+    H.step(s)  # past D's deadline P never writes: they go back
+    assert H.free_blocks(s) == before and decode.quarantined_blocks == 0
     H.assert_empty(s)

@@ -11,11 +11,13 @@ import msgspec
 import pytest
 import torch
 
-from connector import wire
-from connector.metadata import PdgateMetadata, RecvEntry
+from connector import tp, wire
+from connector.metadata import PdgateMetadata, RecvEntry, SendChunk
 from connector.transport import InProcessTransport
+from connector.worker.keepalive import KeepAlive
+from connector.worker.ledger import Ledger
 from connector.worker.receiver import RecvTracker
-from connector.worker.side_channel import handshake
+from connector.worker.side_channel import SideChannelServer, handshake
 from pdwire.version import PROTOCOL_VERSION
 from tests.connector import cluster as C
 
@@ -96,6 +98,90 @@ def test_receiver_releases_an_aborted_load_p_never_took_at_once() -> None:
     t.on_signal(_sig("t1", "p/0"))  # nothing can come, and if it did it is ignored
     assert t.poll() == (set(), set()) and t.ignored_signals == 1
     assert t.pending() == 1
+
+
+def test_receiver_fails_a_load_whose_p_went_silent_and_asks_to_quarantine_it() -> None:
+    clock = FakeClock()
+    t = RecvTracker(30.0, clock, silence_s=3.0)
+    t.expect("r1", "t1")
+    t.expect("r2", "t2")  # P never started this one: only the deadline can end it
+    t.on_alive(wire.Alive("p/0", ["t1"]))
+    clock.now += 2.9
+    assert t.poll() == (set(), set())
+    t.on_alive(wire.Alive("p/0", ["t1"]))  # still alive
+    clock.now += 2.9
+    assert t.poll() == (set(), set()) and t.take_silent() == set()
+    clock.now += 0.2  # 3.1 s without a word: killed or frozen
+    assert t.poll() == ({"r1"}, {"r1"}) and t.silent == 1
+    assert t.take_silent() == {"r1"} and t.take_silent() == set()
+    t.on_alive(wire.Alive("p/0", ["t1"]))  # a late keep-alive of a retired transfer
+    assert t.pending() == 1 and t.poll() == (set(), set())
+    clock.now += 30
+    assert t.poll() == ({"r2"}, {"r2"}) and t.take_silent() == set()
+
+
+def test_receiver_keepalive_before_the_request_is_known_counts() -> None:
+    clock = FakeClock()
+    t = RecvTracker(30.0, clock, silence_s=3.0)
+    t.on_alive(wire.Alive("p/0", ["t1"]))
+    t.expect("r1", "t1")
+    clock.now += 3.5
+    assert t.poll() == ({"r1"}, {"r1"})
+
+
+def test_receiver_silence_does_not_end_an_aborted_load_early() -> None:
+    clock = FakeClock()
+    t = RecvTracker(30.0, clock, silence_s=3.0)
+    t.expect("r1", "t1")
+    t.on_alive(wire.Alive("p/0", ["t1"]))
+    t.aborted({"r1"})
+    clock.now += 10  # nobody waits for this answer: P's signal or the deadline frees it
+    assert t.poll() == (set(), set()) and t.take_silent() == set()
+    clock.now += 21
+    assert t.poll() == ({"r1"}, set())
+
+
+def test_receiver_without_silence_waits_for_the_deadline() -> None:
+    clock = FakeClock()
+    t = RecvTracker(30.0, clock)
+    t.expect("r1", "t1")
+    t.on_alive(wire.Alive("p/0", ["t1"]))
+    clock.now += 29
+    assert t.poll() == (set(), set())
+
+
+def test_sender_keepalive_names_open_transfers_to_each_d_rank() -> None:
+    port = C.free_port_range(2)
+    got: list[tuple[int, wire.Alive]] = []
+    servers = [
+        SideChannelServer(
+            "127.0.0.1",
+            port + r,
+            lambda hello: wire.Refused("no"),
+            lambda sig: None,
+            lambda alive, r=r: got.append((r, alive)),  # type: ignore[misc]
+        )
+        for r in range(2)
+    ]
+    ledger = Ledger(lambda chunk: tp.Route(int(chunk.req_id[-1]), 4, 0, 1))
+    d = C.destination(C.Instance("d-eng", 2, 8, False, 32, 16, 32), port)
+    for req in ("a0", "b0", "c1"):
+        ledger.open(SendChunk(req, f"t-{req}", d, [], False))
+    ledger.ended(ledger.transfers["b0"])  # signalled: no more keep-alives for it
+    ka = KeepAlive("p-eng/0", ledger, interval_s=0.05)
+    ka.start()
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and {r for r, _ in got} != {0, 1}:
+            time.sleep(0.02)
+    finally:
+        ka.stop()
+        for s in servers:
+            s.close()
+    assert {(r, a.sender, tuple(a.transfer_ids)) for r, a in got} == {
+        (0, "p-eng/0", ("t-a0",)),
+        (1, "p-eng/0", ("t-c1",)),
+    }
 
 
 def test_worker_handshake_with_nobody_listening_fails_and_releases_p() -> None:
