@@ -81,7 +81,7 @@ class ProxySettings(LayeredSettings):
     prefill_timeout_s: float = Field(300.0, gt=0, description="the whole prefill leg")
     binding_wait_s: float = Field(30.0, gt=0, description="D writing its binding")
     prefill_grace_s: float = Field(
-        2.0,
+        0.5,
         ge=0,
         description="decode-first: once D streams, how long P's answer is still awaited "
         "(its push report and cached tokens) before P's leg is dropped",
