@@ -60,6 +60,14 @@ class _Load:
 
 
 @dataclass(frozen=True, slots=True)
+class _Outgoing:
+    req_id: str
+    transfer_id: str
+    spec: BindingSpec
+    on_done: Callable[[bytes | None, Exception | None], None]
+
+
+@dataclass(frozen=True, slots=True)
 class _Quarantine:
     expires: float
     blocks: list[KVCacheBlock]
@@ -79,6 +87,7 @@ class DecodeSide:
         self._wall = wall
         self._claimed: set[str] = set()  # req ids that already asked for their remote prefill
         self._new: list[RecvEntry] = []
+        self._outbox: list[_Outgoing] = []  # this step's bindings, submitted in ``fill``
         self._rejected: collections.deque[str] = collections.deque()
         self._loading: dict[str, _Load] = {}  # by req id, until its KV is in
         self._manager: KVCacheManager | None = None
@@ -113,7 +122,10 @@ class DecodeSide:
         prompt_len = len(request.prompt_token_ids or ())
         needed = -(-prompt_len // me.block_size)
         block_ids = list(blocks.get_block_ids()[0][:needed])
-        spec = BindingSpec(
+        # built without re-validating what this process computed (the metaserver validates
+        # the body at its edge): pydantic's checks of every block id cost tens of µs per
+        # request on the scheduler thread
+        spec = BindingSpec.model_construct(
             request_id=request.request_id,
             decode_instance_id=me.instance_id,
             engine_id=me.engine_id,
@@ -143,10 +155,16 @@ class DecodeSide:
         self._loading[req_id] = _Load(params.transfer_id, block_ids[load_from:], expires)
         self._new.append(RecvEntry(req_id, params.transfer_id, block_ids, load_from))
         self.bindings_sent += 1
-        if not self._writer.put_binding(params.transfer_id, spec, on_done=on_done):
-            self._rejected.append(req_id)  # queue full: fail fast, nothing was sent
+        self._outbox.append(_Outgoing(req_id, params.transfer_id, spec, on_done))
 
     def fill(self, meta: PdgateMetadata) -> None:
+        # the step's bindings go to the writer together, at the end of ``schedule()``: waking
+        # a writer thread per request in the middle of it handed the GIL to the thread's
+        # HTTP work while the scheduler still had requests to admit
+        outbox, self._outbox = self._outbox, []
+        for out in outbox:
+            if not self._writer.put_binding(out.transfer_id, out.spec, on_done=out.on_done):
+                meta.failed_recvs.append(out.req_id)  # queue full: fail fast, nothing sent
         meta.recvs, self._new = self._new, []
         while self._rejected:
             meta.failed_recvs.append(self._rejected.popleft())
