@@ -14,6 +14,12 @@ TTFT(P/D) <= 1.10x monolithic at >= 2k tokens, and the push overlap the connecto
 each binding's ``done`` event (share of P's write time that ran while P was still computing,
 exposed write time, time from P's compute end to its done signal).
 A flow that fails is shown as n/a with its error; the exit code is 0 unless the bench broke.
+
+``--pinned`` gives the monolithic engine and P the same compute, as on a cluster where each
+has its own accelerator: the monolithic engine runs on core 0 alone (``taskset`` and vLLM's
+``VLLM_CPU_OMP_THREADS_BIND``), then P runs on core 0 with D, the metaserver and the proxy on
+core 1. Without it every process floats over both cores (the monolithic engine then has two,
+P effectively one).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
 
-from launch.plan import build_plan  # noqa: E402
+from launch.plan import Child, build_plan  # noqa: E402
 from launch.supervisor import ChildFailed, Supervisor  # noqa: E402
 from launch.tiny_model import make_small_model, make_tiny_model  # noqa: E402
 from tests.bench.ttft_client import (  # noqa: E402
@@ -57,6 +63,26 @@ Cells = dict[tuple[str, int], Cell]  # (target or flow, prompt size) -> cell
 
 def say(line: str) -> None:
     print(f"[ttft] {line}", flush=True)
+
+
+PINNED_CORE = "0"  # the monolithic engine's and P's core; everything else gets the other
+OTHER_CORE = "1"
+
+
+def pinned(child: Child, core: str) -> Child:
+    """``child`` confined to ``core``: its process (and every thread) via ``taskset``, vLLM's
+    OpenMP compute threads bound to that core."""
+    env = dict(child.env)
+    if child.kind == "engine":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = core
+    return replace(child, argv=["taskset", "-c", core, *child.argv], env=env)
+
+
+def pin_plan(children: list[Child]) -> list[Child]:
+    """P on the pinned core; D, the metaserver and the proxy on the other."""
+    return [
+        pinned(c, PINNED_CORE if c.name.startswith("prefill") else OTHER_CORE) for c in children
+    ]
 
 
 class Bench:
@@ -98,6 +124,8 @@ class Bench:
         child = monolithic_child(
             self.model, max_model_len=MAX_MODEL_LEN, chunk_tokens=self.args.chunk
         )
+        if self.args.pinned:
+            child = pinned(child, PINNED_CORE)
         sup = self._supervisor([child], "mono")
         say(f"starting the monolithic engine alone ({self.name}) …")
         try:
@@ -116,7 +144,8 @@ class Bench:
             kv_load_timeout_s=self.args.kv_load_timeout,
         )
         plan = build_plan(opts)
-        sup = self._supervisor(plan.children, "pd")
+        children = pin_plan(plan.children) if self.args.pinned else plan.children
+        sup = self._supervisor(children, "pd")
         say(f"starting the 1P1D deployment ({self.name}): metaserver, P, D, proxy …")
         try:
             sup.start()
@@ -177,7 +206,12 @@ def table(model: str, args: argparse.Namespace, cells: Cells) -> str:
     notes: list[str] = []
     rows = [row(size, flow, cells, notes) for flow in args.flows for size in args.sizes]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADER)]
-    lines = [f"TTFT (ms), model {model}, {args.runs} runs per cell, median / p90",
+    placement = (
+        "pinned: monolithic and P on core 0 each, D/metaserver/proxy on core 1"
+        if args.pinned
+        else "unpinned: every process on both cores"
+    )
+    lines = [f"TTFT (ms), model {model}, {placement}, {args.runs} runs per cell, median / p90",
              "| " + " | ".join(h.ljust(w) for h, w in zip(HEADER, widths, strict=True)) + " |",
              "|" + "|".join("-" * (w + 2) for w in widths) + "|"]  # fmt: skip
     for r in rows:
@@ -217,6 +251,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--models-dir", default=str(REPO / ".cache" / "models"))
     p.add_argument("--log-dir", default=str(REPO / ".cache" / "ttft-bench"))
     p.add_argument("--skip-mono", action="store_true", help="P/D only (ratios become n/a)")
+    p.add_argument(
+        "--pinned",
+        action="store_true",
+        help="monolithic engine alone on core 0; then P on core 0, D/metaserver/proxy on core 1",
+    )
     p.add_argument("--json", help="write every sample and error to this file")
     args = p.parse_args(argv)
     if max(args.sizes) + args.max_tokens > MAX_MODEL_LEN:
