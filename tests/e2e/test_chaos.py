@@ -167,6 +167,7 @@ HANGUP_MAX_TOKENS = 12
 # at most this many clients at a time (a 2-core machine serves a few dozen requests a second:
 # an open burst of 300 would only queue, and every client would leave before its first token)
 CONCURRENT_CLIENTS = 32
+FINAL_WAVE = 16  # the last clients, who all hang up early (see ``hangups``)
 
 
 def hang_up_spans(first_token_s: float, answer_s: float) -> list[tuple[float, float]]:
@@ -199,7 +200,9 @@ async def hangups(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
     )
     first_s = statistics.median(a.first_token - a.started for a in timed if a.first_token)
     answer_s = statistics.median(a.ended - a.started for a in timed)
-    delays = hang_up_delays(N_CLIENTS, 13, hang_up_spans(first_s, answer_s))
+    spans = hang_up_spans(first_s, answer_s)
+    n_random = N_CLIENTS - FINAL_WAVE
+    delays = hang_up_delays(n_random, 13, spans) + hang_up_delays(FINAL_WAVE, 14, spans[:1])
     await wait_all_idle(chaos.engines)
     room = asyncio.Semaphore(CONCURRENT_CLIENTS)
 
@@ -208,14 +211,18 @@ async def hangups(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
             q = Ask(prompts[i], refs[i], HANGUP_MAX_TOKENS, stream=i % 4 != 3)
             return await ask(pd, chaos.model, q, bound_s=BOUND_S, hang_up_s=delays[i])
 
-    answers = await asyncio.gather(*(client_(i) for i in range(N_CLIENTS)))
+    answers = await asyncio.gather(*(client_(i) for i in range(n_random)))
+    # the final wave: clients that all leave early (before P starts), after everyone else, so
+    # the time until D is free is the time D holds the blocks of requests aborted that early
+    answers += await asyncio.gather(*(client_(i) for i in range(n_random, N_CLIENTS)))
     last = max(a.ended for a in answers)  # the last client hung up (or got its answer)
     free = await seconds_until_idle(chaos.engines, last, IDLE_BOUND_S)
     gone = [a for a in answers if a.outcome == Outcome.ABANDONED]
     before = sum(1 for a in gone if a.first_token is None)
     note = (
         f"{before} hung up before their first token, {len(gone) - before} after (fault-free "
-        f"at this load: first token {first_s:.2f}s, answer {answer_s:.2f}s)"
+        f"at this load: first token {first_s:.2f}s, answer {answer_s:.2f}s); KV free: after the "
+        f"last {FINAL_WAVE}, who hung up within {spans[0][1]:.2f}s"
     )
     row = Row("300 clients hang up at random points", list(answers), free, note)
     reliability.add(row)
