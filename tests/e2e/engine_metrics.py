@@ -1,10 +1,12 @@
 """Read a vLLM server's Prometheus metrics: running/waiting requests, KV-cache usage, and
-prompt tokens by where their KV came from."""
+prompt tokens by where their KV came from; how long engines take to be idle again."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections.abc import Mapping
 
 import httpx
 
@@ -26,8 +28,12 @@ async def prompt_tokens_by_source(url: str) -> dict[str, float]:
 
 
 async def gauges(url: str) -> dict[str, float]:
+    return _gauges_of(await metrics_text(url))
+
+
+def _gauges_of(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
-    for line in (await metrics_text(url)).splitlines():
+    for line in text.splitlines():
         if line.startswith("#"):
             continue
         for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
@@ -43,12 +49,55 @@ async def wait_idle(url: str, timeout_s: float, kv_level: float | None = None) -
     deadline = time.monotonic() + timeout_s
     while True:
         g = await gauges(url)
-        idle = (
-            g.get("vllm:num_requests_running", 0) == 0
-            and g.get("vllm:num_requests_waiting", 0) == 0
-        )
-        if idle and (kv_level is None or g.get("vllm:kv_cache_usage_perc", 0) <= kv_level + 1e-9):
+        if _is_idle(g, math.inf if kv_level is None else kv_level):
             return g
         if time.monotonic() > deadline:
             raise AssertionError(f"{url} not idle after {timeout_s}s: {g}")
         await asyncio.sleep(0.25)
+
+
+def _is_idle(g: dict[str, float], kv_level: float) -> bool:
+    return (
+        g.get("vllm:num_requests_running", 0) == 0
+        and g.get("vllm:num_requests_waiting", 0) == 0
+        and g.get("vllm:kv_cache_usage_perc", 0) <= kv_level + 1e-9
+    )
+
+
+# vLLM counts freed blocks that stay in the prefix cache as free (and leaves out its null
+# block): an idle engine reads exactly 0 (vllm/v1/core/block_pool.py, BlockPool.get_usage)
+IDLE_KV = 0.0
+
+
+async def wait_all_idle(urls: Mapping[str, str], timeout_s: float = 60) -> None:
+    """Every engine idle, KV usage included: the state a scenario starts from."""
+    await asyncio.gather(*(wait_idle(url, timeout_s, kv_level=IDLE_KV) for url in urls.values()))
+
+
+async def seconds_until_idle(
+    urls: Mapping[str, str], since: float, timeout_s: float
+) -> dict[str, float]:
+    """Per engine: seconds from ``since`` (a ``time.monotonic()`` reading, e.g. the fault)
+    until the engine first reads idle — nothing running or waiting and KV usage back to
+    ``IDLE_KV``; ``math.inf`` for one still busy ``timeout_s`` after ``since``. All
+    engines are polled side by side every 0.1 s; one that does not answer (stopped by SIGSTOP,
+    dead) counts as busy."""
+    deadline = since + timeout_s
+    out: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=1.0) as http:
+
+        async def one(name: str, url: str) -> None:
+            while time.monotonic() < deadline:
+                t = time.monotonic()
+                try:
+                    g = _gauges_of((await http.get(url + "/metrics")).text)
+                except httpx.HTTPError:
+                    g = None
+                if g is not None and _is_idle(g, IDLE_KV):
+                    out[name] = max(0.0, t - since)
+                    return
+                await asyncio.sleep(0.1)
+            out[name] = math.inf
+
+        await asyncio.gather(*(one(n, u) for n, u in urls.items()))
+    return out

@@ -1,5 +1,8 @@
-"""Prefill killed while it pushes: the client gets a correct answer (D recomputes) or a clear
-error within the deadline, and D is left with nothing running."""
+"""The only prefill instance killed while it pushes: the client gets a clean 502 naming the
+prefill leg within seconds (the proxy sees P's connection break before D's first byte, retries,
+and finds no live P), D is left with nothing running or held, and the binding is closed.
+
+(With a second P the retry succeeds: tests/e2e/test_chaos.py.)"""
 
 from __future__ import annotations
 
@@ -11,13 +14,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from openai import APIError
+from openai import APIStatusError
 
 from tests.e2e.client import client, complete
-from tests.e2e.conftest import LOG_DIR, Engines
+from tests.e2e.conftest import LOG_DIR, Monolithic
 from tests.e2e.engine_metrics import wait_idle
 from tests.e2e.stack import Deployment, base_options, deployment, running
-from tests.e2e.test_equality import assert_same, prompt_ids
+from tests.e2e.test_equality import prompt_ids
 
 pytestmark = pytest.mark.e2e
 KV_LOAD_TIMEOUT_S = 8.0
@@ -33,13 +36,11 @@ def fragile(tiny_model: Path) -> Iterator[Deployment]:
         yield d
 
 
-async def test_e2e_prefill_killed_mid_push(fragile: Deployment, engines: Engines) -> None:
+async def test_e2e_prefill_killed_mid_push(fragile: Deployment, monolithic: Monolithic) -> None:
     prompt = prompt_ids(1800, seed=99)  # ~33 chunks of 56 tokens: a long prefill to interrupt
-    ref = await complete(client(engines.mono_url), engines.model, prompt, max_tokens=8)
+    model = monolithic.model
     d_url = fragile.url_of("decode-0")
-    request = asyncio.create_task(
-        complete(client(fragile.proxy), engines.model, prompt, max_tokens=8)
-    )
+    request = asyncio.create_task(complete(client(fragile.proxy), model, prompt, max_tokens=8))
     started = time.monotonic()
     async with httpx.AsyncClient(base_url=fragile.metaserver, timeout=10) as ms:
         while True:  # kill P once it has started pushing this transfer
@@ -53,13 +54,13 @@ async def test_e2e_prefill_killed_mid_push(fragile: Deployment, engines: Engines
         p = fragile.supervisor.procs["prefill-0"]
         fragile.supervisor._signal(p, signal.SIGKILL)
         killed_at = time.monotonic()
-        try:
-            got = await asyncio.wait_for(request, KV_LOAD_TIMEOUT_S + 60)
-        except APIError as exc:  # a clear error is acceptable …
-            assert exc.message, "the error must say what went wrong"
-        else:  # … and so is the right answer, recomputed by D
-            assert_same(got, ref)
-        assert time.monotonic() - killed_at < KV_LOAD_TIMEOUT_S + 60
-        await wait_idle(d_url, 30)
+        with pytest.raises(APIStatusError) as err:
+            await asyncio.wait_for(request, KV_LOAD_TIMEOUT_S + 60)
+        # P's connection broke before D's first byte: no retry finds a live P
+        assert err.value.status_code in (502, 503), err.value
+        assert "prefill" in err.value.message, err.value.message
+        assert time.monotonic() - killed_at < 10, "the error took longer than the retries"
+        # D holds the aborted load's blocks until its load deadline at the latest
+        await wait_idle(d_url, KV_LOAD_TIMEOUT_S + 10, kv_level=0.0)
         final = (await ms.get(f"/v1/bindings/{bindings[0]['transfer_id']}")).json()
-        assert final["state"] in ("failed", "aborted", "done"), final["state"]
+        assert final["state"] == "failed", final  # the proxy saw P's leg fail

