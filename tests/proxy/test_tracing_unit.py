@@ -20,6 +20,7 @@ from proxy.config import Flow, ProxySettings
 from proxy.mock import MockBackend, Reply
 from proxy.tracing import ProxyTracer, build_tracer
 from tests.proxy.inmemory import BINDING, D_URL, MS_URL, P_URL, PUSHED, SSE, InMemoryProxy, never
+from tests.support.otlp import otlp_receiver
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT_TRACE = 0x4BF92F3577B34DA6A3CE929D0E0E4736
@@ -244,3 +245,33 @@ def test_tracing_off_imports_no_opentelemetry() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_tracing_exports_otlp_http_protobuf_to_a_receiver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The real exporter path: ``build_tracer`` → BatchSpanProcessor → OTLP/HTTP protobuf,
+    decoded by the test receiver (``opentelemetry-proto``)."""
+    base = {"prefill": [P_URL], "decode": [D_URL], "metaserver": MS_URL}
+    with otlp_receiver() as receiver:
+        settings = ProxySettings(**base, otlp_traces_endpoint=receiver.url)  # type: ignore[arg-type]
+        monkeypatch.setenv("OTEL_SERVICE_NAME", "px-under-test")  # the SDK's own variable
+        tracer = build_tracer(settings, {})
+        assert tracer is not None
+        header = format_traceparent(CLIENT_TRACE, CLIENT_SPAN, 1).encode()
+        root = tracer.request(header, "/v1/completions", "req-1")
+        leg = root.leg("decode", {"pdgate.transfer_id": "pd-1"})
+        leg.end()
+        root.end("boom")
+        tracer.shutdown()  # flushes
+        spans = receiver.of_trace(f"{CLIENT_TRACE:032x}")
+    assert sorted(s.name for s in spans) == ["pdgate.decode", "pdgate.request"]
+    got = {s.name: s for s in spans}
+    assert got["pdgate.request"].service == "px-under-test"
+    assert got["pdgate.request"].parent_span_id == f"{CLIENT_SPAN:016x}"
+    assert got["pdgate.request"].status_code == 2  # error
+    assert got["pdgate.decode"].parent_span_id == got["pdgate.request"].span_id
+    assert got["pdgate.decode"].attributes == {"pdgate.transfer_id": "pd-1"}
+    assert leg.traceparent == format_traceparent(
+        CLIENT_TRACE, int(got["pdgate.decode"].span_id, 16), 1
+    )
