@@ -94,6 +94,12 @@ class ConnectorSettings(LayeredSettings):
         le=600,
         description="D: how long KV whose digests do not match yet may still be landing",
     )
+    otlp_traces_endpoint: str = Field(
+        "",
+        description="send the connector's spans to this OTLP endpoint ('' = "
+        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, which vLLM sets from --otlp-traces-endpoint; "
+        "neither: no spans); protocol from $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL as for vLLM",
+    )
     test_corrupt_push: bool = Field(
         False,
         description="TEST ONLY: P sends garbage for the first block of layer 0 of every "

@@ -62,6 +62,7 @@ class SendChunk:
     pairs: list[tuple[int, int]]  # (P block id, D block id)
     last: bool  # the request's prefill ends in this step: signal D after the last layer
     fail: str = ""  # with ``last``: signal D that this transfer failed (e.g. P preempted)
+    traceparent: str = ""  # the proxy's prefill-leg span (tracing on; connector/tracing.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,7 @@ class RecvEntry:
     transfer_id: str
     block_ids: list[int]
     load_from: int = 0  # the first block the load fills (those before: D's own prefix hit)
+    traceparent: str = ""  # the proxy's decode-leg span (tracing on; connector/tracing.py)
 
 
 @dataclass

@@ -11,6 +11,10 @@ proxy → P   ``pull_prefill_leg`` (prefill-first, vLLM's pull connectors): ``{"
             true, "do_remote_prefill": false, "remote_*": null}``; P's answer goes to D as it
             came (vLLM's own connector parses both)
 
+With tracing on, both legs carry ``"traceparent"``: the W3C context of the proxy's span for
+that leg (``pdwire.trace``), so the connector's spans join the request's trace; a malformed
+one is dropped by the parsers, never an error.
+
 The "metaserver" field is informational: engines use the metaserver URL of their own
 configuration. The proxy embeds D's binding as the raw bytes the metaserver sent
 (``msgspec.Raw``): nothing is parsed and dumped again per request.
@@ -27,6 +31,7 @@ from pydantic import ValidationError
 from pdwire.errors import ParamsError
 from pdwire.ids import TRANSFER_ID_PATTERN, valid_id
 from pdwire.models import Binding
+from pdwire.trace import TRACEPARENT, TraceParent, parse_traceparent
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +39,7 @@ class RecvParams:
     """D: receive this transfer's KV from a remote prefill."""
 
     transfer_id: str
+    trace: TraceParent | None = None  # the proxy's decode-leg span (tracing on)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,14 +48,25 @@ class SendParams:
 
     transfer_id: str
     binding: Binding | None
+    trace: TraceParent | None = None  # the proxy's prefill-leg span (tracing on)
 
 
-def decode_leg(transfer_id: str, metaserver: str) -> dict[str, Any]:
-    return {"do_remote_prefill": True, "transfer_id": transfer_id, "metaserver": metaserver}
+def decode_leg(transfer_id: str, metaserver: str, traceparent: str | None = None) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "do_remote_prefill": True,
+        "transfer_id": transfer_id,
+        "metaserver": metaserver,
+    }
+    if traceparent is not None:
+        params[TRACEPARENT] = traceparent
+    return params
 
 
 def prefill_leg(
-    transfer_id: str, metaserver: str, binding: msgspec.Raw | dict[str, Any] | None = None
+    transfer_id: str,
+    metaserver: str,
+    binding: msgspec.Raw | dict[str, Any] | None = None,
+    traceparent: str | None = None,
 ) -> dict[str, Any]:
     params: dict[str, Any] = {
         "do_remote_decode": True,
@@ -58,6 +75,8 @@ def prefill_leg(
     }
     if binding is not None:
         params["decode"] = binding
+    if traceparent is not None:
+        params[TRACEPARENT] = traceparent
     return params
 
 
@@ -88,7 +107,7 @@ def parse_decode_leg(params: dict[str, Any] | None) -> RecvParams | None:
         return None
     if "transfer_id" not in params:
         return None
-    return RecvParams(_tid(params))
+    return RecvParams(_tid(params), _trace(params))
 
 
 def parse_prefill_leg(params: dict[str, Any] | None) -> SendParams | None:
@@ -98,14 +117,19 @@ def parse_prefill_leg(params: dict[str, Any] | None) -> SendParams | None:
     tid = _tid(params)
     raw = params.get("decode")
     if raw is None:
-        return SendParams(tid, None)
+        return SendParams(tid, None, _trace(params))
     try:
         binding = Binding.model_validate(raw)
     except ValidationError as exc:
         raise ParamsError(f"kv_transfer_params.decode is not a binding: {exc}") from exc
     if binding.transfer_id != tid:
         raise ParamsError("kv_transfer_params.decode belongs to another transfer_id")
-    return SendParams(tid, binding)
+    return SendParams(tid, binding, _trace(params))
+
+
+def _trace(params: dict[str, Any]) -> TraceParent | None:
+    value = params.get(TRACEPARENT)
+    return parse_traceparent(value) if isinstance(value, str) else None
 
 
 class PushReport(msgspec.Struct):

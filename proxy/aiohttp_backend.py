@@ -76,12 +76,21 @@ class AiohttpBackend:
         self._urls: dict[tuple[str, str], URL] = {}  # parsed once per instance and path
 
     async def post(
-        self, url: str, path: str, body: bytes, request_id: str, leg: str, timeout_s: float
+        self,
+        url: str,
+        path: str,
+        body: bytes,
+        request_id: str,
+        leg: str,
+        timeout_s: float,
+        traceparent: str | None = None,
     ) -> AiohttpResponse:
         target = self._urls.get((url, path))
         if target is None:
             target = self._urls[(url, path)] = URL(url + path)
         headers = {"content-type": "application/json", "x-request-id": request_id}
+        if traceparent is not None:
+            headers["traceparent"] = traceparent
         try:
             async with asyncio.timeout(timeout_s):
                 resp = await self.session.post(

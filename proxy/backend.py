@@ -56,10 +56,18 @@ class Response(Protocol):
 
 class Backend(Protocol):
     async def post(
-        self, url: str, path: str, body: bytes, request_id: str, leg: str, timeout_s: float
+        self,
+        url: str,
+        path: str,
+        body: bytes,
+        request_id: str,
+        leg: str,
+        timeout_s: float,
+        traceparent: str | None = None,
     ) -> Response:
         """Send a leg; return once the answer's headers are in (within ``timeout_s``).
-        Raises ``LegError``: transport failures, timeouts, non-2xx answers."""
+        ``traceparent`` (tracing on) goes out as that header. Raises ``LegError``:
+        transport failures, timeouts, non-2xx answers."""
         ...
 
     async def get(

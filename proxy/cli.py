@@ -85,6 +85,7 @@ def build_parser() -> SettingsParser[ProxySettings]:
     opt("--max-connections", "max_connections", int)
     opt("--http-client", "http_client", choices=["native", "aiohttp"])
     opt("--keepalive", "keepalive_s", float)
+    opt("--otlp-traces-endpoint", "otlp_traces_endpoint", metavar="URL")
     return p
 
 

@@ -102,6 +102,14 @@ class ProxySettings(LayeredSettings):
         4.0, gt=0, description="reuse an idle backend connection at most this long"
     )
 
+    # observability
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="send OpenTelemetry traces (OTLP/HTTP protobuf) to this URL, e.g. "
+        "http://collector:4318/v1/traces; unset: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, and "
+        "tracing is off when neither is set",
+    )
+
     # inbound auth
     api_keys: KeyList = Field(default_factory=list, description="accepted bearer keys")
 

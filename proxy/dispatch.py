@@ -12,7 +12,7 @@ import asyncio
 import logging
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdwire.client.retry import Backoff
 from pdwire.ids import IdMaker
@@ -25,6 +25,9 @@ from proxy.metrics import Metrics
 from proxy.policies import Policy, RequestInfo
 from proxy.policies.prefix import PrefixAware
 from proxy.rewrite import ClientRequest
+
+if TYPE_CHECKING:
+    from proxy.tracing import RequestSpan
 
 log = logging.getLogger("pdgate.proxy")
 
@@ -96,10 +99,11 @@ class Dispatcher:
         return policy.choose(candidates, info)
 
     async def open(
-        self, req: ClientRequest, path: str, flow: FlowName
+        self, req: ClientRequest, path: str, flow: FlowName, trace: RequestSpan | None = None
     ) -> tuple[Upstream, Instance, FlowName]:
         """Run attempts until D's first byte is in. The caller owns ``Upstream`` and must
-        ``release_decode`` the returned instance when the stream ends."""
+        ``release_decode`` the returned instance when the stream ends. ``trace``: the
+        request's span (tracing on); each attempt's legs become its children."""
 
         info = RequestInfo(req.prompt, req.tokens)
         avoid: set[str] = set()
@@ -115,7 +119,7 @@ class Dispatcher:
                 if impl.needs_prefill
                 else None
             )
-            a = Attempt(req, info, path, d, p, self._ids.next())
+            a = Attempt(req, info, path, d, p, self._ids.next(), trace)
             d.acquire(info.tokens)
             if p is not None:  # reserved now, so a burst's later picks already see it
                 p.acquire(info.tokens)
@@ -132,6 +136,12 @@ class Dispatcher:
                     a.tid, chosen.value, exc.leg, exc.url, exc.kind,
                     "give-up" if give_up else "retry", exc.message,
                 )  # fmt: skip
+                if trace is not None:
+                    trace.event(
+                        "attempt_failed",
+                        {"pdgate.transfer_id": a.tid, "pdgate.leg": exc.leg,
+                         "pdgate.kind": exc.kind, "server.address": exc.url},
+                    )  # fmt: skip
                 if give_up:
                     raise
                 avoid.add(exc.url)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdwire.asgi import BodyTooLarge, ClientDisconnected, Receive, Scope, Send, read_body
 from pdwire.ids import IdMaker, valid_id
@@ -23,6 +23,9 @@ from proxy.instances import Instance
 from proxy.rewrite import ClientRequest
 from proxy.runtime import Runtime
 from proxy.sse import fix_body, relay_stream
+
+if TYPE_CHECKING:
+    from proxy.tracing import RequestSpan
 
 log = logging.getLogger("pdgate.proxy")
 HOT_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -115,6 +118,10 @@ class CompletionsHandler:
             rid = self._ids.next().encode()
         extra = [(b"x-request-id", rid)]
         flow = self._flow_default
+        span: RequestSpan | None = None
+        if rt.tracer is not None:  # tracing on: only then is traceparent looked for
+            tp = next((v for n, v in scope["headers"] if n == b"traceparent"), None)
+            span = rt.tracer.request(tp, path, rid.decode("latin-1"))
         try:
             if declared > self._max_body:
                 raise PayloadTooLarge(f"request body exceeds {self._max_body} bytes")
@@ -125,10 +132,12 @@ class CompletionsHandler:
             rt.admission.enter()
         except ProxyError as exc:
             rt.metrics.rejected.labels(reason=exc.kind).inc()
+            if span is not None:
+                _end_span(span, exc.kind, exc.status, flow, None, None, exc.message)
             await _send_error(send, exc, extra)
             return
         try:
-            await self._serve(scope, receive, send, endpoint, flow, extra, t0)
+            await self._serve(scope, receive, send, endpoint, flow, extra, t0, span)
         finally:
             rt.admission.leave()
 
@@ -141,6 +150,7 @@ class CompletionsHandler:
         flow: Flow,
         extra: list[tuple[bytes, bytes]],
         t0: float,
+        span: RequestSpan | None = None,
     ) -> None:
         rt = self.rt
         assert rt.dispatcher is not None
@@ -151,9 +161,13 @@ class CompletionsHandler:
                 raise PayloadTooLarge(str(exc)) from None
             req = ClientRequest.parse(body, endpoint == "chat")
         except ClientDisconnected:
+            if span is not None:
+                _end_span(span, "client_disconnected", 499, flow, None, None, "client went away")
             return
         except ProxyError as exc:
             rt.metrics.rejected.labels(reason=exc.kind).inc()
+            if span is not None:
+                _end_span(span, exc.kind, exc.status, flow, None, None, exc.message)
             await _send_error(send, exc, extra)
             return
         task = asyncio.current_task()
@@ -166,7 +180,7 @@ class CompletionsHandler:
         started = complete = False
         outcome, status = "ok", 200
         try:
-            up, d, used = await rt.dispatcher.open(req, scope["path"], flow)
+            up, d, used = await rt.dispatcher.open(req, scope["path"], flow, span)
             headers = [(b"content-type", up.content_type), *extra]
             if not req.stream:
                 body = fix_body(up.first, up.prefill_cached)
@@ -186,6 +200,8 @@ class CompletionsHandler:
                 watcher.cancel()
         except ProxyError as exc:
             outcome, status = exc.kind, exc.status
+            if span is not None:
+                span.set("error.message", exc.message[:500])
             watcher.cancel()
             if not started:
                 await _send_error(send, exc, extra)
@@ -217,6 +233,29 @@ class CompletionsHandler:
                 )  # fmt: skip
             self._count(endpoint, used, outcome, status).inc()
             self._seconds(used).observe(time.perf_counter() - t0)
+            if span is not None:
+                _end_span(span, outcome, status, used, up, d, None)
+
+
+def _end_span(
+    span: RequestSpan,
+    outcome: str,
+    status: int,
+    flow: Flow,
+    up: Upstream | None,
+    d: Instance | None,
+    error: str | None,
+) -> None:
+    span.set("pdgate.outcome", outcome)
+    span.set("http.response.status_code", status)
+    span.set("pdgate.flow", flow.value)
+    if up is not None:
+        span.set("pdgate.transfer_id", up.tid)
+        if up.prefill_cached is not None:
+            span.set("pdgate.prefill_cached_tokens", up.prefill_cached)
+    if d is not None:
+        span.set("pdgate.decode", d.url)
+    span.end(None if outcome == "ok" else (error or outcome))
 
 
 def _authorized(auth: bytes | None, keys: frozenset[str]) -> bool:

@@ -132,17 +132,25 @@ class Call:
     """One request the backend got, and what became of it."""
 
     __slots__ = (
-        "body", "headers", "leg", "path", "request_id", "response", "state", "timeout_s", "url",
-        "waiting",
+        "body", "headers", "leg", "path", "request_id", "response", "state", "timeout_s",
+        "traceparent", "url", "waiting",
     )  # fmt: skip
 
     def __init__(
-        self, url: str, path: str, body: bytes, request_id: str, leg: str, timeout_s: float
+        self,
+        url: str,
+        path: str,
+        body: bytes,
+        request_id: str,
+        leg: str,
+        timeout_s: float,
+        traceparent: str | None = None,
     ) -> None:
         self.url = url
         self.path = path
         self.body = body
         self.request_id = request_id
+        self.traceparent = traceparent  # the header the leg was sent with (tracing on)
         self.leg = leg
         self.timeout_s = timeout_s
         self.state = Outcome.PENDING
@@ -319,9 +327,16 @@ class MockBackend:
         return reply
 
     async def post(
-        self, url: str, path: str, body: bytes, request_id: str, leg: str, timeout_s: float
+        self,
+        url: str,
+        path: str,
+        body: bytes,
+        request_id: str,
+        leg: str,
+        timeout_s: float,
+        traceparent: str | None = None,
     ) -> MockResponse:
-        call = Call(url, path, body, request_id, leg, timeout_s)
+        call = Call(url, path, body, request_id, leg, timeout_s, traceparent)
         try:
             reply = await self._headers(call)
         except UpstreamError as exc:

@@ -36,6 +36,7 @@ from proxy.metrics import Metrics
 from proxy.native import NativeBackend, Pools
 from proxy.policies import make_policy
 from proxy.policies.prefix import PrefixAware
+from proxy.tracing import ProxyTracer, build_tracer
 
 log = logging.getLogger("pdgate.proxy")
 
@@ -56,10 +57,14 @@ class Runtime:
         self.events: EventSink | None = None
         self.dispatcher: Dispatcher | None = None
         self.backend: Backend | None = None
+        # tracing on: built by ``start`` in the serving process (tests may set one); None: off
+        self.tracer: ProxyTracer | None = None
         self._tasks: list[asyncio.Task[Any]] = []
 
     async def start(self) -> None:
         s = self.settings
+        if self.tracer is None:
+            self.tracer = build_tracer(s)
         connector = aiohttp.TCPConnector(
             limit=s.max_connections, limit_per_host=0, ttl_dns_cache=60,
             keepalive_timeout=s.keepalive_s,
@@ -154,3 +159,5 @@ class Runtime:
             await self.backend.close()
         if self.session is not None:
             await self.session.close()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # flushes queued spans

@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING
 from vllm.v1.request import RequestStatus
 
 from connector.metadata import PdgateMetadata, RecvEntry
+from connector.tracing import ConnectorTracer, Event, Value
 from pdwire.client import BackgroundWriter, ConflictError, MetaserverHTTPError, NotFoundError
 from pdwire.errors import ParamsError
 from pdwire.models import Binding, BindingSpec, BindingState, EventDetail, KVEndpoint
 from pdwire.params import parse_decode_leg
+from pdwire.trace import TraceParent
 from pdwire.version import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
@@ -80,8 +82,10 @@ class DecodeSide:
         me: Identity,
         load_timeout_s: float = 0.0,
         wall: Callable[[], float] = time.time,
+        tracer: ConnectorTracer | None = None,
     ) -> None:
         self._writer = writer
+        self._tracer = tracer  # tracing on in this engine
         self._me = me
         self._load_timeout_s = load_timeout_s  # > 0: bindings state D's deadline
         self._wall = wall
@@ -143,19 +147,48 @@ class DecodeSide:
             load_deadline=self._wall() + self._load_timeout_s if self._load_timeout_s else None,
         )
         req_id = request.request_id
+        trace = params.trace if self._tracer is not None else None
+        traced_at = self._wall() if trace is not None and trace.sampled else None
 
         def on_done(_body: bytes | None, error: Exception | None) -> None:
             if isinstance(error, MetaserverHTTPError) and 400 <= error.status < 500:
                 log.warning("binding %s for %s rejected: %s", params.transfer_id, req_id, error)
                 self._rejected.append(req_id)
+            if trace is not None and traced_at is not None:
+                self._bound(trace, spec, params.transfer_id, traced_at, error)
 
         self._claimed.add(req_id)
         load_from = (prompt_len - num_external) // me.block_size
         expires = time.monotonic() + self._load_timeout_s
         self._loading[req_id] = _Load(params.transfer_id, block_ids[load_from:], expires)
-        self._new.append(RecvEntry(req_id, params.transfer_id, block_ids, load_from))
+        tp = trace.header() if trace is not None else ""
+        self._new.append(RecvEntry(req_id, params.transfer_id, block_ids, load_from, tp))
         self.bindings_sent += 1
         self._outbox.append(_Outgoing(req_id, params.transfer_id, spec, on_done))
+
+    def _bound(
+        self,
+        trace: TraceParent,
+        spec: BindingSpec,
+        transfer_id: str,
+        start: float,
+        error: Exception | None,
+    ) -> None:
+        """The ``pdgate.connector.bind`` span: blocks allocated → the metaserver answered
+        (on the background writer's thread)."""
+        assert self._tracer is not None
+        end = self._wall()
+        attributes: dict[str, Value] = {
+            "pdgate.transfer_id": transfer_id,
+            "pdgate.request_id": spec.request_id,
+            "pdgate.instance": spec.decode_instance_id,
+            "pdgate.blocks": len(spec.block_ids[0]),
+            "pdgate.cached_tokens": spec.num_cached_tokens,
+            "pdgate.prompt_tokens": spec.num_prompt_tokens,
+        }
+        events = [Event("binding_written" if error is None else "binding_failed", end)]
+        why = "" if error is None else f"binding write failed: {error}"
+        self._tracer.emit("pdgate.connector.bind", trace, start, end, attributes, events, why)
 
     def fill(self, meta: PdgateMetadata) -> None:
         # the step's bindings go to the writer together, at the end of ``schedule()``: waking

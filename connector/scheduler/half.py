@@ -14,6 +14,7 @@ from connector.scheduler.decode import DecodeSide, Identity
 from connector.scheduler.lookups import Lookups
 from connector.scheduler.prefill import PrefillSide
 from connector.scheduler.registrar import Registrar
+from connector.tracing import build_tracer
 from pdwire.client import AsyncMetaserverClient, BackgroundWriter, MetaserverClient
 from pdwire.models import InstanceRole, InstanceSpec, KVEndpoint
 
@@ -92,8 +93,10 @@ class ConnectorScheduler:
         )
         self.registrar = Registrar(make_sync(), self.me.instance_id, spec, settings.heartbeat_s)
         self.registrar.start()
+        resource = {"pdgate.instance_id": self.me.instance_id, "pdgate.role": role.value}
+        self.tracer = build_tracer(settings.otlp_traces_endpoint, resource)
         self.decode = (
-            DecodeSide(self.writer, self.me, settings.kv_load_timeout_s)
+            DecodeSide(self.writer, self.me, settings.kv_load_timeout_s, tracer=self.tracer)
             if role is not InstanceRole.PREFILL
             else None
         )
@@ -107,6 +110,7 @@ class ConnectorScheduler:
                 push_window_s=push_window(settings.kv_load_timeout_s),
                 registry_grace_s=settings.registry_grace_s,
                 tp_size=self.me.tp_size,
+                tracer=self.tracer,
             )
             if role is not InstanceRole.DECODE
             else None
@@ -174,3 +178,5 @@ class ConnectorScheduler:
         self.registrar.close()
         self.lookups.close()
         self.writer.close()
+        if self.tracer is not None:
+            self.tracer.shutdown()

@@ -24,10 +24,12 @@ from connector import tp
 from connector.errors import LayoutError
 from connector.metadata import Destination, PdgateMetadata, SendChunk
 from connector.scheduler.lookups import Lookups
+from connector.tracing import ConnectorTracer, Event, Value
 from pdwire.client import BackgroundWriter
 from pdwire.errors import ParamsError
 from pdwire.models import Binding, BindingState, EventDetail
 from pdwire.params import SendParams, parse_prefill_leg, push_report
+from pdwire.trace import TraceParent
 from pdwire.version import mismatch
 
 if TYPE_CHECKING:
@@ -48,6 +50,16 @@ class _Push:
     next_block: int  # first block not handed to the workers yet
     emitted: bool = False
     closed: bool = False
+    traceparent: str = ""  # handed to the workers with each chunk (tracing on)
+
+
+@dataclass
+class _Trace:
+    """A traced request on P (tracing on, the proxy's context sampled)."""
+
+    parent: TraceParent
+    start: float  # wall clock: P's scheduler first saw the request
+    events: list[Event]
 
 
 @dataclass
@@ -59,6 +71,7 @@ class _Request:
     no_push: str | None = None  # why P will push nothing for it
     doubted_at: float | None = None  # when the registry first said no (``registry_grace_s``)
     claimed: Binding | None = None  # P holds the lease (its ``prefill_started`` won)
+    trace: _Trace | None = None
 
 
 class PrefillSide:
@@ -75,8 +88,10 @@ class PrefillSide:
         wall_clock: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
         tp_size: int = 1,
+        tracer: ConnectorTracer | None = None,
     ) -> None:
         self._tp = tp_size
+        self._tracer = tracer  # tracing on in this engine
         self.refused = 0  # bindings this P cannot serve (block size, TP pairing)
         self._lookups = lookups
         self._block_size = block_size
@@ -108,6 +123,10 @@ class PrefillSide:
             except ParamsError as exc:
                 log.warning("request %s: %s; no push", rid, exc)
                 state = _Request(None, no_push=str(exc))
+            if self._tracer is not None and state.params is not None:
+                tp = state.params.trace
+                if tp is not None and tp.sampled:
+                    state.trace = _Trace(tp, self._wall(), [])
             self._requests[rid] = state
         return state
 
@@ -250,6 +269,14 @@ class PrefillSide:
             prompt_len=len(request.prompt_token_ids or ()),
             next_block=binding.num_cached_tokens // self._block_size,
         )
+        if state.trace is not None:
+            state.push.traceparent = state.trace.parent.header()
+            attributes: dict[str, Value] = {
+                "pdgate.decode_instance": binding.decode_instance_id,
+                "pdgate.d_blocks": len(binding.block_ids[0]),
+                "pdgate.d_cached_tokens": binding.num_cached_tokens,
+            }
+            state.trace.events.append(Event("push_set_up", self._wall(), attributes))
 
     def fill(self, meta: PdgateMetadata, out: SchedulerOutput) -> None:
         for req_id in out.preempted_req_ids or ():
@@ -269,17 +296,24 @@ class PrefillSide:
             upto = min(upto, len(push.d_blocks), len(p_blocks))
             pairs = [(p_blocks[i], push.d_blocks[i]) for i in range(push.next_block, upto)]
             push.next_block = max(push.next_block, upto)
+            if not push.emitted and push.traceparent:
+                self._traced(req_id, "prefill_started", {"pdgate.scheduled_tokens": count})
             if last:
                 self._close(meta, push, pairs)
             elif pairs:
-                meta.sends.append(SendChunk(req_id, push.transfer_id, push.dest, pairs, False))
+                meta.sends.append(
+                    SendChunk(
+                        req_id, push.transfer_id, push.dest, pairs, False, "", push.traceparent
+                    )
+                )
                 push.emitted = True
 
     def _close(
         self, meta: PdgateMetadata, push: _Push, pairs: list[tuple[int, int]], fail: str = ""
     ) -> None:
         rid = push.request.request_id
-        meta.sends.append(SendChunk(rid, push.transfer_id, push.dest, pairs, True, fail))
+        chunk = SendChunk(rid, push.transfer_id, push.dest, pairs, True, fail, push.traceparent)
+        meta.sends.append(chunk)
         push.emitted = True
         push.closed = True
 
@@ -292,12 +326,39 @@ class PrefillSide:
         push = state.push
         if push is not None:
             self._lookups.forget_binding(push.transfer_id)
-            return push.emitted, push_report(push.transfer_id, None)
-        params, why = state.params, state.no_push
-        if params is None and why is None:
-            return False, None
-        tid = params.transfer_id if params is not None else None
-        return False, push_report(tid, why or "finished before a push was set up")
+            out = push.emitted, push_report(push.transfer_id, None)
+        else:
+            params, why = state.params, state.no_push
+            if params is None and why is None:
+                return False, None
+            tid = params.transfer_id if params is not None else None
+            out = False, push_report(tid, why or "finished before a push was set up")
+        if state.trace is not None:
+            self._finish_trace(request, state.trace, out[1])
+        return out
+
+    def _traced(self, req_id: str, name: str, attributes: dict[str, str | int]) -> None:
+        state = self._requests.get(req_id)
+        if state is not None and state.trace is not None:
+            state.trace.events.append(Event(name, self._wall(), attributes))
+
+    def _finish_trace(self, request: Request, trace: _Trace, report: dict[str, Any] | None) -> None:
+        """The ``pdgate.connector.prefill`` span: first seen → finished, with the report."""
+        assert self._tracer is not None
+        attributes: dict[str, str | int] = {
+            "pdgate.request_id": request.request_id,
+            "pdgate.prompt_tokens": len(request.prompt_token_ids or ()),
+        }
+        if report is not None:
+            attributes["pdgate.transfer_id"] = str(report.get("transfer_id") or "")
+            attributes["pdgate.push"] = str(report.get("push", ""))
+            if report.get("reason"):
+                attributes["pdgate.no_push_reason"] = str(report["reason"])
+        end = self._wall()
+        trace.events.append(Event("finished", end))
+        self._tracer.emit(
+            "pdgate.connector.prefill", trace.parent, trace.start, end, attributes, trace.events
+        )
 
 
 def _parse_quietly(request: Request) -> SendParams | None:

@@ -15,6 +15,7 @@ from connector.config import ConnectorSettings
 from connector.device import Device, make_device
 from connector.errors import ConfigError
 from connector.metadata import PdgateMetadata
+from connector.tracing import ConnectorTracer, Value, build_tracer, sampled
 from connector.transport import Transport, make_transport
 from connector.worker import digest
 from connector.worker.memory import KVMemory
@@ -22,6 +23,7 @@ from connector.worker.receiver import RecvTracker
 from connector.worker.sender import Sender, SenderCallbacks, SenderOptions, Transfer
 from connector.worker.side_channel import SideChannelServer
 from connector.worker.tamper import TamperingTransport
+from connector.worker.traces import LoadTraces, PushTrace
 from pdwire.client import BackgroundWriter, MetaserverClient
 from pdwire.models import BindingState, EventDetail
 from pdwire.version import PROTOCOL_VERSION, mismatch
@@ -51,8 +53,10 @@ class ConnectorWorker:
         device: Device | None = None,
         events: BackgroundWriter | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tracer: ConnectorTracer | None = None,
     ) -> None:
-        """vLLM passes ``vllm_config``; tests may pass the identity keywords instead."""
+        """vLLM passes ``vllm_config``; tests may pass the identity keywords instead.
+        ``tracer``: spans of traced transfers (built from the settings when not given)."""
         self.settings = settings
         if vllm_config is not None:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -96,6 +100,15 @@ class ConnectorWorker:
             # the connector its KV cache manager
             silence_s=settings.silence_s if features().bind_manager else 0.0,
         )
+        if tracer is None:
+            resource: dict[str, Value] = {
+                "pdgate.instance_id": self.actor,
+                "pdgate.rank": rank,
+                "pdgate.role": self.role,
+            }
+            tracer = build_tracer(settings.otlp_traces_endpoint, resource)
+        self.tracer = tracer
+        self._loads = LoadTraces(tracer) if tracer is not None else None
         self._absorbed: PdgateMetadata | None = None
         self._sends: set[str] = set()  # req ids this rank knows as sending
         self._last_queued: set[str] = set()  # req ids whose end (done/failed) is queued
@@ -138,7 +151,7 @@ class ConnectorWorker:
                 self.settings.side_channel_host or "0.0.0.0",
                 port,
                 self._welcome,
-                self.tracker.on_signal,
+                self.tracker.on_signal if self._loads is None else self._on_signal,
                 self.tracker.on_alive,
             )
         if self.role in ("kv_producer", "kv_both"):
@@ -233,6 +246,9 @@ class ConnectorWorker:
         for recv in meta.recvs:
             self.tracker.expect(recv.req_id, recv.transfer_id)
             self._recv_blocks[recv.req_id] = recv.block_ids[recv.load_from :]
+            if self._loads is not None and (parent := sampled(recv.traceparent)) is not None:
+                blocks = len(recv.block_ids) - recv.load_from
+                self._loads.open(parent, recv.req_id, recv.transfer_id, blocks)
         for req_id in meta.failed_recvs:
             self.tracker.fail(req_id)
         if meta.released_recvs:
@@ -247,6 +263,8 @@ class ConnectorWorker:
                 )
                 self._sends.add(chunk.req_id)
                 self.sender.prefetch(chunk)
+                if self.tracer is not None and chunk.traceparent:
+                    self._trace_push(chunk.req_id, chunk.traceparent)
 
     def handle_preemptions(self, meta: PdgateMetadata) -> None:
         """Before the forward may reuse a preempted request's blocks, let its pushes drain."""
@@ -300,6 +318,8 @@ class ConnectorWorker:
                     self.sender.forget(req_id)
         self.tracker.aborted(finished_req_ids)
         recving, failed = self.tracker.poll()
+        if self._loads is not None:
+            self._loads.ended(recving, failed)
         self._ended_blocks = {r: self._recv_blocks.pop(r, []) for r in recving}
         return sending, recving, failed
 
@@ -317,7 +337,21 @@ class ConnectorWorker:
             detail = EventDetail(bytes_pushed=tr.bytes)
             self._events.post_event(tr.transfer_id, BindingState.PUSHING, self.actor, detail)
 
+    def _on_signal(self, sig: wire.Signal) -> None:
+        self.tracker.on_signal(sig)
+        assert self._loads is not None
+        self._loads.signal(sig)
+
+    def _trace_push(self, req_id: str, traceparent: str) -> None:
+        assert self.sender is not None
+        tr = self.sender.transfers.get(req_id)
+        if tr is not None and tr.trace is None and (parent := sampled(traceparent)):
+            tr.trace = PushTrace(parent, time.time())
+
     def _report_end(self, tr: Transfer) -> None:
+        if tr.trace is not None and self.tracer is not None:
+            assert self.sender is not None
+            tr.trace.emit(self.tracer, tr, self.sender.options.me)
         if self._events is None:
             return
         if tr.error:
@@ -330,6 +364,8 @@ class ConnectorWorker:
     def shutdown(self) -> None:
         if self.sender is not None:
             self.sender.close()
+        if self.tracer is not None:
+            self.tracer.shutdown()
         if self.server is not None:
             self.server.close()
         if self._events is not None:

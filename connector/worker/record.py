@@ -65,6 +65,8 @@ class Recorder:
                 spans.append(span)
             if self._signer is not None:
                 self._signer.record(tr, part)
+            if tr.trace is not None:
+                tr.trace.wrote(part.task.pairs, part.task.layer, part.nbytes, span)
             if not tr.announced:
                 tr.announced = True
                 self._notify(self._on_first_write, tr)
@@ -81,6 +83,8 @@ class Recorder:
         log.debug("transfer %s ends (%s)", tr.transfer_id, tr.error or end.fail or "ok")
         assert tr.route is not None and self._signals is not None
         error = tr.error or end.fail
+        if tr.trace is not None:
+            tr.trace.error = error
         digests = self._signer.digests(tr) if self._signer is not None and not error else []
         sig = wire.Signal(
             tr.transfer_id, self._me, not error, tr.route.expected, error, digests, tr.settle_s

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from connector import tp
 from connector.device import Event
@@ -18,6 +18,9 @@ from connector.layout import Piece
 from connector.metadata import Destination
 from connector.worker import digest
 from connector.worker.overlap import PushOverlap, overlap
+
+if TYPE_CHECKING:
+    from connector.worker.traces import PushTrace
 
 LayoutKey = tuple[int, int]  # (P layout index, D layout index)
 
@@ -56,6 +59,7 @@ class Transfer:
     compute_end: float = 0.0
     ended_at: float = 0.0
     settle_s: float = 0.0  # a write failed: its pieces may land this long after (see Signal)
+    trace: PushTrace | None = None  # tracing on and the proxy's context sampled
 
     @property
     def d_port(self) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -14,6 +14,9 @@ from proxy.instances import Instance
 from proxy.metrics import Metrics
 from proxy.policies import RequestInfo
 from proxy.rewrite import ClientRequest, cached_tokens_of
+
+if TYPE_CHECKING:
+    from proxy.tracing import LegSpan, RequestSpan
 
 
 class Timeouts:
@@ -37,7 +40,7 @@ class Timeouts:
 class Attempt:
     """One try of one client request: a fresh transfer id, a chosen D (and P)."""
 
-    __slots__ = ("decode", "info", "path", "prefill", "req", "tid")
+    __slots__ = ("decode", "info", "path", "prefill", "req", "tid", "trace")
 
     def __init__(
         self,
@@ -47,6 +50,7 @@ class Attempt:
         decode: Instance,
         prefill: Instance | None,
         tid: str,
+        trace: RequestSpan | None = None,
     ) -> None:
         self.req = req
         self.info = info
@@ -54,6 +58,13 @@ class Attempt:
         self.decode = decode
         self.prefill = prefill
         self.tid = tid
+        self.trace = trace  # the request's span (tracing on)
+
+    def leg_span(self, leg: str, url: str) -> LegSpan | None:
+        """A child span of the request for one leg of this attempt (``None``: tracing off)."""
+        if self.trace is None:
+            return None
+        return self.trace.leg(leg, {"pdgate.transfer_id": self.tid, "server.address": url})
 
 
 class Upstream:
@@ -113,12 +124,23 @@ class Legs:
         self._ttft = metrics.decode_ttft_seconds
         self._prefill_s = metrics.prefill_seconds
 
-    async def decode(self, a: Attempt, body: bytes) -> Upstream:
+    async def traced_decode(self, a: Attempt, body: bytes, span: LegSpan) -> Upstream:
+        """``decode`` in ``span`` (tracing on): sent to D as ``traceparent``, ended here."""
+        try:
+            up = await self.decode(a, body, span.traceparent)
+        except BaseException as exc:
+            span.end(exc)
+            raise
+        span.end()
+        return up
+
+    async def decode(self, a: Attempt, body: bytes, traceparent: str | None = None) -> Upstream:
+        """D's leg up to its first byte (its whole answer when not streaming)."""
         d = a.decode
         t0 = time.perf_counter()
         stream = a.req.stream
         limit = self.timeouts.first_token if stream else self.timeouts.request
-        resp = await self.backend.post(d.url, a.path, body, a.tid, "decode", limit)
+        resp = await self.backend.post(d.url, a.path, body, a.tid, "decode", limit, traceparent)
         try:
             if stream:
                 first = await resp.next_chunk(limit - (time.perf_counter() - t0))
@@ -140,13 +162,34 @@ class Legs:
         self._ttft.observe(time.perf_counter() - t0)
         return Upstream(resp, first, a.tid)
 
-    async def prefill(self, a: Attempt, kv: dict[str, Any]) -> PrefillAnswer:
+    async def traced_prefill(self, a: Attempt, kv: dict[str, Any], span: LegSpan) -> PrefillAnswer:
+        """``prefill`` in ``span`` (tracing on), whose ``traceparent`` the caller put in
+        ``kv``: sent to P as that header too, ended here with P's push report."""
+        try:
+            answer = await self.prefill(a, kv, span.traceparent)
+        except BaseException as exc:
+            span.end(exc)
+            raise
+        report = parse_push_report(bytes(answer.kv_transfer_params))
+        if report is not None and report.push:
+            span.set("pdgate.push", report.push)
+            if report.no_push_reason is not None:
+                span.set("pdgate.no_push_reason", report.no_push_reason)
+        cached = prefill_cached(answer)
+        if cached is not None:
+            span.set("pdgate.prefill_cached_tokens", cached)
+        span.end()
+        return answer
+
+    async def prefill(
+        self, a: Attempt, kv: dict[str, Any], traceparent: str | None = None
+    ) -> PrefillAnswer:
         p = a.prefill
         assert p is not None
         limit = self.timeouts.prefill
         t0 = time.perf_counter()  # P's load is held by the dispatcher for the whole attempt
         body = a.req.for_prefill(kv)
-        resp = await self.backend.post(p.url, a.path, body, a.tid, "prefill", limit)
+        resp = await self.backend.post(p.url, a.path, body, a.tid, "prefill", limit, traceparent)
         try:
             raw = await resp.read(limit - (time.perf_counter() - t0))
         except UpstreamError as exc:

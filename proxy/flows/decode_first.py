@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -39,6 +40,9 @@ from proxy.flows.base import (
     prefill_cached,
 )
 from proxy.flows.bindings import BindingMissing, BindingSource
+
+if TYPE_CHECKING:
+    from proxy.tracing import RequestSpan
 
 log = logging.getLogger("pdgate.proxy.flows")
 
@@ -100,13 +104,16 @@ class DecodeFirst:
 
     async def open(self, a: Attempt) -> Upstream:
         url = self._bindings.base_url
-        d_kv = decode_leg(a.tid, url)
         binding: msgspec.Raw | None = None
         task = asyncio.current_task()
         assert task is not None
-        d_task = asyncio.get_running_loop().create_task(
-            self._legs.decode(a, a.req.for_decode(d_kv))
-        )
+        d_span = a.leg_span("decode", a.decode.url)
+        if d_span is None:
+            d_leg = self._legs.decode(a, a.req.for_decode(decode_leg(a.tid, url)))
+        else:
+            d_kv = decode_leg(a.tid, url, d_span.traceparent)
+            d_leg = self._legs.traced_decode(a, a.req.for_decode(d_kv), d_span)
+        d_task = asyncio.get_running_loop().create_task(d_leg)
         watch = _DecodeWatch(task, self._grace_s)
         d_task.add_done_callback(watch)
         try:
@@ -125,9 +132,7 @@ class DecodeFirst:
             watch.any_end = False
             watch.armed = True
             try:
-                answer: PrefillAnswer = await self._legs.prefill(
-                    a, prefill_leg(a.tid, url, binding)
-                )
+                answer: PrefillAnswer = await self._prefill(a, url, binding)
             except asyncio.CancelledError:
                 if not watch.absorb():
                     raise
@@ -152,6 +157,16 @@ class DecodeFirst:
         up.binding_tracked = True
         return up
 
+    def _prefill(
+        self, a: Attempt, url: str, binding: msgspec.Raw | None
+    ) -> Coroutine[Any, Any, PrefillAnswer]:
+        assert a.prefill is not None
+        span = a.leg_span("prefill", a.prefill.url)
+        if span is None:
+            return self._legs.prefill(a, prefill_leg(a.tid, url, binding))
+        kv = prefill_leg(a.tid, url, binding, span.traceparent)
+        return self._legs.traced_prefill(a, kv, span)
+
     def _without_prefill(self, a: Attempt, up: Upstream) -> Upstream:
         """D answered and P did not within the grace: P's leg was cancelled (its request
         aborted); D's answer goes out without P's report or cached-token count."""
@@ -167,9 +182,29 @@ class DecodeFirst:
         log.warning("%s: P pushed nothing (%s); D computes the prompt itself", a.tid, why)
         self._legs.metrics.no_push.inc()
         self._events.post(a.tid, BindingState.FAILED, f"P pushed nothing: {why}")
-        return await self._legs.decode(a, a.req.for_decode(None))
+        body = a.req.for_decode(None)
+        span = a.leg_span("decode", a.decode.url)
+        if span is None:
+            return await self._legs.decode(a, body)
+        span.set("pdgate.without_prefill", why)
+        return await self._legs.traced_decode(a, body, span)
 
-    async def _binding(self, a: Attempt) -> msgspec.Raw:
+    def _binding(self, a: Attempt) -> Coroutine[Any, Any, msgspec.Raw]:
+        if a.trace is None:
+            return self._wait_binding(a)
+        return self._traced_binding(a, a.trace)
+
+    async def _traced_binding(self, a: Attempt, trace: RequestSpan) -> msgspec.Raw:
+        span = trace.leg("binding_wait", {"pdgate.transfer_id": a.tid})
+        try:
+            raw = await self._wait_binding(a)
+        except BaseException as exc:
+            span.end(exc)
+            raise
+        span.end()
+        return raw
+
+    async def _wait_binding(self, a: Attempt) -> msgspec.Raw:
         t0 = time.perf_counter()
         try:
             raw = await self._bindings.wait(a.tid, self._wait_s)

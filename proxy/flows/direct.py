@@ -13,4 +13,8 @@ class Direct:
         self._legs = legs
 
     async def open(self, a: Attempt) -> Upstream:
-        return await self._legs.decode(a, a.req.for_decode(None))
+        body = a.req.for_decode(None)
+        span = a.leg_span("decode", a.decode.url)
+        if span is None:
+            return await self._legs.decode(a, body)
+        return await self._legs.traced_decode(a, body, span)

@@ -19,12 +19,21 @@ class PrefillFirst:
         self._legs = legs
 
     async def open(self, a: Attempt) -> Upstream:
-        answer = await self._legs.prefill(a, PREFILL_PARAMS)
+        assert a.prefill is not None
+        p_span = a.leg_span("prefill", a.prefill.url)
+        if p_span is None:
+            answer = await self._legs.prefill(a, PREFILL_PARAMS)
+        else:  # vLLM's pull connectors read no traceparent: only the header carries it
+            answer = await self._legs.traced_prefill(a, PREFILL_PARAMS, p_span)
         kv = answer.kv_transfer_params  # passed to D as it came (msgspec.Raw), never re-encoded
         if not bytes(kv).lstrip().startswith(b"{"):
-            assert a.prefill is not None
             err = UpstreamError("prefill answered without kv_transfer_params")
             raise LegError(err, a.prefill.url, "prefill")
-        up = await self._legs.decode(a, a.req.for_decode(kv))
+        body = a.req.for_decode(kv)
+        d_span = a.leg_span("decode", a.decode.url)
+        if d_span is None:
+            up = await self._legs.decode(a, body)
+        else:
+            up = await self._legs.traced_decode(a, body, d_span)
         up.prefill_cached = prefill_cached(answer)
         return up

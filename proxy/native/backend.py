@@ -34,12 +34,23 @@ class NativeBackend:
         return target
 
     async def post(
-        self, url: str, path: str, body: bytes, request_id: str, leg: str, timeout_s: float
+        self,
+        url: str,
+        path: str,
+        body: bytes,
+        request_id: str,
+        leg: str,
+        timeout_s: float,
+        traceparent: str | None = None,
     ) -> Response:
         target = self._target(url, path)
         if target is None:
-            return await self._fallback.post(url, path, body, request_id, leg, timeout_s)
+            return await self._fallback.post(
+                url, path, body, request_id, leg, timeout_s, traceparent
+            )
         headers = b"%s%s\r\n" % (_LEG_HEADERS, request_id.encode("latin-1"))
+        if traceparent is not None:
+            headers += b"traceparent: %s\r\n" % traceparent.encode("latin-1")
         resp: NativeResponse | None = None
         try:
             resp = await self.pools.send(target, headers, body, self._idle)

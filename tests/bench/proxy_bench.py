@@ -15,7 +15,10 @@ Targets:
     .venv/bin/python tests/bench/proxy_bench.py [--seconds 10] [--connections 64] [--fakes N]
 
 ``--fakes N`` starts N fake P and N fake D instances (every router gets all of them;
-direct-D uses the first D).
+direct-D uses the first D). ``--tracing`` adds ``pdgate@traced`` and
+``pdgate-decode-first@traced``: the same with ``--otlp-traces-endpoint`` set, every request
+sampled, spans exported over OTLP/HTTP to a receiver process (``tests/support/otlp.py``) that
+decodes them.
 """
 
 from __future__ import annotations
@@ -216,6 +219,9 @@ def main() -> None:
     ap.add_argument(
         "--aiohttp", action="store_true", help="also run pdgate with --http-client aiohttp"
     )
+    ap.add_argument(
+        "--tracing", action="store_true", help="also run pdgate with traces exported (OTLP)"
+    )
     args = ap.parse_args()
     if args.loadgen:
         try:
@@ -267,6 +273,16 @@ def main() -> None:
             variant("pdgate@aiohttp", "prefill-first", None, None, "--http-client", "aiohttp")
             variant("pdgate-decode-first@aiohttp", "decode-first", ms, None, "--http-client",
                     "aiohttp")  # fmt: skip
+        if args.tracing:
+            otlp_port = free_port()
+            stack.start(
+                "otlp-receiver",
+                [sys.executable, "-m", "tests.support.otlp", "--port", str(otlp_port)],
+                f"http://127.0.0.1:{otlp_port}/health",
+            )
+            otlp = ("--otlp-traces-endpoint", f"http://127.0.0.1:{otlp_port}/v1/traces")
+            variant("pdgate@traced", "prefill-first", None, None, *otlp)
+            variant("pdgate-decode-first@traced", "decode-first", ms, None, *otlp)
         if args.baseline:
             variant("pdgate@baseline", "prefill-first", None, args.baseline.resolve())
             variant("pdgate-decode-first@baseline", "decode-first", ms, args.baseline.resolve())
@@ -333,15 +349,17 @@ def report(rows: list[dict[str, Any]]) -> None:
     for mode in ("non-stream", "stream"):
         for name in ("pdgate", "pdgate-decode-first"):
             new = next((r for r in rows if r["target"] == name and r["mode"] == mode), None)
-            old = next(
-                (r for r in rows if r["target"] == f"{name}@baseline" and r["mode"] == mode), None
-            )
-            if new and old:
-                print(
-                    f"{mode}: {name} vs baseline: {new['rps'] / old['rps']:.2f}x req/s, "
-                    f"CPU {old['cpu_us']:.0f} -> {new['cpu_us']:.0f} us/req, "
-                    f"p99 {old['p99']:.1f} -> {new['p99']:.1f} ms"
+            for other in ("baseline", "traced"):
+                old = next(
+                    (r for r in rows if r["target"] == f"{name}@{other}" and r["mode"] == mode),
+                    None,
                 )
+                if new and old:
+                    print(
+                        f"{mode}: {name} vs {other}: {new['rps'] / old['rps']:.2f}x req/s, "
+                        f"CPU {old['cpu_us']:.0f} ({other}) vs {new['cpu_us']:.0f} us/req, "
+                        f"p99 {old['p99']:.1f} vs {new['p99']:.1f} ms"
+                    )
         ours = next((r for r in rows if r["target"] == "pdgate" and r["mode"] == mode), None)
         rivals = [
             r for r in rows if r["target"] in ("sglang-router", "vllm-router") and r["mode"] == mode

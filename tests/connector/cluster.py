@@ -17,6 +17,7 @@ import torch
 from connector.config import ConnectorSettings
 from connector.metadata import Destination, PdgateMetadata, RecvEntry, SendChunk
 from connector.tp import heads_of
+from connector.tracing import ConnectorTracer
 from connector.transport import InProcessTransport, Transport
 from connector.worker import ConnectorWorker
 
@@ -76,6 +77,7 @@ def make_instance(
     layers: list[str] | None = None,
     allocate: Callable[[int], dict[str, Any]] | None = None,
     device: str = "cpu",
+    tracer: ConnectorTracer | None = None,
 ) -> Instance:
     """``allocate(local_heads)``: each rank's KV caches (default: zeroed CPU-layout tensors)."""
     inst = Instance(engine_id, tp, 1 if mla else heads, mla, blocks, block_size, dim)
@@ -111,6 +113,7 @@ def make_instance(
             block_size=block_size,
             role=role,
             transport=t,
+            tracer=tracer,
         )
         w.register_kv_caches(caches)
         inst.workers.append(w)
@@ -151,13 +154,16 @@ def push(
     *,
     fail_last: str = "",
     final: bool = True,
+    traceparent: str = "",
 ) -> None:
     """Run P's forward hooks for each chunk: every layer, then the step end (``final``: the
     last chunk ends the prefill)."""
     for i, pairs in enumerate(chunks):
         last = final and i == len(chunks) - 1
         meta = PdgateMetadata(
-            sends=[SendChunk(req_id, tid, dest, pairs, last, fail_last if last else "")]
+            sends=[
+                SendChunk(req_id, tid, dest, pairs, last, fail_last if last else "", traceparent)
+            ]
         )
         for w in p.workers:
             w.start_step(meta)
@@ -166,8 +172,8 @@ def push(
             w.end_step(meta)
 
 
-def expect(d: Instance, req_id: str, tid: str, block_ids: list[int]) -> None:
-    meta = PdgateMetadata(recvs=[RecvEntry(req_id, tid, block_ids)])
+def expect(d: Instance, req_id: str, tid: str, block_ids: list[int], traceparent: str = "") -> None:
+    meta = PdgateMetadata(recvs=[RecvEntry(req_id, tid, block_ids, 0, traceparent)])
     for w in d.workers:
         w.start_step(meta)
         w.end_step(meta)

@@ -14,8 +14,10 @@ from vllm.v1.request import RequestStatus
 
 from connector.compat import features
 from connector.metadata import PdgateMetadata
+from pdwire.trace import format_traceparent
 from tests.connector import harness as H
 from tests.connector.slow_proxy import SlowProxy
+from tests.support.otlp import otlp_receiver
 from tests.support.services import MetaserverProcess
 
 TOKEN = "t0ken"
@@ -332,3 +334,41 @@ def test_decode_load_failed_for_a_silent_p_recomputes_in_other_blocks_until_the_
     H.step(s)  # past D's deadline P never writes: they go back
     assert H.free_blocks(s) == before and decode.quarantined_blocks == 0
     H.assert_empty(s)
+
+
+def test_decode_traced_binding_records_a_bind_span(
+    metaserver: MetaserverProcess,
+    make_decoder: Callable[..., Scheduler],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``otlp_traces_endpoint``, a request carrying the proxy's context gets a
+    ``pdgate.connector.bind`` span under it (exported over OTLP/HTTP), and the worker half is
+    handed the context; a request without one gets neither."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    tp = format_traceparent(0xA1B2C3D4E5F60718293A4B5C6D7E8F90, 0x1122334455667788, 1)
+    with otlp_receiver() as receiver:
+        s = make_decoder(metaserver.url, otlp_traces_endpoint=receiver.url)
+        traced = H.request(H.prompt(40), {**_recv_params("tid-traced"), "traceparent": tp})
+        plain = H.request(H.prompt(40, seed=3), _recv_params("tid-plain"))
+        s.add_request(traced)
+        s.add_request(plain)
+        _, meta = H.step(s)
+        by_req = {r.req_id: r.traceparent for r in meta.recvs}
+        assert by_req == {traced.request_id: tp, plain.request_id: ""}
+        _wait_binding(metaserver.url, "tid-traced")
+        _wait_binding(metaserver.url, "tid-plain")
+        sched = H.connector_of(s).scheduler
+        assert sched is not None and sched.tracer is not None
+        deadline = time.monotonic() + 10  # the span ends when the writer's PUT has returned
+        while not receiver.spans and time.monotonic() < deadline:
+            assert sched.tracer.provider.force_flush(10_000)
+            time.sleep(0.05)
+        spans = receiver.spans
+    (bind,) = spans
+    assert bind.name == "pdgate.connector.bind" and bind.service == "pdgate-connector"
+    assert bind.trace_id == f"{0xA1B2C3D4E5F60718293A4B5C6D7E8F90:032x}"
+    assert bind.parent_span_id == "1122334455667788"
+    assert bind.attributes["pdgate.transfer_id"] == "tid-traced"
+    assert bind.attributes["pdgate.blocks"] == 3 and bind.attributes["pdgate.prompt_tokens"] == 40
+    assert [e.name for e in bind.events] == ["binding_written"]
+    assert bind.resource["pdgate.instance_id"] == "decoder-0"

@@ -52,8 +52,8 @@ def test_protocol_doc_instance_registration_is_instance_spec() -> None:
 @pytest.mark.parametrize(
     "params",
     [
-        decode_leg("T", "URL"),
-        prefill_leg("T", "URL", {}),
+        decode_leg("T", "URL", "TP"),
+        prefill_leg("T", "URL", {}, "TP"),
         push_report("T", None),
         push_report("T", "why"),
     ],

@@ -5,7 +5,7 @@ sockets. ``settle()`` then checks that nothing was left behind."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -56,8 +56,16 @@ class Exchange:
     """One client request through the handler. ``hook``: the scope carries the disconnect slot
     of ``proxy.server``'s protocol; otherwise the handler watches ``receive()``."""
 
-    def __init__(self, handler: CompletionsHandler, path: str, body: bytes, hook: bool) -> None:
+    def __init__(
+        self,
+        handler: CompletionsHandler,
+        path: str,
+        body: bytes,
+        hook: bool,
+        extra: Sequence[tuple[bytes, bytes]] = (),
+    ) -> None:
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        headers += extra
         self.scope: Scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
         if hook:
             self.scope[ON_DISCONNECT] = None
@@ -158,14 +166,21 @@ class InMemoryProxy:
     def d(self) -> Instance:
         return self.runtime.registry.all(Role.DECODE)[0]
 
-    def request(self, *, stream: bool = False, chat: bool = False, hook: bool = False) -> Exchange:
+    def request(
+        self,
+        *,
+        stream: bool = False,
+        chat: bool = False,
+        hook: bool = False,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+    ) -> Exchange:
         body: dict[str, Any] = {"model": "m", "max_tokens": 4, "stream": stream}
         if chat:
             body["messages"] = [{"role": "user", "content": "The quick brown fox " * 8}]
         else:
             body["prompt"] = "The quick brown fox " * 8
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        return Exchange(self.handler, path, msgspec.json.encode(body), hook)
+        return Exchange(self.handler, path, msgspec.json.encode(body), hook, headers)
 
     async def send(self, *, stream: bool = False) -> Exchange:
         return await self.request(stream=stream).done()
