@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from connector.metadata import PdgateMetadata, RecvEntry
+from connector.stats import StatsCollector
 from pdwire.client import BackgroundWriter, MetaserverHTTPError
 from pdwire.errors import ParamsError
 from pdwire.models import BindingSpec, KVEndpoint
@@ -48,8 +49,12 @@ class DecodeSide:
         me: Identity,
         load_timeout_s: float = 0.0,
         wall: Callable[[], float] = time.time,
+        stats: StatsCollector | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._writer = writer
+        self._stats = stats or StatsCollector()
+        self._clock = clock
         self._me = me
         self._load_timeout_s = load_timeout_s  # > 0: bindings state D's deadline
         self._wall = wall
@@ -57,6 +62,7 @@ class DecodeSide:
         self._new: list[RecvEntry] = []
         self._rejected: collections.deque[str] = collections.deque()
         self.bindings_sent = 0
+        self._held: dict[str, int] = {}  # req id -> blocks waiting for P's KV
 
     def matched(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         try:
@@ -97,23 +103,41 @@ class DecodeSide:
             load_deadline=self._wall() + self._load_timeout_s if self._load_timeout_s else None,
         )
         req_id = request.request_id
+        stats, clock, sent_at = self._stats, self._clock, self._clock()
 
         def on_done(_body: bytes | None, error: Exception | None) -> None:
+            stats.observe("binding_write_seconds", clock() - sent_at)
             if isinstance(error, MetaserverHTTPError) and 400 <= error.status < 500:
                 log.warning("binding %s for %s rejected: %s", params.transfer_id, req_id, error)
                 self._rejected.append(req_id)
+                stats.add("binding_writes", label="rejected")
+            else:
+                stats.add("binding_writes", label="error" if error else "ok")
 
         self._claimed.add(req_id)
         load_from = (prompt_len - num_external) // me.block_size
         self._new.append(RecvEntry(req_id, params.transfer_id, block_ids, load_from))
         self.bindings_sent += 1
+        held = len(block_ids) - load_from
+        if held > 0:
+            self._held[req_id] = held
+            self._stats.add("blocks_held", held, label="decode")
         if not self._writer.put_binding(params.transfer_id, spec, on_done=on_done):
             self._rejected.append(req_id)  # queue full: fail fast, nothing was sent
+            self._stats.add("binding_writes", label="dropped")
 
     def fill(self, meta: PdgateMetadata) -> None:
         meta.recvs, self._new = self._new, []
         while self._rejected:
             meta.failed_recvs.append(self._rejected.popleft())
+
+    def loaded(self, req_ids: set[str]) -> None:
+        """The workers ended these loads (landed, failed or released): the blocks no longer
+        wait for P."""
+        for req_id in req_ids:
+            held = self._held.pop(req_id, 0)
+            if held:
+                self._stats.add("blocks_held", -held, label="decode")
 
     def finished(self, request: Request) -> None:
         # While the request waits for KV, vLLM itself keeps its blocks until the worker

@@ -14,6 +14,7 @@ from connector.scheduler.decode import DecodeSide, Identity
 from connector.scheduler.lookups import Lookups
 from connector.scheduler.prefill import PrefillSide
 from connector.scheduler.registrar import Registrar
+from connector.stats import StatsCollector
 from pdwire.client import AsyncMetaserverClient, BackgroundWriter, MetaserverClient
 from pdwire.models import InstanceRole, InstanceSpec, KVEndpoint
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("pdgate.connector.scheduler")
@@ -70,6 +72,8 @@ class ConnectorScheduler:
         kv = vllm_config.kv_transfer_config
         assert kv is not None and kv.kv_role is not None
         self.settings = settings
+        self.stats = StatsCollector()
+        self._p_held: dict[str, int] = {}  # P: req id -> blocks kept until its pushes end
         self.me = identity_of(vllm_config, settings)
         url, token = settings.metaserver_url, settings.token
         make_sync = sync_client or (lambda: MetaserverClient(url, token=token))
@@ -93,7 +97,7 @@ class ConnectorScheduler:
         self.registrar = Registrar(make_sync(), self.me.instance_id, spec, settings.heartbeat_s)
         self.registrar.start()
         self.decode = (
-            DecodeSide(self.writer, self.me, settings.kv_load_timeout_s)
+            DecodeSide(self.writer, self.me, settings.kv_load_timeout_s, stats=self.stats)
             if role is not InstanceRole.PREFILL
             else None
         )
@@ -151,7 +155,20 @@ class ConnectorScheduler:
             self.decode.finished(request)
         if self.prefill is None:
             return False, None
-        return self.prefill.finished(request)
+        delay_free, report = self.prefill.finished(request)
+        if delay_free and block_ids:
+            self._p_held[request.request_id] = len(block_ids)
+            self.stats.add("blocks_held", len(block_ids), label="prefill")
+        return delay_free, report
+
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
+        """The workers' finished transfers of this step: blocks no longer held for them."""
+        if self.decode is not None and out.finished_recving:
+            self.decode.loaded(out.finished_recving)
+        for req_id in out.finished_sending or ():
+            held = self._p_held.pop(req_id, 0)
+            if held:
+                self.stats.add("blocks_held", -held, label="prefill")
 
     def get_finished_count(self) -> int:
         # Every worker rank reports each finished id exactly once (replica ranks that push

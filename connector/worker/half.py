@@ -14,6 +14,7 @@ from connector.config import ConnectorSettings
 from connector.device import Device, make_device
 from connector.errors import ConfigError
 from connector.metadata import PdgateMetadata
+from connector.stats import StatsCollector
 from connector.transport import Transport, make_transport
 from connector.worker import digest
 from connector.worker.memory import KVMemory
@@ -46,6 +47,7 @@ class ConnectorWorker:
         use_mla: bool | None = None,
         block_size: int | None = None,
         role: str | None = None,
+        recompute: bool | None = None,
         transport: Transport | None = None,
         device: Device | None = None,
         events: BackgroundWriter | None = None,
@@ -65,6 +67,7 @@ class ConnectorWorker:
             use_mla = bool(vllm_config.model_config.use_mla)
             block_size = vllm_config.cache_config.block_size
             role = kv.kv_role
+            recompute = getattr(kv, "kv_load_failure_policy", "fail") == "recompute"
         assert rank is not None and tp_size is not None and engine_id is not None
         self.rank, self.tp_size, self.engine_id = rank, tp_size, engine_id
         http_port = urlparse(settings.http_url).port if settings.http_url else None
@@ -73,6 +76,8 @@ class ConnectorWorker:
         self.use_mla = bool(use_mla)
         self.block_size = block_size  # vLLM's block (None: the caches' own)
         self.role = role or "kv_both"
+        self.recompute = bool(recompute)  # vLLM recomputes a failed load (else fails it)
+        self.stats = StatsCollector()
         self.epoch = secrets.token_hex(8)
         self.protocol = PROTOCOL_VERSION  # what this rank speaks in its handshakes
         self.device = device or make_device(settings.device)
@@ -88,8 +93,12 @@ class ConnectorWorker:
         self.tamper: TamperingTransport | None = None  # TEST ONLY: ``test_corrupt_push``
         self.server: SideChannelServer | None = None
         self.tracker = RecvTracker(
-            settings.kv_load_timeout_s, clock, landing_wait_s=settings.landing_wait_s
+            settings.kv_load_timeout_s,
+            clock,
+            landing_wait_s=settings.landing_wait_s,
+            stats=self.stats,
         )
+        self.tracker.on_landed = self._count_landed
         self._absorbed: PdgateMetadata | None = None
         self._sends: set[str] = set()  # req ids this rank knows as sending
         self._last_queued: set[str] = set()  # req ids whose end (done/failed) is queued
@@ -158,7 +167,7 @@ class ConnectorWorker:
             if verify and not s.verify_kv:  # arrival digests describe the bytes sent
                 checksums = self.tamper.sent_checksums(checksums)
         callbacks = SenderCallbacks(on_end=self._report_end, on_first_write=self._report_pushing)
-        return Sender(transport, memory, options, callbacks, checksums=checksums)
+        return Sender(transport, memory, options, callbacks, checksums=checksums, stats=self.stats)
 
     def _digests_on(self) -> bool:
         """P signs its pieces with ``verify_kv``, and always when the transport's writes finish
@@ -290,8 +299,17 @@ class ConnectorWorker:
                     self.sender.forget(req_id)
         self.tracker.aborted(finished_req_ids)
         recving, failed = self.tracker.poll()
+        if failed and self.recompute:
+            self.stats.add("recomputes", len(failed))
         self._ended_blocks = {r: self._recv_blocks.pop(r, []) for r in recving}
         return sending, recving, failed
+
+    def _count_landed(self, req_id: str) -> None:
+        """A load ended intact: its blocks hold P's KV now."""
+        blocks = len(self._recv_blocks.get(req_id, ()))
+        if blocks and self.memory is not None:
+            self.stats.add("recv_blocks", blocks)
+            self.stats.add("recv_bytes", blocks * self.memory.bytes_per_block)
 
     def blocks_of(self, req_ids: set[str]) -> set[int]:
         """The blocks the loads of ``req_ids`` were to fill, for loads the last

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from connector import wire
+from connector.stats import StatsCollector
 
 log = logging.getLogger("pdgate.connector.receiver")
 
@@ -34,6 +35,7 @@ class _Recv:
     aborted: bool = False
     signalled_at: float | None = None  # all done signals in, digests not matching yet
     settling: bool = False  # holding the blocks for a failed write's late pieces (logged once)
+    cause: str = "timeout"  # why the load failed (a ``load_failures`` label)
 
 
 @dataclass
@@ -50,7 +52,9 @@ class RecvTracker:
         clock: Callable[[], float] = time.monotonic,
         retired_max: int = 65_536,
         landing_wait_s: float = 10.0,
+        stats: StatsCollector | None = None,
     ) -> None:
+        self.stats = stats or StatsCollector()
         self._timeout = timeout_s
         self._landing_wait = landing_wait_s
         self._clock = clock
@@ -68,6 +72,8 @@ class RecvTracker:
         self.late_landings = 0  # of those: matched only after their done signals
         # ``verify_kv``: checks a complete transfer's digests ("" = the KV landed intact)
         self.verify: Callable[[wire.Signal], str] | None = None
+        # a load completed intact (counts its bytes); runs under the tracker's lock
+        self.on_landed: Callable[[str], None] | None = None
 
     def expect(self, req_id: str, transfer_id: str) -> None:
         with self._lock:
@@ -122,8 +128,13 @@ class RecvTracker:
                 if verdict is None:
                     continue
                 finished.add(req_id)
-                if not verdict and not recv.aborted:
+                if verdict:
+                    self.stats.add("loads")
+                    if self.on_landed is not None:
+                        self.on_landed(req_id)
+                elif not recv.aborted:
                     failed.add(req_id)
+                    self.stats.add("load_failures", label=recv.cause)
                 self._retire(recv)
             for tid, entry in list(self._signals.items()):  # early signals nobody claimed
                 if tid not in self._tid_to_req and now - entry.first_at > self._timeout:
@@ -133,11 +144,13 @@ class RecvTracker:
     def _verdict(self, recv: _Recv, now: float) -> bool | None:
         """True: all KV arrived; False: failed or expired; None: keep waiting."""
         if recv.req_id in self._failed_now:
+            recv.cause = "binding_rejected"
             return False
         entry = self._signals.get(recv.transfer_id)
         if entry is not None and entry.by_sender and now < entry.settle_until:
             if not recv.settling:
                 recv.settling = True
+                self.stats.add("late_landing_holds", label="decode")
                 log.warning(
                     "transfer %s (%s): a write from P failed and may still land; holding its "
                     "blocks %.1fs before %s",
@@ -152,11 +165,13 @@ class RecvTracker:
         if entry is not None and entry.by_sender:
             sigs = entry.by_sender.values()
             if any(not s.ok for s in sigs):
+                recv.cause = "prefill_failed"
                 return False
             if len(entry.by_sender) >= max(s.expected for s in sigs):
                 return self._intact(recv, sigs, now)
         if now >= recv.deadline:
             self.expired += 1
+            recv.cause = "timeout"
             got = len(entry.by_sender) if entry is not None else 0
             log.warning(
                 "transfer %s (%s): %d done signal(s) by the %.0fs deadline; failing the load",
@@ -186,6 +201,7 @@ class RecvTracker:
             if now - recv.signalled_at < self._landing_wait and now < recv.deadline:
                 return None
             self.corrupt += 1
+            recv.cause = "corrupt"
             log.error(
                 "transfer %s (%s): KV from %s does not match what P pushed %.1fs after its done "
                 "signal: %s; failing the load",
@@ -198,6 +214,7 @@ class RecvTracker:
             return False
         if recv.signalled_at is not None:
             self.late_landings += 1
+            self.stats.add("late_arrivals")
             log.info(
                 "transfer %s (%s): KV landed %.1f ms after its done signal (which overtook it)",
                 recv.transfer_id,

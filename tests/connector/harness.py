@@ -190,10 +190,28 @@ def step(s: Scheduler, **kv: set[str] | None) -> tuple[SchedulerOutput, PdgateMe
         for recv in out.kv_connector_metadata.recvs:
             _LOADS[recv.req_id] = recv.block_ids[recv.load_from :]
     for outputs in s.update_from_output(out, runner_output(out, s=s, **kv)).values():  # type: ignore[arg-type]
+        stats = outputs.scheduler_stats
+        if stats is not None and stats.kv_connector_stats is not None:
+            CONNECTOR_STATS.append(stats.kv_connector_stats)
         for o in outputs.outputs:
             if o.finish_reason is not None:
                 FINISHED_PARAMS[o.request_id] = o.kv_transfer_params
     return out, meta(out)
+
+
+# the connector stats vLLM's scheduler shipped (SchedulerStats.kv_connector_stats), in order
+CONNECTOR_STATS: list[dict[str, Any]] = []
+
+
+def connector_stats() -> dict[str, Any]:
+    """Every delta shipped since the last call, merged (what the API process would add)."""
+    from connector import stats
+
+    merged: dict[str, Any] = {}
+    for data in CONNECTOR_STATS:
+        stats.merge(merged, data)
+    CONNECTOR_STATS.clear()
+    return merged
 
 
 # request id -> the kv_transfer_params vLLM put in its final output (what the client's answer gets)

@@ -240,3 +240,27 @@ def test_decode_failed_load_is_recomputed_locally(
     for _ in range(4):
         H.step(s)
     H.assert_empty(s)
+
+
+def test_decode_stats_time_the_binding_write_and_count_blocks_held_until_loaded(
+    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+) -> None:
+    s = make_decoder(metaserver.url)
+    conn = H.connector_of(s)
+    assert conn.scheduler is not None
+    H.connector_stats()
+    req = H.request(H.prompt(40), _recv_params("tid-stats"))
+    s.add_request(req)
+    H.step(s)
+    _wait_binding(metaserver.url, "tid-stats")
+    deadline = time.monotonic() + 10
+    while conn.scheduler.writer.pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    H.step(s)  # the writer's answer is shipped with the next output
+    got = H.connector_stats()
+    assert got["blocks_held"] == {"decode": 3}  # ceil(40 / 16) blocks wait for P's KV
+    assert got["binding_writes"] == {"ok": 1}
+    (latency,) = got["binding_write_seconds"]
+    assert 0 < latency < 10
+    H.step(s, recving={req.request_id})  # the worker ended the load
+    assert H.connector_stats()["blocks_held"] == {"decode": -3}
