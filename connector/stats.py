@@ -140,7 +140,7 @@ SERIES: tuple[Series, ...] = (
         Kind.COUNTER,
         "Remote KV loads that failed, by cause: timeout (no done signal by kv_load_timeout_s), "
         "prefill_failed (P signalled failure), corrupt (digests did not match), "
-        "binding_rejected (the metaserver refused D's binding).",
+        "binding_rejected (the metaserver refused D's binding, or D's write queue was full).",
         label="cause",
         values=FAILURE_CAUSES,
         side="D worker",
