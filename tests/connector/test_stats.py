@@ -11,7 +11,7 @@ from typing import Any, cast
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from connector import stats
+from connector import stats, wire
 from connector.connector import PdgateConnector
 from connector.prom import PdgatePromMetrics, PdgateStats
 from connector.stats import StatsCollector
@@ -233,3 +233,19 @@ def test_stats_load_failures_by_cause() -> None:
     assert t.stats.take() == {
         "load_failures": {"binding_rejected": 1, "prefill_failed": 1, "timeout": 1}
     }
+
+
+def test_stats_late_arrival_and_corrupt_load_are_counted() -> None:
+    clock = FakeClock()
+    t = RecvTracker(60.0, clock, landing_wait_s=5.0)
+    answers = {"late": iter(["crc mismatch", ""]), "bad": iter(["crc mismatch"] * 3)}
+    t.verify = lambda sig: next(answers[sig.transfer_id])
+    for name in answers:
+        t.expect(name, name)
+        t.on_signal(wire.Signal(name, "p/0", True, 1, "", [(0, 0, 64, 1)]))
+    assert t.poll() == (set(), set())  # digests do not match yet: keep waiting
+    clock.now += 1
+    assert t.poll() == ({"late"}, set())  # its KV landed after the done signal
+    clock.now += 5
+    assert t.poll() == ({"bad"}, {"bad"})  # still wrong after landing_wait_s
+    assert t.stats.take() == {"loads": 1, "late_arrivals": 1, "load_failures": {"corrupt": 1}}
