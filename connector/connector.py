@@ -33,6 +33,10 @@ from connector.scheduler.blocks import BlockTracker
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -118,17 +122,15 @@ class PdgateConnector(KVConnectorBase_V1):
             self._blocks.update(scheduler_output)
         return self.scheduler.build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if self.scheduler is not None:
-            meta = connector_output.kv_connector_worker_meta
-            silent = meta.silent if isinstance(meta, PdgateWorkerMetadata) else frozenset()
-            self.scheduler.update_connector_output(connector_output.finished_recving, silent)
-
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.scheduler is not None:
+            self.scheduler.update_connector_output(connector_output)
 
     def get_finished_count(self) -> int | None:
         return self.scheduler.get_finished_count() if self.scheduler is not None else None
@@ -194,6 +196,36 @@ class PdgateConnector(KVConnectorBase_V1):
         later vLLM hears of them through ``failed_recving``."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    # ---- metrics (connector/stats.py, connector/prom.py) -----------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This half's deltas since the last call (vLLM calls it after every step on each
+        worker, and on the scheduler after each output), or ``None`` when there are none."""
+        half = self.scheduler if self.scheduler is not None else self.worker
+        data = half.stats.take() if half is not None else None
+        if data is None:
+            return None
+        from connector.prom import PdgateStats
+
+        return PdgateStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        from connector.prom import PdgateStats
+
+        return PdgateStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        from connector.prom import PdgatePromMetrics
+
+        return PdgatePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.scheduler is not None:

@@ -8,12 +8,21 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdwire.asgi import ASGIApp, Message, Receive, Scope, Send
+from pdwire.models import BindingState
 
 # sub-millisecond resolution: a binding write is ~1 ms end to end, and its tail is what matters
 _BUCKETS = (
     0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
     0.5, 1, 2.5, 5, 10, 30, 60,
 )  # fmt: skip
+
+
+# P/D phases: milliseconds to minutes
+_PHASE_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
+)  # fmt: skip
+
+OPEN_STATES = tuple(s.value for s in BindingState if not s.terminal)
 
 
 class Metrics:
@@ -49,6 +58,52 @@ class Metrics:
         self.waiters = Gauge(
             "pdgate_metaserver_long_polls", "long-polls in progress", registry=self.registry
         )
+        # P/D signals (docs/kubernetes.md: autoscaling inputs)
+        self.prefill_queue = Histogram(
+            "pdgate_metaserver_prefill_queue_seconds",
+            "from D's binding to P starting the prefill (its first prefill_started or pushing "
+            "event): P's queueing, plus the proxy's hop to P",
+            buckets=_PHASE_BUCKETS,
+            registry=self.registry,
+        )
+        self.transfer_seconds = Histogram(
+            "pdgate_metaserver_transfer_seconds",
+            "from D's binding to the transfer's end, by outcome (done, failed, aborted)",
+            ["outcome"],
+            buckets=_PHASE_BUCKETS,
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "pdgate_metaserver_transfers_in_flight",
+            "bindings not done, failed or aborted yet, by state (read from the store at "
+            "scrape time, among the newest stats_scan_limit)",
+            ["state"],
+            registry=self.registry,
+        )
+        self.oldest_age = Gauge(
+            "pdgate_metaserver_transfer_oldest_age_seconds",
+            "age of the oldest binding in flight (0: none)",
+            registry=self.registry,
+        )
+        for state in OPEN_STATES:
+            self.in_flight.labels(state)
+
+    def observe_event(
+        self, state: BindingState, created_at: float, events: int, now: float
+    ) -> None:
+        """An event was applied to a binding (``events``: how many it has now)."""
+        if state.terminal:
+            self.transfer_seconds.labels(state.value).observe(max(0.0, now - created_at))
+        elif events == 2 and state in (BindingState.PREFILL_STARTED, BindingState.PUSHING):
+            self.prefill_queue.observe(max(0.0, now - created_at))  # the first after bound
+
+    def set_open(
+        self, by_state: dict[str, int], oldest_created_at: float | None, now: float
+    ) -> None:
+        for state in OPEN_STATES:
+            self.in_flight.labels(state).set(by_state.get(state, 0))
+        age = 0.0 if oldest_created_at is None else max(0.0, now - oldest_created_at)
+        self.oldest_age.set(age)
 
 
 class MetricsMiddleware:

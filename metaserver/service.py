@@ -76,4 +76,6 @@ async def post_event(c: Context, transfer_id: str, body: bytes) -> Reply:
     raw = event_json(event.state, event.actor, now, None if detail is None else detail.encode())
     record = await c.store.add_event(transfer_id, event.state, raw, now)
     c.metrics.events.labels(event.state.value).inc()
+    if record.updated_at == now and record.state is event.state:  # applied, not a duplicate
+        c.metrics.observe_event(event.state, record.created_at, len(record.events), now)
     return Reply(200, record.to_json())

@@ -123,9 +123,12 @@ class Dispatcher:
             d.acquire(info.tokens)
             if p is not None:  # reserved now, so a burst's later picks already see it
                 p.acquire(info.tokens)
+            transfer = self._metrics.transfers.start() if p is not None else None
             try:
                 up = await impl.open(a)
             except LegError as exc:
+                if transfer is not None:  # not in flight while backing off
+                    self._metrics.transfers.end(transfer)
                 d.release(info.tokens)
                 if p is not None:
                     p.release(info.tokens)
@@ -154,6 +157,9 @@ class Dispatcher:
                 if p is not None:
                     p.release(info.tokens)
                 raise
+            finally:
+                if transfer is not None:
+                    self._metrics.transfers.end(transfer)
             if p is not None:
                 p.release(info.tokens)  # its leg is over once D's first byte is in
             d.circuit.record(True)

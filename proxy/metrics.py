@@ -8,6 +8,8 @@ collector at scrape time: one event loop per process updates them, so they need 
 from __future__ import annotations
 
 import bisect
+import itertools
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -42,6 +44,44 @@ class _InstanceCollector(Collector):
             healthy.add_metric([inst.role.value, inst.url], 1.0 if inst.available() else 0.0)
         yield inflight
         yield healthy
+
+
+class InFlight(Collector):
+    """Things in progress: how many, and the age of the oldest (0 with none), read at scrape
+    time. ``start`` / ``end`` are a dict insert and delete (one event loop: no lock); the
+    dict keeps start order, so the oldest is its first entry."""
+
+    def __init__(
+        self, name: str, doc: str, age_name: str, age_doc: str, *,
+        registry: CollectorRegistry, clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
+        self.name, self.doc, self.age_name, self.age_doc = name, doc, age_name, age_doc
+        self._clock = clock
+        self._since: dict[int, float] = {}
+        self._ids = itertools.count()
+        registry.register(self)
+
+    def start(self) -> int:
+        token = next(self._ids)
+        self._since[token] = self._clock()
+        return token
+
+    def end(self, token: int) -> None:
+        self._since.pop(token, None)
+
+    def __len__(self) -> int:
+        return len(self._since)
+
+    def oldest_age(self) -> float:
+        first = next(iter(self._since.values()), None)
+        return 0.0 if first is None else max(0.0, self._clock() - first)
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily(self.name, self.doc, value=len(self._since))
+        yield GaugeMetricFamily(self.age_name, self.age_doc, value=self.oldest_age())
 
 
 class _Value:
@@ -206,6 +246,21 @@ class Metrics:
             "and cached-token count dropped",
             registry=r,
         ).labels()
+        self.binding_waits = InFlight(
+            "pd_binding_waits",
+            "requests waiting now for D's binding (D has not scheduled them yet)",
+            "pd_binding_wait_oldest_seconds",
+            "how long the oldest of them has waited (0: none waits)",
+            registry=r,
+        )
+        self.transfers = InFlight(
+            "pd_transfers_inflight",
+            "P/D attempts between sending the request and D's first byte: binding, P's "
+            "prefill and the KV transfer",
+            "pd_transfer_oldest_age_seconds",
+            "age of the oldest of them (0: none in flight)",
+            registry=r,
+        )
         self.events_dropped = counter(
             "pd_binding_events_dropped_total", "binding events not sent (queue full)", registry=r
         )

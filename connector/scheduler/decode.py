@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from vllm.v1.request import RequestStatus
 
 from connector.metadata import PdgateMetadata, RecvEntry
+from connector.stats import StatsCollector
 from connector.tracing import ConnectorTracer, Event, Value
 from pdwire.client import BackgroundWriter, ConflictError, MetaserverHTTPError, NotFoundError
 from pdwire.errors import ParamsError
@@ -83,9 +84,13 @@ class DecodeSide:
         load_timeout_s: float = 0.0,
         wall: Callable[[], float] = time.time,
         tracer: ConnectorTracer | None = None,
+        stats: StatsCollector | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._writer = writer
         self._tracer = tracer  # tracing on in this engine
+        self._stats = stats or StatsCollector()
+        self._clock = clock
         self._me = me
         self._load_timeout_s = load_timeout_s  # > 0: bindings state D's deadline
         self._wall = wall
@@ -104,6 +109,7 @@ class DecodeSide:
 
     def bind(self, manager: KVCacheManager) -> None:
         self._manager = manager
+        self._held: dict[str, int] = {}  # req id -> blocks waiting for P's KV
 
     def matched(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         try:
@@ -149,11 +155,16 @@ class DecodeSide:
         req_id = request.request_id
         trace = params.trace if self._tracer is not None else None
         traced_at = self._wall() if trace is not None and trace.sampled else None
+        stats, clock, sent_at = self._stats, self._clock, self._clock()
 
         def on_done(_body: bytes | None, error: Exception | None) -> None:
+            stats.observe("binding_write_seconds", clock() - sent_at)
             if isinstance(error, MetaserverHTTPError) and 400 <= error.status < 500:
                 log.warning("binding %s for %s rejected: %s", params.transfer_id, req_id, error)
                 self._rejected.append(req_id)
+                stats.add("binding_writes", label="rejected")
+            else:
+                stats.add("binding_writes", label="error" if error else "ok")
             if trace is not None and traced_at is not None:
                 self._bound(trace, spec, params.transfer_id, traced_at, error)
 
@@ -164,6 +175,10 @@ class DecodeSide:
         tp = trace.header() if trace is not None else ""
         self._new.append(RecvEntry(req_id, params.transfer_id, block_ids, load_from, tp))
         self.bindings_sent += 1
+        held = len(block_ids) - load_from
+        if held > 0:
+            self._held[req_id] = held
+            self._stats.add("blocks_held", held, label="decode")
         self._outbox.append(_Outgoing(req_id, params.transfer_id, spec, on_done))
 
     def _bound(
@@ -198,6 +213,7 @@ class DecodeSide:
         for out in outbox:
             if not self._writer.put_binding(out.transfer_id, out.spec, on_done=out.on_done):
                 meta.failed_recvs.append(out.req_id)  # queue full: fail fast, nothing sent
+                self._stats.add("binding_writes", label="dropped")
         meta.recvs, self._new = self._new, []
         while self._rejected:
             meta.failed_recvs.append(self._rejected.popleft())
@@ -206,9 +222,13 @@ class DecodeSide:
         self._end_quarantines()
 
     def loaded(self, req_ids: Iterable[str]) -> None:
-        """The worker finished these loads (``finished_recving``): nothing to end any more."""
+        """The workers ended these loads (``finished_recving``: landed, failed or released):
+        nothing to end any more, and the blocks no longer wait for P."""
         for req_id in req_ids:
             self._loading.pop(req_id, None)
+            held = self._held.pop(req_id, 0)
+            if held:
+                self._stats.add("blocks_held", -held, label="decode")
 
     def quarantine(self, req_ids: Iterable[str]) -> None:
         """Loads failed because P went silent: P may only be frozen and write into these blocks

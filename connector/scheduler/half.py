@@ -9,11 +9,12 @@ from urllib.parse import urlparse
 
 from connector.config import ConnectorSettings
 from connector.errors import ConfigError
-from connector.metadata import PdgateMetadata, skew_margin
+from connector.metadata import PdgateMetadata, PdgateWorkerMetadata, skew_margin
 from connector.scheduler.decode import DecodeSide, Identity
 from connector.scheduler.lookups import Lookups
 from connector.scheduler.prefill import PrefillSide
 from connector.scheduler.registrar import Registrar
+from connector.stats import StatsCollector
 from connector.tracing import build_tracer
 from pdwire.client import AsyncMetaserverClient, BackgroundWriter, MetaserverClient
 from pdwire.models import InstanceRole, InstanceSpec, KVEndpoint
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("pdgate.connector.scheduler")
@@ -71,6 +73,8 @@ class ConnectorScheduler:
         kv = vllm_config.kv_transfer_config
         assert kv is not None and kv.kv_role is not None
         self.settings = settings
+        self.stats = StatsCollector()
+        self._p_held: dict[str, int] = {}  # P: req id -> blocks kept until its pushes end
         self.me = identity_of(vllm_config, settings)
         url, token = settings.metaserver_url, settings.token
         make_sync = sync_client or (lambda: MetaserverClient(url, token=token))
@@ -96,7 +100,13 @@ class ConnectorScheduler:
         resource = {"pdgate.instance_id": self.me.instance_id, "pdgate.role": role.value}
         self.tracer = build_tracer(settings.otlp_traces_endpoint, resource)
         self.decode = (
-            DecodeSide(self.writer, self.me, settings.kv_load_timeout_s, tracer=self.tracer)
+            DecodeSide(
+                self.writer,
+                self.me,
+                settings.kv_load_timeout_s,
+                tracer=self.tracer,
+                stats=self.stats,
+            )
             if role is not InstanceRole.PREFILL
             else None
         )
@@ -150,16 +160,6 @@ class ConnectorScheduler:
             self.prefill.fill(meta, out)
         return meta
 
-    def update_connector_output(
-        self, finished_recving: set[str] | None, silent: frozenset[str] = frozenset()
-    ) -> None:
-        if self.decode is None:
-            return
-        if silent:  # before vLLM frees (or recomputes into) their blocks, this same step
-            self.decode.quarantine(silent)
-        if finished_recving:
-            self.decode.loaded(finished_recving)
-
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -167,7 +167,25 @@ class ConnectorScheduler:
             self.decode.finished(request)
         if self.prefill is None:
             return False, None
-        return self.prefill.finished(request)
+        delay_free, report = self.prefill.finished(request)
+        if delay_free and block_ids:
+            self._p_held[request.request_id] = len(block_ids)
+            self.stats.add("blocks_held", len(block_ids), label="prefill")
+        return delay_free, report
+
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
+        """The workers' finished transfers of this step: blocks no longer held for them; and
+        loads failed for P's silence, whose blocks are quarantined before vLLM frees (or
+        recomputes into) them, later in this same step."""
+        meta = out.kv_connector_worker_meta
+        if self.decode is not None and isinstance(meta, PdgateWorkerMetadata) and meta.silent:
+            self.decode.quarantine(meta.silent)
+        if self.decode is not None and out.finished_recving:
+            self.decode.loaded(out.finished_recving)
+        for req_id in out.finished_sending or ():
+            held = self._p_held.pop(req_id, 0)
+            if held:
+                self.stats.add("blocks_held", -held, label="prefill")
 
     def get_finished_count(self) -> int:
         # Every worker rank reports each finished id exactly once (replica ranks that push

@@ -15,6 +15,7 @@ from connector.config import ConnectorSettings
 from connector.device import Device, make_device
 from connector.errors import ConfigError
 from connector.metadata import PdgateMetadata
+from connector.stats import StatsCollector
 from connector.tracing import ConnectorTracer, Value, build_tracer, sampled
 from connector.transport import Transport, make_transport
 from connector.worker import digest
@@ -49,6 +50,7 @@ class ConnectorWorker:
         use_mla: bool | None = None,
         block_size: int | None = None,
         role: str | None = None,
+        recompute: bool | None = None,
         transport: Transport | None = None,
         device: Device | None = None,
         events: BackgroundWriter | None = None,
@@ -70,6 +72,7 @@ class ConnectorWorker:
             use_mla = bool(vllm_config.model_config.use_mla)
             block_size = vllm_config.cache_config.block_size
             role = kv.kv_role
+            recompute = getattr(kv, "kv_load_failure_policy", "fail") == "recompute"
         assert rank is not None and tp_size is not None and engine_id is not None
         self.rank, self.tp_size, self.engine_id = rank, tp_size, engine_id
         http_port = urlparse(settings.http_url).port if settings.http_url else None
@@ -78,6 +81,8 @@ class ConnectorWorker:
         self.use_mla = bool(use_mla)
         self.block_size = block_size  # vLLM's block (None: the caches' own)
         self.role = role or "kv_both"
+        self.recompute = bool(recompute)  # vLLM recomputes a failed load (else fails it)
+        self.stats = StatsCollector()
         self.epoch = secrets.token_hex(8)
         self.protocol = PROTOCOL_VERSION  # what this rank speaks in its handshakes
         self.device = device or make_device(settings.device)
@@ -99,7 +104,9 @@ class ConnectorWorker:
             # the scheduler quarantines what a silent P may still write only where vLLM hands
             # the connector its KV cache manager
             silence_s=settings.silence_s if features().bind_manager else 0.0,
+            stats=self.stats,
         )
+        self.tracker.on_landed = self._count_landed
         if tracer is None:
             resource: dict[str, Value] = {
                 "pdgate.instance_id": self.actor,
@@ -179,7 +186,7 @@ class ConnectorWorker:
             if verify and not s.verify_kv:  # arrival digests describe the bytes sent
                 checksums = self.tamper.sent_checksums(checksums)
         callbacks = SenderCallbacks(on_end=self._report_end, on_first_write=self._report_pushing)
-        return Sender(transport, memory, options, callbacks, checksums=checksums)
+        return Sender(transport, memory, options, callbacks, checksums=checksums, stats=self.stats)
 
     def _digests_on(self) -> bool:
         """P signs its pieces with ``verify_kv``, and always when the transport's writes finish
@@ -320,12 +327,21 @@ class ConnectorWorker:
         recving, failed = self.tracker.poll()
         if self._loads is not None:
             self._loads.ended(recving, failed)
+        if failed and self.recompute:
+            self.stats.add("recomputes", len(failed))
         self._ended_blocks = {r: self._recv_blocks.pop(r, []) for r in recving}
         return sending, recving, failed
 
     def silent_loads(self) -> frozenset[str]:
         """Loads failed (this step) because P went silent (see ``RecvTracker.take_silent``)."""
         return frozenset(self.tracker.take_silent())
+
+    def _count_landed(self, req_id: str) -> None:
+        """A load ended intact: its blocks hold P's KV now."""
+        blocks = len(self._recv_blocks.get(req_id, ()))
+        if blocks and self.memory is not None:
+            self.stats.add("recv_blocks", blocks)
+            self.stats.add("recv_bytes", blocks * self.memory.bytes_per_block)
 
     def blocks_of(self, req_ids: set[str]) -> set[int]:
         """The blocks the loads of ``req_ids`` were to fill, for loads the last

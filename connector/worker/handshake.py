@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from connector import wire
 from connector.errors import HandshakeError
+from connector.stats import StatsCollector
 from connector.worker.side_channel import handshake
 from pdwire.version import PROTOCOL_VERSION
 
@@ -52,7 +53,9 @@ class HandshakeCache:
         workers: int = 4,
         retry_after_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        stats: StatsCollector | None = None,
     ) -> None:
+        self._stats = stats or StatsCollector()
         self._hello = wire.Hello(p_engine_id, protocol)
         self._timeout = timeout_s
         self._on_ready = on_ready
@@ -97,6 +100,7 @@ class HandshakeCache:
             result = exc
         if isinstance(result, Exception):
             log.warning("handshake with %s:%d failed: %s", key[0], key[1], result)
+        self._stats.add("handshakes", label="failed" if isinstance(result, Exception) else "ok")
         with self._lock:
             self._running.discard(key)
             self._done[key] = result

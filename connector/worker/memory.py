@@ -109,6 +109,11 @@ class KVMemory:
         """The most bytes one block of one layer holds."""
         return max(lay.block_bytes for lay in self.layouts)
 
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block holds over all layers (what a push of one whole block moves)."""
+        return sum(self.layout(layer).block_bytes for layer in range(len(self.layer_names)))
+
     def regions(self) -> list[tuple[int, int]]:
         """Disjoint (ptr, length) memory regions covering every layer's planes (layers that
         share KV alias one tensor; interleaved layers overlap and are merged)."""

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from connector import wire
+from connector.stats import StatsCollector
 
 log = logging.getLogger("pdgate.connector.receiver")
 
@@ -36,6 +37,7 @@ class _Recv:
     released: bool = False  # aborted before P took the binding: nothing can land any more
     signalled_at: float | None = None  # all done signals in, digests not matching yet
     settling: bool = False  # holding the blocks for a failed write's late pieces (logged once)
+    cause: str = "timeout"  # why the load failed (a ``load_failures`` label)
 
 
 @dataclass
@@ -54,7 +56,9 @@ class RecvTracker:
         retired_max: int = 65_536,
         landing_wait_s: float = 10.0,
         silence_s: float = 0.0,
+        stats: StatsCollector | None = None,
     ) -> None:
+        self.stats = stats or StatsCollector()
         self._timeout = timeout_s
         self._silence = silence_s
         self._landing_wait = landing_wait_s
@@ -75,6 +79,8 @@ class RecvTracker:
         self._quarantine: set[str] = set()  # failed while P may still write: see ``take_silent``
         # ``verify_kv``: checks a complete transfer's digests ("" = the KV landed intact)
         self.verify: Callable[[wire.Signal], str] | None = None
+        # a load completed intact (counts its bytes); runs under the tracker's lock
+        self.on_landed: Callable[[str], None] | None = None
 
     def expect(self, req_id: str, transfer_id: str) -> None:
         with self._lock:
@@ -155,8 +161,13 @@ class RecvTracker:
                 if verdict is None:
                     continue
                 finished.add(req_id)
-                if not verdict and not recv.aborted:
+                if verdict:
+                    self.stats.add("loads")
+                    if self.on_landed is not None:
+                        self.on_landed(req_id)
+                elif not recv.aborted:
                     failed.add(req_id)
+                    self.stats.add("load_failures", label=recv.cause)
                 self._retire(recv)
             for tid, entry in list(self._signals.items()):  # early signals nobody claimed
                 if tid not in self._tid_to_req and now - entry.first_at > self._timeout:
@@ -165,12 +176,16 @@ class RecvTracker:
 
     def _verdict(self, recv: _Recv, now: float) -> bool | None:
         """True: all KV arrived; False: failed or expired; None: keep waiting."""
-        if recv.req_id in self._failed_now or recv.released:
+        if recv.released:
+            return False
+        if recv.req_id in self._failed_now:
+            recv.cause = "binding_rejected"
             return False
         entry = self._signals.get(recv.transfer_id)
         if entry is not None and entry.by_sender and now < entry.settle_until:
             if not recv.settling:
                 recv.settling = True
+                self.stats.add("late_landing_holds", label="decode")
                 log.warning(
                     "transfer %s (%s): a write from P failed and may still land; holding its "
                     "blocks %.1fs before %s",
@@ -185,6 +200,7 @@ class RecvTracker:
         if entry is not None and entry.by_sender:
             sigs = entry.by_sender.values()
             if any(not s.ok for s in sigs):
+                recv.cause = "prefill_failed"
                 return False
             if len(entry.by_sender) >= max(s.expected for s in sigs):
                 return self._intact(recv, sigs, now)
@@ -193,6 +209,7 @@ class RecvTracker:
         silent = alive_at is not None and now - alive_at >= self._silence
         if self._silence and silent and not recv.aborted:
             self.silent += 1
+            recv.cause = "prefill_silent"
             self._quarantine.add(recv.req_id)
             log.warning(
                 "transfer %s (%s): no word from P for %.1fs (killed or frozen?); failing the "
@@ -204,6 +221,7 @@ class RecvTracker:
             return False
         if now >= recv.deadline:
             self.expired += 1
+            recv.cause = "timeout"
             got = len(entry.by_sender) if entry is not None else 0
             log.warning(
                 "transfer %s (%s): %d done signal(s) by the %.0fs deadline; failing the load",
@@ -233,6 +251,7 @@ class RecvTracker:
             if now - recv.signalled_at < self._landing_wait and now < recv.deadline:
                 return None
             self.corrupt += 1
+            recv.cause = "corrupt"
             log.error(
                 "transfer %s (%s): KV from %s does not match what P pushed %.1fs after its done "
                 "signal: %s; failing the load",
@@ -245,6 +264,7 @@ class RecvTracker:
             return False
         if recv.signalled_at is not None:
             self.late_landings += 1
+            self.stats.add("late_arrivals")
             log.info(
                 "transfer %s (%s): KV landed %.1f ms after its done signal (which overtook it)",
                 recv.transfer_id,

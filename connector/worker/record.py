@@ -13,6 +13,7 @@ import time
 
 from connector import wire
 from connector.errors import TransferError
+from connector.stats import StatsCollector
 from connector.worker.batch import Write
 from connector.worker.handshake import HandshakeCache
 from connector.worker.ledger import Ledger
@@ -32,6 +33,7 @@ class Recorder:
         signer: Signer | None,
         on_end: Outcome | None,
         on_first_write: Outcome | None,
+        stats: StatsCollector | None = None,
     ) -> None:
         self._me = me  # "<engine id>/<rank>": the signals' sender
         self._ledger = ledger
@@ -40,6 +42,7 @@ class Recorder:
         self._on_end = on_end
         self._on_first_write = on_first_write
         self._signals: SignalClient | None = None
+        self._stats = stats or StatsCollector()
 
     def open(self) -> None:
         """On the sender thread (ZeroMQ sockets stay on the thread that made them)."""
@@ -57,6 +60,9 @@ class Recorder:
             w.session,
             span.end - span.start,
         )
+        self._stats.add("push_bytes", sum(w.lengths))
+        self._stats.add("push_pieces", len(w.lengths))
+        self._stats.add("push_writes")
         for part in w.parts:
             tr = part.task.transfer
             tr.bytes += part.nbytes
@@ -72,6 +78,7 @@ class Recorder:
                 self._notify(self._on_first_write, tr)
 
     def failed(self, w: Write, exc: TransferError) -> None:
+        self._stats.add("write_failures")
         for part in w.parts:
             tr = part.task.transfer
             tr.error = str(exc)
@@ -92,11 +99,22 @@ class Recorder:
         if not self._signals.send(tr.dest.host, tr.d_port, sig):
             tr.error = tr.error or "signal not sent"
         tr.ended_at = time.perf_counter()
-        self._ledger.ended(tr)
+        self._count_end(tr, error or tr.error)
+        self._ledger.ended(tr)  # counted first: P may free the blocks (and stop stepping) now
         if error:
             log.warning("transfer %s (%s) failed: %s", tr.transfer_id, tr.req_id, error)
         self._ledger.done(end)
         self._notify(self._on_end, tr)
+
+    def _count_end(self, tr: Transfer, error: str) -> None:
+        stats = self._stats
+        stats.add("transfers", label="failed" if error else "ok")
+        if tr.settle_s > 0:
+            stats.add("late_landing_holds", label="prefill")
+        if not error and tr.write_spans:
+            o = tr.overlap()
+            stats.observe("push_seconds", o.push_s)
+            stats.observe("push_exposed_seconds", o.exposed_s)
 
     @staticmethod
     def _notify(callback: Outcome | None, tr: Transfer) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from connector import tp
 from connector.device import Event, host_checksums
 from connector.metadata import SendChunk
+from connector.stats import StatsCollector
 from connector.transport import Transport
 from connector.worker import digest
 from connector.worker.batch import check_pairable
@@ -75,16 +76,22 @@ class Sender:
         *,
         checksums: digest.Checksums = host_checksums,
         wall_clock: Callable[[], float] = time.time,
+        stats: StatsCollector | None = None,
     ) -> None:
         """``checksums`` reads P's KV for ``verify`` (host or device memory); ``wall_clock``
-        is compared with D's load deadline."""
+        is compared with D's load deadline; ``stats`` counts what the push does."""
         self.options = options
+        self.stats = stats or StatsCollector()
         self._memory = memory
         self._ledger = Ledger(self._route)
         self.handshakes = HandshakeCache(
-            options.engine_id, options.handshake_timeout_s, self._wake, check=self._pairable
+            options.engine_id,
+            options.handshake_timeout_s,
+            self._wake,
+            check=self._pairable,
+            stats=self.stats,
         )
-        self._writer = RetryingWriter(transport, options.write_retries)
+        self._writer = RetryingWriter(transport, options.write_retries, self.stats)
         signer = Signer(checksums, options.recheck_sources) if options.verify else None
         recorder = Recorder(
             options.me,
@@ -93,6 +100,7 @@ class Sender:
             signer,
             callbacks.on_end,
             callbacks.on_first_write,
+            self.stats,
         )
         self._loop = SenderLoop(
             memory, self._ledger, self.handshakes, self._writer, recorder, wall_clock

@@ -15,6 +15,7 @@ import logging
 import time
 
 from connector.errors import TransferError
+from connector.stats import StatsCollector
 from connector.transport import Transport
 from connector.worker.batch import Write
 
@@ -26,9 +27,12 @@ IN_FLIGHT: contextvars.ContextVar[Write | None] = contextvars.ContextVar(
 
 
 class RetryingWriter:
-    def __init__(self, transport: Transport, retries: int) -> None:
+    def __init__(
+        self, transport: Transport, retries: int, stats: StatsCollector | None = None
+    ) -> None:
         self._transport = transport
         self._retries = retries
+        self._stats = stats or StatsCollector()
         self.writes = 0  # writes that succeeded
 
     def write(self, w: Write) -> None:
@@ -53,6 +57,7 @@ class RetryingWriter:
                     tr.settle_s = max(tr.settle_s, late)
                 if attempt == self._retries:
                     raise
+                self._stats.add("write_retries")
                 log.warning(
                     "write of %d pieces (%d bytes) to %s failed after %.1fs (%s); retry %d of %d",
                     len(w.src),

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from metaserver.context import ctx
+from metaserver.errors import StoreUnavailable
 from pdwire.models import BindingState, Stats
 
 router = APIRouter(tags=["operations"])
@@ -25,7 +26,14 @@ async def ready(request: Request) -> dict[str, str]:
 
 @router.get("/metrics", summary="Prometheus metrics")
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(ctx(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    c = ctx(request)
+    try:
+        open_ = await c.store.open_transfers(c.settings.stats_scan_limit)
+    except StoreUnavailable:
+        pass  # the other series still go out; the in-flight gauges keep their last reading
+    else:
+        c.metrics.set_open(open_.by_state, open_.oldest_created_at, c.clock())
+    return Response(generate_latest(c.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:

@@ -10,6 +10,7 @@ import abc
 import asyncio
 import enum
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdwire.models import BindingSpec, BindingState
@@ -87,6 +88,26 @@ class StoreStats:
     scanned: int
     done_latencies_s: list[float]
     instances_by_role: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class OpenTransfers:
+    """Bindings not in a terminal state yet, among the newest ``scan_limit``."""
+
+    by_state: dict[str, int]
+    oldest_created_at: float | None  # None: none open
+
+
+def open_transfers_of(pairs: Iterable[tuple[str, float]]) -> OpenTransfers:
+    """From (state, created_at) of each scanned binding."""
+    by_state: dict[str, int] = {}
+    oldest: float | None = None
+    for state, created in pairs:
+        if BindingState(state).terminal:
+            continue
+        by_state[state] = by_state.get(state, 0) + 1
+        oldest = created if oldest is None else min(oldest, created)
+    return OpenTransfers(by_state, oldest)
 
 
 def event_json(state: BindingState, actor: str, at: float, detail_json: bytes | None) -> bytes:
@@ -169,6 +190,10 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def stats(self, scan_limit: int) -> StoreStats: ...
+
+    @abc.abstractmethod
+    async def open_transfers(self, scan_limit: int) -> OpenTransfers:
+        """The newest ``scan_limit`` bindings that are not done, failed or aborted."""
 
     # change notification (long-poll)
     @abc.abstractmethod

@@ -17,6 +17,7 @@ from metaserver.store.base import (
     BindingPut,
     ChangeSubscription,
     LocalWaiters,
+    OpenTransfers,
     PutOutcome,
     Store,
     StoredBinding,
@@ -24,6 +25,7 @@ from metaserver.store.base import (
     StoreStats,
     check_transition,
     decode_instance_problem,
+    open_transfers_of,
 )
 from pdwire.models import BindingState
 
@@ -212,6 +214,10 @@ class MemoryStore(Store):
         by_state = Counter(r.state.value for r in recent)
         roles = Counter(r.role for r in await self.list_instances(None))
         return StoreStats(dict(by_state), len(recent), list(self._latencies), dict(roles))
+
+    async def open_transfers(self, scan_limit: int) -> OpenTransfers:
+        recent = await self.list_bindings(state=None, instance_id=None, limit=scan_limit)
+        return open_transfers_of((r.state.value, r.created_at) for r in recent)
 
     def changes(self, transfer_id: str) -> ChangeSubscription:
         return self._waiters.subscribe(transfer_id)

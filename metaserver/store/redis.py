@@ -36,12 +36,14 @@ from metaserver.store.base import (
     BindingPut,
     ChangeSubscription,
     LocalWaiters,
+    OpenTransfers,
     PutOutcome,
     Store,
     StoredBinding,
     StoredInstance,
     StoreStats,
     decode_instance_problem,
+    open_transfers_of,
 )
 from metaserver.store.redis_batch import ScriptBatcher
 from metaserver.store.redis_pool import close_pool, make_pool
@@ -342,6 +344,17 @@ class RedisStore(Store):
         lat = await self._call(self._r.lrange, f"{self._ns}:lat", 0, -1)
         roles = Counter(r.role for r in await self.list_instances(None))
         return StoreStats(dict(by_state), scanned, [float(x) for x in lat], dict(roles))
+
+    async def open_transfers(self, scan_limit: int) -> OpenTransfers:
+        ids = await self._call(self._r.zrevrange, f"{self._ns}:bidx", 0, scan_limit - 1)
+        pairs: list[tuple[str, float]] = []
+        for i in range(0, len(ids), 1000):
+            async with self._r.pipeline(transaction=False) as pipe:
+                for raw in ids[i : i + 1000]:
+                    pipe.hmget(self._bkey(raw.decode()), "state", "created")
+                rows = await self._call(pipe.execute)
+            pairs += [(s.decode(), float(c)) for s, c in rows if s is not None and c is not None]
+        return open_transfers_of(pairs)
 
     def changes(self, transfer_id: str) -> ChangeSubscription:
         return self._waiters.subscribe(transfer_id)

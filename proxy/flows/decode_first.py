@@ -100,6 +100,7 @@ class DecodeFirst:
         self._wait_s = legs.timeouts.binding_wait
         self._grace_s = legs.timeouts.prefill_grace
         self._binding_hist = legs.metrics.binding_wait_seconds
+        self._binding_waits = legs.metrics.binding_waits
         self.name = "concurrent" if concurrent else "decode-first"
 
     async def open(self, a: Attempt) -> Upstream:
@@ -206,6 +207,7 @@ class DecodeFirst:
 
     async def _wait_binding(self, a: Attempt) -> msgspec.Raw:
         t0 = time.perf_counter()
+        waiting = self._binding_waits.start()
         try:
             raw = await self._bindings.wait(a.tid, self._wait_s)
         except BindingMissing as exc:
@@ -214,6 +216,8 @@ class DecodeFirst:
         except UpstreamError as exc:
             err2 = UpstreamError(f"metaserver: {exc.message}")
             raise LegError(err2, self._bindings.base_url, "binding") from exc
+        finally:
+            self._binding_waits.end(waiting)
         self._binding_hist.observe(time.perf_counter() - t0)
         return raw
 

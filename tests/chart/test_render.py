@@ -103,6 +103,8 @@ def test_render_components_per_value_set(renders: dict[str, Rendered]) -> None:
     assert {d["metadata"]["name"] for d in obs.of_kind("ServiceMonitor")} == {
         f"{FULLNAME}-proxy",
         f"{FULLNAME}-metaserver",
+        f"{FULLNAME}-prefill",
+        f"{FULLNAME}-decode",
     }
     assert obs.has("HorizontalPodAutoscaler", f"{FULLNAME}-proxy")
     assert "replicas" not in obs.get("Deployment", f"{FULLNAME}-proxy")["spec"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from pathlib import Path
 from typing import Any
@@ -128,14 +129,16 @@ def runner_output(
     silent: set[str] | None = None,
     token: int = 7,
     s: Scheduler | None = None,
+    stats: dict[str, Any] | None = None,
 ) -> ModelRunnerOutput:
     """What the workers report. A failed load goes out the way the running vLLM hears of it:
     ``failed_recving`` (0.32), or the blocks the load was to fill (before 0.32, as the
-    connector's ``get_block_ids_with_load_errors``: those after D's own prefix hit)."""
+    connector's ``get_block_ids_with_load_errors``: those after D's own prefix hit).
+    ``stats``: the workers' connector stats of this step (their merged delta dict)."""
     req_ids = list(out.num_scheduled_tokens)
     kv = None
     worker_meta = PdgateWorkerMetadata(frozenset(silent)) if silent else None
-    if sending or recving or failed:
+    if sending or recving or failed or stats or silent:
         if "failed_recving" in KVConnectorOutput.__dataclass_fields__:
             kv = KVConnectorOutput(
                 finished_sending=sending or None,
@@ -152,6 +155,11 @@ def runner_output(
                 invalid_block_ids=invalid,
                 kv_connector_worker_meta=worker_meta,
             )
+    if stats:
+        from connector.prom import PdgateStats
+
+        assert kv is not None
+        kv.kv_connector_stats = PdgateStats(data=stats)
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -188,16 +196,40 @@ def _load_blocks(s: Scheduler, req_id: str) -> list[int]:
     return _LOADS.get(req_id, [])
 
 
-def step(s: Scheduler, **kv: set[str] | None) -> tuple[SchedulerOutput, PdgateMetadata]:
+def step(s: Scheduler, **kv: Any) -> tuple[SchedulerOutput, PdgateMetadata]:
     out = s.schedule()
     if isinstance(out.kv_connector_metadata, PdgateMetadata):
         for recv in out.kv_connector_metadata.recvs:
             _LOADS[recv.req_id] = recv.block_ids[recv.load_from :]
-    for outputs in s.update_from_output(out, runner_output(out, s=s, **kv)).values():  # type: ignore[arg-type]
+    for outputs in s.update_from_output(out, runner_output(out, s=s, **kv)).values():
+        stats = outputs.scheduler_stats
+        if stats is not None and stats.kv_connector_stats is not None:
+            CONNECTOR_STATS.append(stats.kv_connector_stats)
         for o in outputs.outputs:
             if o.finish_reason is not None:
                 FINISHED_PARAMS[o.request_id] = o.kv_transfer_params
     return out, meta(out)
+
+
+# vLLM 0.24 and later ship the scheduler half's stats after every output; 0.23 only alongside
+# the workers' (``if kv_connector_stats and self.connector`` in ``update_from_output``)
+SCHEDULER_STATS_ALONE = "Scheduler-side KV connector stats" in inspect.getsource(
+    Scheduler.update_from_output
+)
+
+# the connector stats vLLM's scheduler shipped (SchedulerStats.kv_connector_stats), in order
+CONNECTOR_STATS: list[dict[str, Any]] = []
+
+
+def connector_stats() -> dict[str, Any]:
+    """Every delta shipped since the last call, merged (what the API process would add)."""
+    from connector import stats
+
+    merged: dict[str, Any] = {}
+    for data in CONNECTOR_STATS:
+        stats.merge(merged, data)
+    CONNECTOR_STATS.clear()
+    return merged
 
 
 # request id -> the kv_transfer_params vLLM put in its final output (what the client's answer gets)

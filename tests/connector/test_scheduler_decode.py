@@ -12,6 +12,7 @@ import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from connector import stats
 from connector.compat import features
 from connector.metadata import PdgateMetadata
 from pdwire.trace import format_traceparent
@@ -372,3 +373,31 @@ def test_decode_traced_binding_records_a_bind_span(
     assert bind.attributes["pdgate.blocks"] == 3 and bind.attributes["pdgate.prompt_tokens"] == 40
     assert [e.name for e in bind.events] == ["binding_written"]
     assert bind.resource["pdgate.instance_id"] == "decoder-0"
+
+
+def test_decode_stats_time_the_binding_write_and_count_blocks_held_until_loaded(
+    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+) -> None:
+    s = make_decoder(metaserver.url)
+    conn = H.connector_of(s)
+    assert conn.scheduler is not None
+    H.connector_stats()
+    req = H.request(H.prompt(40), _recv_params("tid-stats"))
+    s.add_request(req)
+    H.step(s)
+    _wait_binding(metaserver.url, "tid-stats")
+    deadline = time.monotonic() + 10
+    while conn.scheduler.writer.pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    H.step(s)  # the writer's answer is shipped with the next output
+    early = H.connector_stats()
+    # the worker ended the load, and counted it
+    H.step(s, recving={req.request_id}, stats={"loads": 1})
+    late = H.connector_stats()
+    if H.SCHEDULER_STATS_ALONE:
+        assert early["blocks_held"] == {"decode": 3}  # ceil(40 / 16) blocks wait for P's KV
+        assert late["blocks_held"] == {"decode": -3}
+    total = stats.merge(early, late)
+    assert total["binding_writes"] == {"ok": 1} and total["loads"] == 1
+    (latency,) = total["binding_write_seconds"]
+    assert 0 < latency < 10

@@ -1,5 +1,6 @@
-"""Read a vLLM server's Prometheus metrics: running/waiting requests, KV-cache usage, and
-prompt tokens by where their KV came from; how long engines take to be idle again."""
+"""Read a vLLM server's Prometheus metrics: running/waiting requests, KV-cache usage, prompt
+tokens by where their KV came from, and the pdgate connector's series; how long engines take to
+be idle again."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from collections.abc import Mapping
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 
 async def metrics_text(url: str) -> str:
@@ -101,3 +103,29 @@ async def seconds_until_idle(
 
         await asyncio.gather(*(one(n, u) for n, u in urls.items()))
     return out
+
+
+async def connector_series(url: str, model: str | None = None) -> dict[str, float]:
+    """Every ``vllm:pdgate_*`` sample but the histogram buckets, summed over vLLM's ``engine``
+    label; a sample with a label of its own is keyed ``name{value}``
+    (``vllm:pdgate_transfers_total{ok}``). With ``model``, every sample must carry it as
+    ``model_name``."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(await metrics_text(url)):
+        for sample in family.samples:
+            name = sample.name
+            if not name.startswith("vllm:pdgate_") or name.endswith(("_created", "_bucket")):
+                continue
+            labels = dict(sample.labels)
+            if model is not None:
+                assert labels.get("model_name") == model, sample
+            own = [v for k, v in labels.items() if k not in ("model_name", "engine")]
+            key = f"{name}{{{','.join(own)}}}" if own else name
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+async def series_names(url: str) -> set[str]:
+    """The name of every sample on ``url``'s ``/metrics``."""
+    text = await metrics_text(url)
+    return {s.name for f in text_string_to_metric_families(text) for s in f.samples}

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdwire.models import Binding, Instance
 from tests.metaserver.conftest import binding_spec, decode_instance
@@ -265,6 +266,44 @@ async def test_api_stats_health_ready_metrics(api: httpx.AsyncClient) -> None:
     assert "pdgate_metaserver_bindings_created_total 2.0" in metrics
     assert 'pdgate_metaserver_binding_events_total{state="done"} 1.0' in metrics
     assert 'route="/v1/bindings/{transfer_id}"' in metrics
+
+
+async def test_api_metrics_time_the_phases_and_count_transfers_in_flight(
+    api: httpx.AsyncClient,
+) -> None:
+    def sample(text: str, name: str, **labels: str) -> float:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == name and s.labels == labels:
+                    return float(s.value)
+        raise AssertionError(f"{name} {labels} not on /metrics")
+
+    await register(api)
+    for tid in ("a", "b", "c"):
+        await api.put(f"/v1/bindings/{tid}", json=spec_json())
+    text = (await api.get("/metrics")).text
+    assert sample(text, "pdgate_metaserver_transfers_in_flight", state="bound") == 3
+    assert sample(text, "pdgate_metaserver_transfer_oldest_age_seconds") > 0
+    assert sample(text, "pdgate_metaserver_prefill_queue_seconds_count") == 0
+    for tid, states in (("a", ["prefill_started", "pushing", "done"]), ("b", ["pushing"])):
+        for state in states:
+            r = await api.post(f"/v1/bindings/{tid}/events", json={"state": state, "actor": "p"})
+            assert r.status_code == 200
+    # duplicates change nothing
+    await api.post("/v1/bindings/a/events", json={"state": "done", "actor": "p"})
+    await api.post("/v1/bindings/b/events", json={"state": "pushing", "actor": "p"})
+    await api.post("/v1/bindings/c/events", json={"state": "aborted", "actor": "proxy"})
+    text = (await api.get("/metrics")).text
+    # P started on "a" (prefill_started) and on "b" (its first event was pushing)
+    assert sample(text, "pdgate_metaserver_prefill_queue_seconds_count") == 2
+    assert sample(text, "pdgate_metaserver_transfer_seconds_count", outcome="done") == 1
+    assert sample(text, "pdgate_metaserver_transfer_seconds_count", outcome="aborted") == 1
+    assert sample(text, "pdgate_metaserver_transfers_in_flight", state="pushing") == 1
+    assert sample(text, "pdgate_metaserver_transfers_in_flight", state="bound") == 0
+    await api.post("/v1/bindings/b/events", json={"state": "failed", "actor": "p"})
+    text = (await api.get("/metrics")).text
+    assert sample(text, "pdgate_metaserver_transfers_in_flight", state="pushing") == 0
+    assert sample(text, "pdgate_metaserver_transfer_oldest_age_seconds") == 0
 
 
 async def test_api_openapi_documents_bodies(api: httpx.AsyncClient) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from metaserver.errors import Conflict, NotFound, Unprocessable
 from metaserver.store import Store
-from metaserver.store.base import MAX_EVENTS, BindingPut, PutOutcome, event_json
+from metaserver.store.base import MAX_EVENTS, BindingPut, OpenTransfers, PutOutcome, event_json
 from pdwire.models import Binding, BindingState, KVEndpoint
 from tests.metaserver.conftest import binding_spec, decode_instance
 
@@ -251,6 +251,23 @@ async def test_store_stats_count_states_and_done_latency(store: Store) -> None:
     assert stats.scanned == 3
     assert len(stats.done_latencies_s) == 1 and 0.02 <= stats.done_latencies_s[0] < 5
     assert stats.instances_by_role == {"decode": 1}
+
+
+async def test_store_open_transfers_count_states_and_the_oldest(store: Store) -> None:
+    assert await store.open_transfers(scan_limit=100) == OpenTransfers({}, None)
+    await register(store)
+    for tid in ("a", "b", "c", "d"):
+        await bind(store, tid)
+    first = await store.get_binding("a")
+    assert first is not None
+    await event(store, "a", S.DONE)
+    await event(store, "b", S.PUSHING)
+    got = await store.open_transfers(scan_limit=100)
+    assert got.by_state == {"pushing": 1, "bound": 2}
+    b = await store.get_binding("b")
+    assert b is not None and got.oldest_created_at == b.created_at  # "a" is done: not counted
+    newest = await store.open_transfers(scan_limit=1)  # only "d", the newest
+    assert newest.by_state == {"bound": 1}
 
 
 async def test_store_changes_wake_waiters_on_write(store: Store) -> None:

@@ -396,3 +396,42 @@ async def test_decode_first_first_token_timeout_is_504() -> None:
     ]
     await px.settle()
     assert [e.state for e in px.events] == [ABORTED]
+
+
+async def test_decode_first_counts_binding_waits_and_transfers_in_flight() -> None:
+    bound, pushed = asyncio.Event(), asyncio.Event()
+    backend = MockBackend(
+        {
+            "decode": Reply.completion("hi").after(pushed),
+            "get": Reply.json(BINDING).after(bound),
+            "prefill": PUSHED,
+        }
+    )
+    px = InMemoryProxy(backend)
+    ex = px.request()
+    await backend.called("get", waiting=True)
+    assert px.metric("pd_binding_waits") == 1  # D has not bound yet
+    assert px.metric("pd_transfers_inflight") == 1
+    bound.set()
+    await backend.called("prefill")
+    await wait_until(lambda: px.metric("pd_binding_waits") == 0)
+    assert px.metric("pd_transfers_inflight") == 1  # P pushed; D's first byte not in yet
+    assert px.metric("pd_binding_wait_seconds_count") == 1
+    pushed.set()
+    await ex.done()
+    assert ex.status == 200
+    assert px.metric("pd_transfers_inflight") == 0
+    assert px.metric("pd_transfer_oldest_age_seconds") == 0
+    await px.settle()
+
+
+async def test_decode_first_failed_binding_wait_leaves_nothing_in_flight() -> None:
+    backend = MockBackend(
+        {"decode": Reply.completion("hi").after(never()), "get": Reply.fail(), "prefill": PUSHED}
+    )
+    px = InMemoryProxy(backend)
+    ex = await px.send()
+    assert ex.status is not None and ex.status >= 500
+    assert px.metric("pd_binding_waits") == 0
+    assert px.metric("pd_transfers_inflight") == 0
+    await px.settle()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.metrics import Metrics
+from proxy.metrics import InFlight, Metrics
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -42,3 +43,31 @@ def test_metrics_counters_gauges_histograms_render() -> None:
     assert abs(got[("pd_request_seconds_sum", flow)] - 100.0065) < 1e-9
     assert got[("pd_prefill_seconds_bucket", (("le", "0.01"),))] == 1  # le is inclusive
     assert got[("pd_prefill_seconds_count", ())] == 1
+
+
+def test_metrics_in_flight_counts_and_ages_the_oldest() -> None:
+    now = [100.0]
+    registry = CollectorRegistry()
+    waits = InFlight(
+        "w", "waiting", "w_oldest_seconds", "age", registry=registry, clock=lambda: now[0]
+    )
+    assert (len(waits), waits.oldest_age()) == (0, 0.0)
+    first = waits.start()
+    now[0] = 101.0
+    second = waits.start()
+    now[0] = 103.5
+    got = _samples(generate_latest(registry).decode())
+    assert got[("w", ())] == 2 and got[("w_oldest_seconds", ())] == 3.5
+    waits.end(first)
+    assert waits.oldest_age() == 2.5  # the second is the oldest now
+    waits.end(second)
+    waits.end(second)  # ending twice is harmless
+    got = _samples(generate_latest(registry).decode())
+    assert got[("w", ())] == 0 and got[("w_oldest_seconds", ())] == 0
+
+
+def test_metrics_proxy_exports_the_autoscaling_signals_from_the_start() -> None:
+    got = _samples(Metrics(list).render().decode())
+    for name in ("pd_binding_waits", "pd_binding_wait_oldest_seconds", "pd_transfers_inflight",
+                 "pd_transfer_oldest_age_seconds"):  # fmt: skip
+        assert got[(name, ())] == 0
