@@ -168,10 +168,17 @@ class InstanceSpec(_Strict):
 
 
 class Instance(InstanceSpec):
+    """An instance as the metaserver returns it: its spec, times, and whether it is drained."""
+
     instance_id: str
     registered_at: float
     last_heartbeat: float
     expires_at: float
+    draining: bool = Field(
+        default=False,
+        description="set by PUT /v1/instances/{id}/drain (kept across heartbeats): proxies "
+        "send this instance no new requests",
+    )
 
 
 class Stats(BaseModel):

@@ -1,9 +1,9 @@
 """``create_app``: the proxy as one ASGI app.
 
 The two completion endpoints are served by the lean ``CompletionsHandler``; everything else
-(``/health``, ``/metrics``, ``/v1/models``, ``/v1/instances``, OpenAPI) by FastAPI, which also
-runs the lifespan (session, discovery, health probes). Both cap request bodies
-(``--max-body-bytes``): the handler itself, FastAPI behind ``BodySizeLimit``.
+(``/health``, ``/metrics``, ``/v1/models``, ``/v1/instances``, ``/admin``, OpenAPI) by
+FastAPI, which also runs the lifespan (session, discovery, drains, health probes). Both cap
+request bodies (``--max-body-bytes``): the handler itself, FastAPI behind ``BodySizeLimit``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdwire.asgi import ASGIApp, Receive, Scope, Send
 from pdwire.limits import BodySizeLimit
+from proxy.admin import admin_routes
 from proxy.config import ProxySettings
 from proxy.errors import ProxyError, Unauthorized, error_object
 from proxy.handler import HOT_PATHS, CompletionsHandler, _authorized
@@ -61,6 +62,7 @@ def create_app(settings: ProxySettings) -> ProxyApp:
     )
     api.state.runtime = rt
     _routes(api, rt)
+    admin_routes(api, rt)
     handler = CompletionsHandler(rt)
 
     def error_body(message: str) -> dict[str, Any]:

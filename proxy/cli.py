@@ -67,6 +67,7 @@ def build_parser() -> SettingsParser[ProxySettings]:
     opt("--prefill-policy", "prefill_policy", choices=policies)
     opt("--decode-policy", "decode_policy", choices=policies)
     opt("--api-key", "api_keys", action="append", metavar="KEY")
+    opt("--admin-key", "admin_keys", action="append", metavar="KEY")
     opt("--retries", "retries", int)
     opt("--backoff-base", "backoff_base_s", float)
     opt("--backoff-cap", "backoff_cap_s", float)

@@ -112,8 +112,12 @@ class ProxySettings(LayeredSettings):
 
     # inbound auth
     api_keys: KeyList = Field(default_factory=list, description="accepted bearer keys")
+    admin_keys: KeyList = Field(
+        default_factory=list,
+        description="bearer keys of the /admin endpoints (empty: the --api-key keys)",
+    )
 
-    @field_validator("prefill", "decode", "api_keys", mode="before")
+    @field_validator("prefill", "decode", "api_keys", "admin_keys", mode="before")
     @classmethod
     def _comma_lists(cls, value: Any) -> Any:
         return _split(value)

@@ -4,8 +4,10 @@ ProxyError                    500 internal_error
 ├── BadRequest                400 invalid_request_error (malformed JSON, wrong types)
 ├── PayloadTooLarge           413 invalid_request_error (body above --max-body-bytes)
 ├── Unauthorized              401 authentication_error
+├── NotFound                  404 not_found_error (admin call: no such instance)
 ├── Overloaded                429 rate_limit_error (admission limit; carries Retry-After)
 ├── NoInstance                503 service_unavailable (no healthy instance in a pool)
+├── MetaserverDown            503 service_unavailable (admin call: metaserver unreachable)
 └── UpstreamError             502 upstream_error (retryable: connect error, 5xx, broken body)
     ├── UpstreamTimeout       504 (a leg ran past its timeout)
     ├── BindingTimeout        504 (D never wrote the binding)
@@ -48,12 +50,22 @@ class Unauthorized(ProxyError):
     kind = "authentication_error"
 
 
+class NotFound(ProxyError):
+    status = 404
+    kind = "not_found_error"
+
+
 class Overloaded(ProxyError):
     status = 429
     kind = "rate_limit_error"
 
 
 class NoInstance(ProxyError):
+    status = 503
+    kind = "service_unavailable"
+
+
+class MetaserverDown(ProxyError):
     status = 503
     kind = "service_unavailable"
 

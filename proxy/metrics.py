@@ -36,14 +36,21 @@ class _InstanceCollector(Collector):
             "pd_instance_inflight", "requests in flight per instance", labels=["role", "instance"]
         )
         healthy = GaugeMetricFamily(
-            "pd_instance_healthy", "1 if selectable (healthy, circuit closed, not draining)",
+            "pd_instance_healthy",
+            "1 if selectable (healthy, circuit closed, not draining, not drained)",
+            labels=["role", "instance"],
+        )  # fmt: skip
+        drained = GaugeMetricFamily(
+            "pd_instance_drained", "1 if drained (admin call or the metaserver registry)",
             labels=["role", "instance"],
         )  # fmt: skip
         for inst in self._instances():
             inflight.add_metric([inst.role.value, inst.url], inst.inflight)
             healthy.add_metric([inst.role.value, inst.url], 1.0 if inst.available() else 0.0)
+            drained.add_metric([inst.role.value, inst.url], 1.0 if inst.drained else 0.0)
         yield inflight
         yield healthy
+        yield drained
 
 
 class InFlight(Collector):

@@ -25,6 +25,8 @@ from proxy.flows.bindings import BindingSource
 from proxy.instances import (
     DiscoverySource,
     DnsDiscovery,
+    DrainControl,
+    DrainWatch,
     HealthChecker,
     MetaserverDiscovery,
     Registry,
@@ -52,6 +54,9 @@ class Runtime:
         self.prefill_policy = make_policy(settings.prefill_policy)
         self.decode_policy = make_policy(settings.decode_policy)
         self.api_keys = frozenset(k.get_secret_value() for k in settings.api_keys)
+        admin = frozenset(k.get_secret_value() for k in settings.admin_keys)
+        self.admin_keys = admin or self.api_keys
+        self.drains = DrainControl(self.registry, None)  # local drains until ``start``
         self.session: aiohttp.ClientSession | None = None
         self.metaserver: AsyncMetaserverClient | None = None
         self.events: EventSink | None = None
@@ -96,6 +101,14 @@ class Runtime:
             self._tasks.append(
                 loop.create_task(run_discovery(source, self.registry, s.discovery_interval_s))
             )
+        if self.metaserver is not None:
+            self.drains = DrainControl(self.registry, self.metaserver)
+            watch = DrainWatch(self.metaserver, self.registry)
+            try:
+                await watch.poll()
+            except Exception as exc:
+                log.warning("first registry poll for drains failed (will retry): %s", exc)
+            self._tasks.append(loop.create_task(watch.run(s.discovery_interval_s)))
         checker = HealthChecker(self.registry, self.session, interval_s=s.health_interval_s)
         self._tasks.append(loop.create_task(checker.run()))
 

@@ -74,3 +74,33 @@ async def delete_instance(request: Request, instance_id: InstanceId) -> Response
     if not await c.store.delete_instance(instance_id):
         raise NotFound(f"instance {instance_id} not registered")
     return Response(status_code=204)
+
+
+async def _set_draining(request: Request, instance_id: str, draining: bool) -> Response:
+    c = ctx(request)
+    c.authorize(request.headers.get("authorization"), write=True)
+    record = await c.store.set_draining(instance_id, draining)
+    if record is None:
+        raise NotFound(f"instance {instance_id} not registered")
+    return json_bytes(record.to_json())
+
+
+@router.put(
+    "/{instance_id}/drain",
+    responses={200: {"model": Instance}, 404: {}},
+    openapi_extra={"security": [{"bearer": []}]},
+    summary="Drain a registered instance: proxies send it no new requests (kept across "
+    "heartbeats, forgotten with the registration)",
+)
+async def drain_instance(request: Request, instance_id: InstanceId) -> Response:
+    return await _set_draining(request, instance_id, True)
+
+
+@router.delete(
+    "/{instance_id}/drain",
+    responses={200: {"model": Instance}, 404: {}},
+    openapi_extra={"security": [{"bearer": []}]},
+    summary="Undrain an instance: proxies select it again",
+)
+async def undrain_instance(request: Request, instance_id: InstanceId) -> Response:
+    return await _set_draining(request, instance_id, False)

@@ -50,11 +50,13 @@ class StoredInstance:
     registered_at: float
     last_heartbeat: float
     expires_at: float
+    draining: bool = False  # kept across heartbeats; forgotten with the registration
 
     def to_json(self) -> bytes:
         head = (
             f'{{"instance_id":"{self.instance_id}","registered_at":{self.registered_at!r},'
             f'"last_heartbeat":{self.last_heartbeat!r},"expires_at":{self.expires_at!r},'
+            f'"draining":{"true" if self.draining else "false"},'
         ).encode()
         return head + self.spec_json[1:-1] + b"}"
 
@@ -187,6 +189,11 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def delete_instance(self, instance_id: str) -> bool: ...
+
+    @abc.abstractmethod
+    async def set_draining(self, instance_id: str, draining: bool) -> StoredInstance | None:
+        """Mark a live instance drained (or not); ``None`` when it is not registered. The flag
+        survives heartbeats and goes with the registration (deleted or lapsed)."""
 
     @abc.abstractmethod
     async def stats(self, scan_limit: int) -> StoreStats: ...

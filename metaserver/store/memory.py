@@ -187,7 +187,10 @@ class MemoryStore(Store):
     ) -> tuple[PutOutcome, StoredInstance]:
         existing = self._live_instance(instance_id)
         registered = now if existing is None else existing.record.registered_at
-        record = StoredInstance(instance_id, spec_json, role, registered, now, now + ttl_s)
+        draining = existing is not None and existing.record.draining
+        record = StoredInstance(
+            instance_id, spec_json, role, registered, now, now + ttl_s, draining
+        )
         self._instances[instance_id] = _Instance(record, kv, self._clock() + ttl_s)
         self._sweep()
         return (PutOutcome.CREATED if existing is None else PutOutcome.SAME), record
@@ -208,6 +211,13 @@ class MemoryStore(Store):
         found = self._live_instance(instance_id) is not None
         self._instances.pop(instance_id, None)
         return found
+
+    async def set_draining(self, instance_id: str, draining: bool) -> StoredInstance | None:
+        entry = self._live_instance(instance_id)
+        if entry is None:
+            return None
+        entry.record = replace(entry.record, draining=draining)
+        return entry.record
 
     async def stats(self, scan_limit: int) -> StoreStats:
         recent = await self.list_bindings(state=None, instance_id=None, limit=scan_limit)

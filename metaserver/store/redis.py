@@ -89,6 +89,7 @@ class RedisStore(Store):
         self._read_binding = self._r.register_script(lua.READ_BINDING)
         self._delete_binding = self._r.register_script(lua.DELETE_BINDING)
         self._put_instance = self._r.register_script(lua.PUT_INSTANCE)
+        self._set_drain = self._r.register_script(lua.SET_DRAIN)
         self._batch = ScriptBatcher(self._r)
         self._waiters = LocalWaiters()
         self._listener: asyncio.Task[None] | None = None
@@ -298,13 +299,20 @@ class RedisStore(Store):
             ],
         )
         outcome = PutOutcome.CREATED if res[0] == b"created" else PutOutcome.SAME
-        return outcome, StoredInstance(instance_id, spec_json, role, float(res[1]), now, expires)
+        draining = bool(res[2])
+        return outcome, StoredInstance(
+            instance_id, spec_json, role, float(res[1]), now, expires, draining
+        )
 
     async def get_instance(self, instance_id: str) -> StoredInstance | None:
-        h = await self._call(
-            self._r.hmget, self._ikey(instance_id), ["spec", "role", "reg", "hb", "exp"]
-        )
+        h = await self._call(self._r.hmget, self._ikey(instance_id), _INSTANCE_FIELDS)
         return _instance(instance_id, h)
+
+    async def set_draining(self, instance_id: str, draining: bool) -> StoredInstance | None:
+        res = await self._call(
+            self._set_drain, keys=[self._ikey(instance_id)], args=["1" if draining else ""]
+        )
+        return None if res[0] == b"notfound" else _instance(instance_id, res[1:])
 
     async def list_instances(self, role: str | None) -> list[StoredInstance]:
 
@@ -313,7 +321,7 @@ class RedisStore(Store):
         ids = await self._call(self._r.zrange, idx, 0, -1)
         async with self._r.pipeline(transaction=False) as pipe:
             for raw in ids:
-                pipe.hmget(self._ikey(raw.decode()), ["spec", "role", "reg", "hb", "exp"])
+                pipe.hmget(self._ikey(raw.decode()), _INSTANCE_FIELDS)
             rows = await self._call(pipe.execute)
         out = [
             inst
@@ -373,11 +381,16 @@ def _binding(transfer_id: str, res: list[Any]) -> StoredBinding:
     )
 
 
+_INSTANCE_FIELDS = ["spec", "role", "reg", "hb", "exp", "drain"]
+
+
 def _instance(instance_id: str, h: list[Any]) -> StoredInstance | None:
-    spec, role, reg, hb, exp = h
+    spec, role, reg, hb, exp, drain = h
     if spec is None:
         return None
-    return StoredInstance(instance_id, spec, role.decode(), float(reg), float(hb), float(exp))
+    return StoredInstance(
+        instance_id, spec, role.decode(), float(reg), float(hb), float(exp), bool(drain)
+    )
 
 
 def _redact(url: str) -> str:

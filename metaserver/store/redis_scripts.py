@@ -101,5 +101,18 @@ redis.call('HSET', KEYS[1], 'spec', ARGV[2], 'role', ARGV[3], 'kvh', ARGV[4], 'k
            'reg', reg, 'hb', ARGV[6], 'exp', ARGV[8])
 redis.call('PEXPIRE', KEYS[1], ARGV[7])
 redis.call('ZADD', KEYS[2], ARGV[8], ARGV[1])
-return {status, reg}
+return {status, reg, redis.call('HGET', KEYS[1], 'drain')}
+"""
+
+# KEYS: instance hash; ARGV: '1' to drain, '' to undrain. Only a live registration is marked
+# (a drain never creates a half record); a heartbeat leaves the field alone.
+SET_DRAIN = """
+if redis.call('HEXISTS', KEYS[1], 'spec') == 0 then return {'notfound'} end
+if ARGV[1] == '1' then
+  redis.call('HSET', KEYS[1], 'drain', '1')
+else
+  redis.call('HDEL', KEYS[1], 'drain')
+end
+local h = redis.call('HMGET', KEYS[1], 'spec', 'role', 'reg', 'hb', 'exp', 'drain')
+return {'ok', h[1], h[2], h[3], h[4], h[5], h[6]}
 """

@@ -97,6 +97,11 @@ def delete_instance(instance_id: str) -> Call:
     return Call("DELETE", f"/v1/instances/{instance_id}")
 
 
+def drain_instance(instance_id: str, draining: bool) -> Call:
+    """Drain (``PUT``) or undrain (``DELETE``) a registered instance; answers the record."""
+    return Call("PUT" if draining else "DELETE", f"/v1/instances/{instance_id}/drain")
+
+
 STATS = Call("GET", "/v1/stats")
 READY = Call("GET", "/ready")
 

@@ -140,6 +140,10 @@ class AsyncMetaserverClient:
     async def delete_instance(self, instance_id: str) -> None:
         await self.send(P.delete_instance(instance_id))
 
+    async def set_draining(self, instance_id: str, draining: bool = True) -> Instance:
+        """Drain (or undrain) a registered instance; ``NotFoundError`` if it is not."""
+        return P.decode(Instance, await self.send(P.drain_instance(instance_id, draining)))
+
     # ---- operations -----------------------------------------------------------------------
     async def stats(self) -> Stats:
         return P.decode(Stats, await self.send(P.STATS))

@@ -133,6 +133,10 @@ class MetaserverClient:
     def delete_instance(self, instance_id: str) -> None:
         self.send(P.delete_instance(instance_id))
 
+    def set_draining(self, instance_id: str, draining: bool = True) -> Instance:
+        """Drain (or undrain) a registered instance; ``NotFoundError`` if it is not."""
+        return P.decode(Instance, self.send(P.drain_instance(instance_id, draining)))
+
 
 Outcome = Callable[[bytes | None, Exception | None], None]
 

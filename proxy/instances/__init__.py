@@ -1,4 +1,5 @@
-"""Instances: the registry of both pools, circuit breakers, health probes and discovery."""
+"""Instances: the registry of both pools, circuit breakers, health probes, discovery and
+drains."""
 
 from proxy.instances.circuit import CircuitBreaker, CircuitState
 from proxy.instances.discovery import (
@@ -9,6 +10,7 @@ from proxy.instances.discovery import (
     refresh,
     run_discovery,
 )
+from proxy.instances.drain import DrainControl, DrainResult, DrainWatch
 from proxy.instances.health import HealthChecker
 from proxy.instances.instance import Instance, Role
 from proxy.instances.registry import Registry
@@ -18,6 +20,9 @@ __all__ = [
     "CircuitState",
     "DiscoverySource",
     "DnsDiscovery",
+    "DrainControl",
+    "DrainResult",
+    "DrainWatch",
     "HealthChecker",
     "Instance",
     "MetaserverDiscovery",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from typing import Any
+from urllib.parse import urlsplit
 
 from proxy.instances.circuit import CircuitBreaker
 
@@ -13,15 +14,28 @@ class Role(enum.StrEnum):
     DECODE = "decode"
 
 
+def local_id(url: str) -> str:
+    """The id of an instance the metaserver registry does not name: its ``host:port``."""
+    return urlsplit(url).netloc
+
+
 class Instance:
     """Load counters are plain ints (one event loop per process); ``acquire``/``release`` pair up
-    in a ``finally`` around every leg."""
+    in a ``finally`` around every leg.
+
+    Two ways out of selection that keep the instance known: ``draining`` (it left discovery: it
+    is forgotten once idle) and a *drain* (``drained_remote``: its registration in the
+    metaserver says ``draining``, seen by every proxy; ``drained_local``: an admin call on this
+    proxy for an instance the registry does not know). In-flight requests finish either way."""
 
     __slots__ = (
         "__weakref__",
         "circuit",
+        "drained_local",
+        "drained_remote",
         "draining",
         "healthy",
+        "id",
         "inflight",
         "role",
         "served",
@@ -37,12 +51,25 @@ class Instance:
         self.healthy = True
         self.slow = False  # its last failed health probe timed out (busy, not down)
         self.draining = False
+        self.drained_remote = False
+        self.drained_local = False
+        self.id = local_id(url)  # the registry's instance id once the metaserver names it
         self.inflight = 0
         self.tokens = 0
         self.served = 0
 
     def available(self) -> bool:
-        return self.healthy and not self.draining and self.circuit.allows()
+        return (
+            self.healthy
+            and not self.draining
+            and not self.drained_remote
+            and not self.drained_local
+            and self.circuit.allows()
+        )
+
+    @property
+    def drained(self) -> bool:
+        return self.drained_remote or self.drained_local
 
     def acquire(self, tokens: int) -> None:
         self.inflight += 1
@@ -55,11 +82,19 @@ class Instance:
         self.served += 1
 
     def describe(self) -> dict[str, Any]:
+        by = [
+            n
+            for n, on in (("metaserver", self.drained_remote), ("proxy", self.drained_local))
+            if on
+        ]
         return {
+            "id": self.id,
             "url": self.url,
             "role": self.role.value,
             "healthy": self.healthy,
             "draining": self.draining,
+            "drained": bool(by),
+            "drained_by": by,
             "circuit": self.circuit.state.value,
             "consecutive_failures": self.circuit.consecutive,
             "inflight": self.inflight,

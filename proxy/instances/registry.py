@@ -1,7 +1,10 @@
 """The proxy's view of both pools. Discovery sources call ``reconcile``; flows call ``pool``.
 
 An instance that disappears from discovery is *drained*: it gets no new requests and is
-forgotten once its in-flight requests are done.
+forgotten once its in-flight requests are done. An instance can also be drained on purpose
+(``apply_registry`` from the metaserver registry's ``draining`` flags, ``drain_local`` by an
+admin call): it gets no new requests, finishes what it has, and stays known until undrained.
+Drains are kept by URL, so they also hold for an instance discovery adds later.
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
+from pdwire.models import Instance as Registered
 from proxy.instances.circuit import CircuitBreaker
-from proxy.instances.instance import Instance, Role
+from proxy.instances.instance import Instance, Role, local_id
 
 log = logging.getLogger("pdgate.proxy.instances")
 
@@ -29,6 +33,9 @@ class Registry:
         self._clock = clock
         self._pools: dict[Role, dict[str, Instance]] = {Role.PREFILL: {}, Role.DECODE: {}}
         self._lists: dict[Role, list[Instance]] = {Role.PREFILL: [], Role.DECODE: []}
+        self._ids: dict[str, str] = {}  # url -> instance id in the metaserver registry
+        self._remote: set[str] = set()  # urls whose registration says draining
+        self._local: set[str] = set()  # urls drained by an admin call on this proxy
 
     def reconcile(self, role: Role, urls: Iterable[str]) -> None:
         """Make ``urls`` the pool of ``role``: add new ones, drain the missing ones."""
@@ -49,6 +56,66 @@ class Registry:
                 inst.draining = True
                 log.info("%s instance draining: %s (%d in flight)", role.value, url, inst.inflight)
         self.sweep()
+        self._flag()
+
+    # ---- drains ---------------------------------------------------------------------------
+    def apply_registry(self, registered: Iterable[Registered]) -> None:
+        """The metaserver registry's live instances: names this proxy's instances and sets
+        their remote drains. A drained instance whose registration is gone (it
+        deregistered on shutdown) stays drained while the proxy still knows its URL: it is
+        taken back only once it registers again undrained (a restart)."""
+        listed: dict[str, tuple[str, bool]] = {}
+        for rec in registered:
+            listed[rec.url.rstrip("/")] = (rec.instance_id, rec.draining)
+        for url, (iid, draining) in listed.items():
+            self._ids[url] = iid
+            if draining:
+                self._remote.add(url)
+            else:
+                self._remote.discard(url)
+        known = {i.url for i in self.instances()}
+        self._remote = {u for u in self._remote if u in listed or u in known}
+        self._ids = {u: i for u, i in self._ids.items() if u in listed or u in self._remote}
+        self._flag()
+
+    def drain_remote(self, rec: Registered) -> None:
+        """One registration this proxy just changed (the next registry poll says the same)."""
+        url = rec.url.rstrip("/")
+        self._ids[url] = rec.instance_id
+        if rec.draining:
+            self._remote.add(url)
+        else:
+            self._remote.discard(url)
+        self._flag()
+
+    def drain_local(self, urls: Iterable[str], draining: bool) -> None:
+        """Drain (or undrain) on this proxy only; undraining also clears a remote drain this
+        proxy still holds for a registration that is gone."""
+        for url in urls:
+            if draining:
+                self._local.add(url)
+            else:
+                self._local.discard(url)
+                self._remote.discard(url)
+        self._flag()
+
+    def find(self, instance_id: str) -> list[Instance]:
+        """This proxy's instances of that id (both pools for a ``both`` instance)."""
+        return [i for i in self.instances() if i.id == instance_id]
+
+    def _flag(self) -> None:
+        for role in Role:
+            for inst in self._pools[role].values():
+                inst.id = self._ids.get(inst.url) or local_id(inst.url)
+                remote = inst.url in self._remote
+                local = inst.url in self._local
+                if (remote, local) != (inst.drained_remote, inst.drained_local):
+                    log.info(
+                        "%s instance %s (%s) %s (%d in flight)", role.value, inst.id, inst.url,
+                        "drained" if remote or local else "undrained", inst.inflight,
+                    )  # fmt: skip
+                inst.drained_remote = remote
+                inst.drained_local = local
 
     def sweep(self) -> None:
         """Forget drained instances with nothing in flight; refresh the pool lists."""
@@ -73,7 +140,7 @@ class Registry:
         return [
             i
             for i in self._lists[role]
-            if not i.healthy and i.slow and not i.draining and i.circuit.allows()
+            if not i.healthy and i.slow and not i.draining and not i.drained and i.circuit.allows()
         ]
 
     def instances(self) -> list[Instance]:

@@ -61,6 +61,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "proxy": {"flow": "concurrent", "prefillPolicy": "round_robin", "decodePolicy": "prefix"},
     },
     "fail-on-lost-kv": {"connector": {"kvLoadFailurePolicy": "fail", "kvLoadTimeoutS": 30}},
+    "long-drain": {
+        "engine": {"terminationGracePeriodSeconds": 960, "drain": {"settleS": 5, "timeoutS": 900}}
+    },
 }
 
 # Secrets the scenarios expect to exist already (created by the user, not by the chart).

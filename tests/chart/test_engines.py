@@ -140,3 +140,41 @@ def test_engine_command_and_accelerator(scenario: tuple[str, Rendered], role: st
         assert claim["metadata"]["name"] == "model-cache"
         env = resolve_env(c, secrets=fake_secrets(r), fields=fields("p-0"))
         assert env["HF_TOKEN"] == "hf-user-token" and env["HF_HOME"] == "/models"
+
+
+@pytest.mark.parametrize("role", sorted(ROLES))
+def test_engine_prestop_drains_within_the_grace_period(
+    scenario: tuple[str, Rendered], role: str
+) -> None:
+    """The preStop hook runs the connector's drain (Python: the engine images have no curl)
+    against the metaserver Service and this pod's own engine port; the grace period covers the
+    longest drain plus vLLM's shutdown."""
+    name, r = scenario
+    drain = SCENARIOS[name].get("engine", {}).get("drain", {})
+    sts = r.get("StatefulSet", f"{FULLNAME}-{role}")
+    c = container(sts)
+    command = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:3] == ["python3", "-m", "connector.drain"]
+    f = flags(command)
+    assert f["metaserver"] == f"http://{FULLNAME}-metaserver:8300"
+    assert f["engine"] == f"http://127.0.0.1:{container_port(c, 'http')}"
+    assert int(f["settle"]) == drain.get("settleS", 10)
+    assert int(f["timeout"]) == drain.get("timeoutS", 300)
+    assert not any(var_refs(a) for a in command), "exec hooks get no $(VAR) expansion"
+    env = {e["name"] for e in c["env"]}
+    assert "POD_NAME" in env  # the drain's instance id, as the connector's
+    grace = pod_spec(sts)["terminationGracePeriodSeconds"]
+    assert grace >= int(f["timeout"]) + 30
+
+
+def test_engine_drain_can_be_turned_off() -> None:
+    from tests.chart.rendering import render
+
+    r = render({"engine": {"drain": {"enabled": False}, "terminationGracePeriodSeconds": 30}})
+    for role in ROLES:
+        c = container(r.get("StatefulSet", f"{FULLNAME}-{role}"))
+        assert "lifecycle" not in c
+        assert (
+            pod_spec(r.get("StatefulSet", f"{FULLNAME}-{role}"))["terminationGracePeriodSeconds"]
+            == 30
+        )

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.chart.rendering import FULLNAME, container, render, resolve_env
+from tests.chart.rendering import FULLNAME, REPO, container, render, resolve_env
 from tests.support.procs import VENV_BIN, Process, free_port, wait_http, wait_port
 
 
@@ -39,7 +39,7 @@ def stack(tmp_path: Path) -> Iterator[dict[str, Any]]:
             "redis": {"port": redis_port},
             "metaserver": {"port": meta_port, "replicas": 2},
             "proxy": {"port": proxy_port},
-            "engine": {"port": engine_port},
+            "engine": {"port": engine_port, "drain": {"settleS": 1, "timeoutS": 30}},
         }
     )
     secrets = {f"{FULLNAME}-auth": r.secret_data(f"{FULLNAME}-auth")}
@@ -208,3 +208,56 @@ def test_live_proxy_probes_follow_the_pools(stack: dict[str, Any]) -> None:
         assert proc.alive(), "the proxy died while its pools were empty"
     finally:
         proc.stop()
+
+
+def test_live_engine_prestop_drains_then_lets_termination_go_on(stack: dict[str, Any]) -> None:
+    """The rendered preStop command, run with the decode pod's environment: it marks the pod's
+    registration draining through the rendered metaserver (with the token from the Secret),
+    waits while the engine's /metrics shows a request running (vLLM's gauge, served by
+    prometheus_client as vLLM does), and exits 0 once it is idle."""
+    from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+    r = stack["render"]
+    decode = container(r.get("StatefulSet", f"{FULLNAME}-decode"))
+    pod = f"{FULLNAME}-decode-0"
+    env = resolve_env(decode, secrets=stack["secrets"], fields=_fields(pod))
+    base = f"http://127.0.0.1:{stack['meta_port']}"
+    token = stack["secrets"][f"{FULLNAME}-auth"]["token"]
+    spec = {"role": "decode", "url": f"http://127.0.0.1:{stack['engine_port']}"}
+    auth = {"Authorization": f"Bearer {token}"}
+    assert httpx.put(f"{base}/v1/instances/{pod}", json=spec, headers=auth).status_code == 201
+
+    # vLLM's scheduler gauges (vllm/v1/metrics/loggers.py, PrometheusStatLogger.__init__)
+    reg = CollectorRegistry()
+    running = Gauge("vllm:num_requests_running", "r", ["model_name", "engine"], registry=reg)
+    Gauge("vllm:num_requests_waiting", "w", ["model_name", "engine"], registry=reg).labels(
+        "m", "0"
+    ).set(0)
+    running.labels("m", "0").set(1)
+    server, thread = start_http_server(stack["engine_port"], addr="127.0.0.1", registry=reg)
+    idle_at = threading.Timer(2.0, lambda: running.labels("m", "0").set(0))
+    try:
+        command = decode["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[0] == "python3"  # the images' interpreter, with pdgate installed
+        argv = [sys.executable, *command[1:]]
+        argv = [a.replace(f"//{FULLNAME}-metaserver:", "//127.0.0.1:") for a in argv]
+        started = time.monotonic()
+        idle_at.start()
+        done = subprocess.run(
+            argv,
+            env={**env, "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        took = time.monotonic() - started
+    finally:
+        idle_at.cancel()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    assert done.returncode == 0, done.stderr
+    assert 2.0 <= took < 20, done.stderr  # waited for the running request, not the timeout
+    assert "marked draining" in done.stderr and "engine idle" in done.stderr
+    got = httpx.get(f"{base}/v1/instances/{pod}").json()
+    assert got["draining"] is True

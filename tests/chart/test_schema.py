@@ -139,6 +139,10 @@ def test_values_file_documents_every_value() -> None:
             "minReplicas",
         ),
         ({"model": {"cache": {"type": "existingClaim"}}}, "existingClaim is required"),
+        (
+            {"engine": {"terminationGracePeriodSeconds": 200, "drain": {"timeoutS": 300}}},
+            "engine.terminationGracePeriodSeconds (200) must be at least engine.drain.timeoutS",
+        ),
     ],
 )
 def test_chart_rejects_inconsistent_values(values: dict[str, Any], message: str) -> None:

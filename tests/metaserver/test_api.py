@@ -250,6 +250,32 @@ async def test_api_instances(api: httpx.AsyncClient) -> None:
     assert (await api.get("/v1/instances/p-0")).status_code == 404
 
 
+async def test_api_drain_and_undrain_an_instance(api_factory: Callable[..., Any]) -> None:
+    api = await api_factory(token=TOKEN)
+    await register(api, headers=AUTH)
+    await register(api, "decode-1", headers=AUTH)
+    assert (await api.put("/v1/instances/decode-0/drain")).status_code == 401
+    r = await api.put("/v1/instances/decode-0/drain", headers=AUTH)
+    assert r.status_code == 200
+    assert Instance.model_validate(r.json()).draining is True
+    await register(api, headers=AUTH)  # heartbeat
+    listed = (await api.get("/v1/instances")).json()["instances"]
+    assert {i["instance_id"]: i["draining"] for i in listed} == {
+        "decode-0": True,
+        "decode-1": False,
+    }
+    assert (await api.get("/v1/instances/decode-0")).json()["draining"] is True
+    r = await api.put("/v1/instances/decode-0/drain", headers=AUTH)  # idempotent
+    assert r.status_code == 200 and r.json()["draining"] is True
+    r = await api.delete("/v1/instances/decode-0/drain", headers=AUTH)
+    assert r.status_code == 200 and r.json()["draining"] is False
+    assert (await api.get("/v1/instances/decode-0")).json()["draining"] is False
+    r = await api.put("/v1/instances/ghost/drain", headers=AUTH)
+    assert r.status_code == 404 and "ghost not registered" in r.text
+    assert (await api.delete("/v1/instances/ghost/drain", headers=AUTH)).status_code == 404
+    assert (await api.put("/v1/instances/bad%20id/drain", headers=AUTH)).status_code == 422
+
+
 async def test_api_stats_health_ready_metrics(api: httpx.AsyncClient) -> None:
     await register(api)
     await api.put("/v1/bindings/a", json=spec_json())

@@ -26,7 +26,7 @@ from pdwire.models import BindingState, EventDetail
 from tests.metaserver.conftest import binding_spec, decode_instance
 from tests.support.fault_server import Reply, fault_server
 from tests.support.procs import free_port
-from tests.support.services import MetaserverProcess
+from tests.support.services import MetaserverProcess, RedisServer
 
 FAST = RetryPolicy(retries=2, backoff=Backoff(base=0.01, cap=0.02))
 
@@ -60,6 +60,28 @@ async def test_async_client_full_cycle_against_real_server(
     async with AsyncMetaserverClient(ms.url, token="wrong", retry=FAST) as bad:
         with pytest.raises(AuthError):
             await bad.put_instance("x", decode_instance())
+
+
+async def test_clients_drain_and_undrain_against_a_redis_metaserver(
+    redis_server: RedisServer, metaserver_factory: Callable[..., MetaserverProcess]
+) -> None:
+    ms = metaserver_factory(redis_server.url, "--token", "tok", "--namespace", "drain-clients")
+    async with AsyncMetaserverClient(ms.url, token="tok", retry=FAST) as c:
+        await c.put_instance("decode-0", decode_instance())
+        assert (await c.set_draining("decode-0")).draining is True
+        assert (await c.put_instance("decode-0", decode_instance())).draining is True
+        assert [i.draining for i in await c.list_instances()] == [True]
+        with pytest.raises(NotFoundError):
+            await c.set_draining("ghost")
+    with MetaserverClient(ms.url, token="tok", retry=FAST) as sync:
+        assert sync.get_instance("decode-0").draining is True
+        assert sync.set_draining("decode-0", False).draining is False
+        assert sync.get_instance("decode-0").draining is False
+        with pytest.raises(NotFoundError):
+            sync.set_draining("ghost", False)
+    with MetaserverClient(ms.url, token="wrong", retry=FAST) as bad:
+        with pytest.raises(AuthError):
+            bad.set_draining("decode-0")
 
 
 async def test_async_client_retries_5xx_then_succeeds() -> None:

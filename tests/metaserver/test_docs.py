@@ -39,3 +39,5 @@ def test_docs_cookbook_runs_verbatim(
     assert "409\n401\n" in out
     assert '"bindings_by_state"' in out
     assert "pdgate_metaserver_bindings_created_total 1.0" in out
+    assert out.count('"draining":true') == 2  # the drain's answer and the listing
+    assert '"draining":false' in out.rsplit('{"instance_id"', 1)[1]  # the undrain's answer

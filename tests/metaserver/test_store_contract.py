@@ -12,7 +12,7 @@ import pytest
 from metaserver.errors import Conflict, NotFound, Unprocessable
 from metaserver.store import Store
 from metaserver.store.base import MAX_EVENTS, BindingPut, OpenTransfers, PutOutcome, event_json
-from pdwire.models import Binding, BindingState, KVEndpoint
+from pdwire.models import Binding, BindingState, Instance, KVEndpoint
 from tests.metaserver.conftest import binding_spec, decode_instance
 
 S = BindingState
@@ -237,6 +237,42 @@ async def test_store_delete_instance(store: Store) -> None:
     assert await store.delete_instance("decode-0") is True
     assert await store.get_instance("decode-0") is None
     assert await store.delete_instance("decode-0") is False
+
+
+async def test_store_drain_flag_survives_heartbeats_and_goes_with_the_registration(
+    store: Store,
+) -> None:
+    await register(store, "d-a")
+    await register(store, "d-b")
+    assert await store.set_draining("ghost", True) is None
+    assert await store.get_instance("ghost") is None  # no half record was made
+    marked = await store.set_draining("d-a", True)
+    assert marked is not None and marked.draining
+    assert Instance.model_validate_json(marked.to_json()).draining is True
+    await register(store, "d-a")  # a heartbeat keeps the drain
+    beat = await store.get_instance("d-a")
+    assert beat is not None and beat.draining
+    listed = {i.instance_id: i.draining for i in await store.list_instances(None)}
+    assert listed == {"d-a": True, "d-b": False}
+    undrained = await store.set_draining("d-a", False)
+    assert undrained is not None and not undrained.draining
+    again = await store.get_instance("d-a")
+    assert again is not None and not again.draining
+    await store.set_draining("d-a", True)
+    assert await store.delete_instance("d-a") is True
+    await register(store, "d-a")  # registered again (a restart): not drained
+    fresh = await store.get_instance("d-a")
+    assert fresh is not None and not fresh.draining
+
+
+async def test_store_drain_lapses_with_the_registration_ttl(store: Store) -> None:
+    await register(store, "d-a", ttl_s=0.3)
+    assert await store.set_draining("d-a", True) is not None
+    await asyncio.sleep(0.4)
+    assert await store.set_draining("d-a", True) is None
+    await register(store, "d-a", ttl_s=30)
+    fresh = await store.get_instance("d-a")
+    assert fresh is not None and not fresh.draining
 
 
 async def test_store_stats_count_states_and_done_latency(store: Store) -> None:

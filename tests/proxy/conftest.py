@@ -91,6 +91,27 @@ class RunningProxy:
 ProxyFactory = Callable[..., Awaitable[RunningProxy]]
 
 
+async def serve_proxy(
+    settings: dict[str, Any], uvicorn_http: Any = CoalescingHttpToolsProtocol
+) -> RunningProxy:
+    """Serve a proxy with uvicorn inside the test loop (``settings["port"]`` must be free);
+    the caller stops it."""
+    app = create_app(ProxySettings(**settings))
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=settings["port"], log_level="warning", lifespan="on",
+        http=uvicorn_http,  # pd-proxy's protocol unless a test asks for uvicorn's own
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    task = asyncio.get_running_loop().create_task(server.serve())
+    for _ in range(200):
+        if server.started:
+            break
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.02)
+    return RunningProxy(f"http://127.0.0.1:{settings['port']}", app.runtime, server, task)
+
+
 @pytest.fixture
 async def proxy_factory(cluster: Cluster) -> AsyncIterator[ProxyFactory]:
     running: list[RunningProxy] = []
@@ -107,20 +128,7 @@ async def proxy_factory(cluster: Cluster) -> AsyncIterator[ProxyFactory]:
             "backoff_base_s": 0.0,
             **overrides,
         }
-        app = create_app(ProxySettings(**settings))
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=settings["port"], log_level="warning", lifespan="on",
-            http=uvicorn_http,  # pd-proxy's protocol unless a test asks for uvicorn's own
-        )  # fmt: skip
-        server = uvicorn.Server(config)
-        task = asyncio.get_running_loop().create_task(server.serve())
-        for _ in range(200):
-            if server.started:
-                break
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.02)
-        proxy = RunningProxy(f"http://127.0.0.1:{settings['port']}", app.runtime, server, task)
+        proxy = await serve_proxy(settings, uvicorn_http)
         running.append(proxy)
         return proxy
 

@@ -216,6 +216,24 @@ spec:
             periodSeconds: 15
             timeoutSeconds: 5
             failureThreshold: 4
+          {{- if $v.engine.drain.enabled }}
+          # Graceful drain (docs/kubernetes.md): mark this instance draining in the metaserver
+          # (every proxy stops sending it requests), wait for its in-flight requests, then let
+          # SIGTERM stop vLLM; the connector deregisters on shutdown. Python, not curl: the
+          # engine images have Python and pdgate. POD_NAME (the instance id) and the token come
+          # from the container's environment.
+          lifecycle:
+            preStop:
+              exec:
+                command:
+                  - python3
+                  - -m
+                  - connector.drain
+                  - --metaserver={{ include "pdgate.metaserver.url" $root }}
+                  - --engine=http://127.0.0.1:{{ $port }}
+                  - --settle={{ int $v.engine.drain.settleS }}
+                  - --timeout={{ int $v.engine.drain.timeoutS }}
+          {{- end }}
           resources:
             {{- toYaml $resources | nindent 12 }}
           {{- if $v.engine.rdma.enabled }}

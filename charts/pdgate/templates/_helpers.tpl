@@ -117,6 +117,9 @@ app.kubernetes.io/part-of: pdgate
 {{- if and .Values.proxy.autoscaling.enabled (gt (int .Values.proxy.autoscaling.minReplicas) (int .Values.proxy.autoscaling.maxReplicas)) -}}
 {{- fail "proxy.autoscaling.minReplicas must not exceed maxReplicas" -}}
 {{- end -}}
+{{- if and .Values.engine.drain.enabled (lt (int .Values.engine.terminationGracePeriodSeconds) (add (int .Values.engine.drain.timeoutS) 30)) -}}
+{{- fail (printf "engine.terminationGracePeriodSeconds (%d) must be at least engine.drain.timeoutS + 30 (%d): the preStop drain runs inside the grace period, and vLLM needs time to stop after it" (int .Values.engine.terminationGracePeriodSeconds) (add (int .Values.engine.drain.timeoutS) 30)) -}}
+{{- end -}}
 {{- if not (hasKey .Values.presets .Values.accelerator) -}}
 {{- fail (printf "accelerator %q has no entry in presets" .Values.accelerator) -}}
 {{- end -}}
