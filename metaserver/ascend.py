@@ -20,6 +20,7 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+import re
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -37,6 +38,7 @@ from pdwire.ids import valid_id
 from pdwire.models import BindingState, InstanceSpec
 
 log = logging.getLogger("pdgate.metaserver.ascend")
+_HOST = re.compile(r"[A-Za-z0-9._:-]{1,255}")
 Resolver = Callable[[str], Awaitable[list[str]]]
 
 
@@ -51,7 +53,8 @@ class PoolEntry:
         host, sep, ports = text.strip().rpartition(":")
         host = host.strip("[]")
         first, _, last = ports.partition("-")
-        if not sep or not host or not first.isdigit() or (last and not last.isdigit()):
+        bad_host = not host or not _HOST.fullmatch(host)
+        if not sep or bad_host or not first.isdigit() or (last and not last.isdigit()):
             raise ValueError(f"{text!r}: expected HOST:PORT or HOST:PORT-PORT")
         lo, hi = int(first), int(last or first)
         if not 1 <= lo <= hi <= 65535:

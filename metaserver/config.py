@@ -45,8 +45,9 @@ class MetaserverSettings(LayeredSettings):
     @field_validator("ascend_decode", mode="before")
     @classmethod
     def _comma_list(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [v.strip() for v in value.split(",") if v.strip()]
+        items = [value] if isinstance(value, str) else value
+        if isinstance(items, list):  # each flag or env entry may hold several, comma-separated
+            return [v.strip() for item in items for v in str(item).split(",") if v.strip()]
         return value
 
     @field_validator("ascend_decode")

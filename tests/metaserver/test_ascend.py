@@ -171,6 +171,13 @@ async def test_decode_pool_resolves_dns_names() -> None:
 def test_pool_entry_parse() -> None:
     assert PoolEntry.parse("10.0.0.1:36000") == PoolEntry("10.0.0.1", 36000, 36000)
     assert PoolEntry.parse("[fd00::1]:36000-36015") == PoolEntry("fd00::1", 36000, 36015)
-    for bad in ("10.0.0.1", "h:0", "h:9-8", "h:x", ":36000"):
+    for bad in ("10.0.0.1", "h:0", "h:9-8", "h:x", ":36000", "a:1,b:2"):
         with pytest.raises(ValueError):
             PoolEntry.parse(bad)
+
+
+def test_ascend_decode_setting_splits_commas_in_each_entry() -> None:
+    from metaserver.cli import load_settings
+
+    s = load_settings(["--ascend-decode", "a:1,b:2-3", "--ascend-decode", "c:4"])
+    assert s.ascend_decode == ["a:1", "b:2-3", "c:4"]
