@@ -11,7 +11,8 @@
    signals D over its own side channel; D decodes and streams.
 3. D's failure interrupts the binding wait and P's leg; any failure drops both legs (closing a
    connection aborts the vLLM request) and marks each child's binding ``failed`` (P errored)
-   or ``aborted``; P's answer marks them ``done``. A retry is a new attempt: new T, new ids.
+   or ``aborted``. A success posts nothing (one metaserver write less per request): its
+   binding stays ``bound``. A retry is a new attempt: new T, new ids.
 """
 
 from __future__ import annotations
@@ -79,8 +80,6 @@ class AscendLayerwise:
                 await d_task  # raises D's error
                 raise
             watch.disarm()
-            for rid in ids:
-                self._events.post(rid, BindingState.DONE)
             up = await d_task
         except BaseException as exc:
             watch.disarm()
