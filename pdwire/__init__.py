@@ -8,6 +8,8 @@ FastAPI, vLLM, torch or Mooncake.
 * ``pdwire.models`` — bindings, instances, events: the metaserver's HTTP bodies;
 * ``pdwire.params`` — ``kv_transfer_params`` of each leg and P's push report, one builder and
   one parser per message;
+* ``pdwire.ascend`` — vllm-ascend's layerwise handoff (``MooncakeLayerwiseConnector``): its request
+  ids, the body its decode engines post, the params of each leg;
 * ``pdwire.client`` — the metaserver's clients (async, blocking, background writer), retry
   and backoff, ``binding_url``;
 * ``pdwire.settings`` — the layered settings base (flags > env > YAML > defaults) and its CLI;
