@@ -47,16 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--flow",
-        choices=["decode-first", "concurrent", "prefill-first", "direct"],
+        choices=["decode-first", "concurrent", "prefill-first", "direct", "ascend-layerwise"],
         default=None,
-        help="the proxy's P/D flow (default: decode-first; prefill-first with --connector nixl)",
+        help="the proxy's P/D flow (default: decode-first; prefill-first with --connector nixl; "
+        "ascend-layerwise with --connector ascend)",
     )
     p.add_argument(
         "--connector",
-        choices=["pdgate", "nixl"],
+        choices=["pdgate", "nixl", "ascend"],
         default="pdgate",
-        help="KV connector of the engines: pdgate (push) or vLLM's NixlConnector (pull, needs "
-        "the nixl package)",
+        help="KV connector of the engines: pdgate (push), vLLM's NixlConnector (pull, needs "
+        "the nixl package) or vllm-ascend's MooncakeLayerwiseConnector (npu, vllm-ascend "
+        "installed)",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="proxy port")

@@ -12,7 +12,8 @@ from typing import Literal
 Device = Literal["cpu", "cuda", "npu"]
 # "pdgate": our PdgateConnector (D first: push flows). "nixl": vLLM's own NixlConnector, which
 # pulls KV that P announces in its answer, so the proxy runs the prefill-first flow.
-Connector = Literal["pdgate", "nixl"]
+# "ascend": vllm-ascend's MooncakeLayerwiseConnector, unchanged (npu only): ascend-layerwise flow.
+Connector = Literal["pdgate", "nixl", "ascend"]
 PUSH_FLOWS = ("decode-first", "concurrent")  # need PdgateConnector (bindings in the metaserver)
 
 
@@ -102,10 +103,18 @@ class LaunchPlan:
 
 
 def default_flow(connector: Connector) -> str:
-    return "prefill-first" if connector == "nixl" else "decode-first"
+    return {"nixl": "prefill-first", "ascend": "ascend-layerwise"}.get(connector, "decode-first")
 
 
 def check_connector(o: LaunchOptions) -> None:
+    if o.connector == "ascend":
+        if o.device != "npu":
+            raise ValueError("the ascend connector (MooncakeLayerwiseConnector) needs npu engines")
+        if o.flow not in ("ascend-layerwise", "direct"):
+            raise ValueError(f"flow {o.flow!r} does not drive vllm-ascend's layerwise connector")
+        return
+    if o.flow == "ascend-layerwise":
+        raise ValueError("flow 'ascend-layerwise' needs --connector ascend")
     if o.connector != "nixl":
         return
     if o.device == "npu":
@@ -131,11 +140,32 @@ def nixl_kv_transfer_config(o: LaunchOptions, role: str) -> str:
     )
 
 
+def ascend_kv_transfer_config(o: LaunchOptions, role: str, kv_port: int) -> str:
+    """vllm-ascend's layerwise config as its multi-node tutorial writes it
+    (docs/source/tutorials/features/pd_disaggregation_mooncake_multi_node.md, "Layerwise"); D's
+    side channel listens on ``kv_port`` + its TP rank."""
+    return json.dumps(
+        {
+            "kv_connector": "MooncakeLayerwiseConnector",
+            "kv_role": role,
+            "kv_port": str(kv_port),
+            "kv_connector_extra_config": {
+                "prefill": {"dp_size": 1, "tp_size": o.tp_prefill},
+                "decode": {"dp_size": 1, "tp_size": o.tp_decode},
+                **o.extra_connector_config,
+            },
+        },
+        separators=(",", ":"),
+    )
+
+
 def kv_transfer_config(
     o: LaunchOptions, role: str, instance_id: str, http_url: str, side_port: int
 ) -> str:
     if o.connector == "nixl":
         return nixl_kv_transfer_config(o, role)
+    if o.connector == "ascend":
+        return ascend_kv_transfer_config(o, role, side_port)
     extra = {
         "metaserver_url": f"http://{o.host}:{o.metaserver_port}",
         "instance_id": instance_id,
@@ -197,7 +227,7 @@ def engine_child(o: LaunchOptions, role: str, index: int, port: int, side_port: 
             "VLLM_NIXL_SIDE_CHANNEL_HOST": o.host,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
         }
-    if o.token:
+    if o.token and o.connector == "pdgate":
         env["PDGATE_METASERVER_TOKEN"] = o.token
     return Child(name, argv, url + "/health", env, kind="engine")
 
@@ -224,6 +254,7 @@ def build_plan(o: LaunchOptions) -> LaunchPlan:
     ]
     port = o.engine_base_port
     side = o.side_channel_base_port
+    pool: list[str] = []  # vllm-ascend: the decode engines' side channels
     prefill_urls: list[str] = []
     decode_urls: list[str] = []
     first_device = 0  # cuda / npu: each engine gets its own tp devices, prefill first
@@ -237,8 +268,12 @@ def build_plan(o: LaunchOptions) -> LaunchPlan:
             first_device += max(tp, 1)
             children.append(child)
             urls.append(child.health_url.removesuffix("/health"))
+            if role == "kv_consumer":
+                pool.append(f"{o.host}:{side}-{side + max(tp, 1) - 1}")
             port += 1
             side += max(tp, 1) + 1
+    if o.connector == "ascend":  # the metaserver vets D's posted blocks against this pool
+        children[0].argv.extend(["--ascend-decode", ",".join(pool)])
     proxy_url = f"http://{o.host}:{o.proxy_port}"
     proxy_argv = [
         str(bin_dir / "pd-proxy"),

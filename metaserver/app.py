@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 
+from metaserver.ascend import DecodeEndpoints
 from metaserver.config import MetaserverSettings
 from metaserver.context import Context
 from metaserver.errors import MetaserverError
@@ -20,15 +21,16 @@ from metaserver.fastpath import FastPath
 from metaserver.metrics import Metrics, MetricsMiddleware
 from metaserver.problems import render_problem
 from metaserver.responses import JSON
-from metaserver.routes import bindings, instances, ops
+from metaserver.routes import ascend, bindings, instances, ops
 from metaserver.store import Store, create_store
 from metaserver.validation import BodyInvalid
+from pdwire.ascend import AscendBinding
 from pdwire.asgi import ASGIApp
 from pdwire.limits import BodySizeLimit
 from pdwire.models import BindingSpec, EventIn, InstanceSpec
 
 log = logging.getLogger("pdgate.metaserver")
-_BODY_MODELS = (BindingSpec, EventIn, InstanceSpec)
+_BODY_MODELS = (BindingSpec, EventIn, InstanceSpec, AscendBinding)
 
 
 def create_app(
@@ -61,9 +63,15 @@ def create_app(
         description="Bindings (transfer → decode KV endpoint) and the instance registry.",
         lifespan=lifespan,
     )
-    context = Context(settings=settings, store=store, metrics=metrics, clock=clock)
+    pool = DecodeEndpoints(
+        settings.ascend_decode,
+        store,
+        use_registry=settings.ascend_registry,
+        refresh_s=settings.ascend_refresh_s,
+    )
+    context = Context(settings=settings, store=store, metrics=metrics, clock=clock, ascend=pool)
     app.state.ctx = context
-    for module in (bindings, instances, ops):
+    for module in (bindings, instances, ops, ascend):
         app.include_router(module.router)
     _install_error_handlers(app, metrics)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

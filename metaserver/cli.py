@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
 import logging
 import sys
@@ -33,6 +34,15 @@ def build_parser() -> SettingsParser[MetaserverSettings]:
     p.option("--max-wait", "max_wait_s", float)
     p.option("--stats-scan-limit", "stats_scan_limit", int)
     p.option("--log-level", "log_level")
+    p.option("--ascend-decode", "ascend_decode", action="append", metavar="HOST:PORT[-PORT]")
+    p.add_argument(
+        "--no-ascend-registry",
+        dest="ascend_registry",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="registered decode instances do not count as the vllm-ascend decode pool",
+    )
+    p.option("--ascend-refresh", "ascend_refresh_s", float)
     return p
 
 

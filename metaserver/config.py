@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, SecretStr
-from pydantic_settings import SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from pdwire.settings import LayeredSettings, redact_url
 
@@ -30,6 +30,34 @@ class MetaserverSettings(LayeredSettings):
     max_wait_s: float = Field(120.0, gt=0, le=3600, description="cap of ?wait= on long-polls")
     stats_scan_limit: int = Field(10_000, ge=1, description="bindings scanned by /v1/stats")
     log_level: str = Field("info", pattern=r"^(debug|info|warning|error)$")
+
+    # vllm-ascend compatibility (POST /v1/ascend/metaserver)
+    ascend_decode: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="decode pool for vllm-ascend bindings: HOST:PORT[-PORT] (HOST an address "
+        "or a DNS name, e.g. the decode headless Service), comma-separated",
+    )
+    ascend_registry: bool = Field(
+        True, description="registered decode instances' KV endpoints also count as the pool"
+    )
+    ascend_refresh_s: float = Field(5.0, gt=0, description="re-resolve / re-read the pool")
+
+    @field_validator("ascend_decode", mode="before")
+    @classmethod
+    def _comma_list(cls, value: Any) -> Any:
+        items = [value] if isinstance(value, str) else value
+        if isinstance(items, list):  # each flag or env entry may hold several, comma-separated
+            return [v.strip() for item in items for v in str(item).split(",") if v.strip()]
+        return value
+
+    @field_validator("ascend_decode")
+    @classmethod
+    def _pool_entries(cls, value: list[str]) -> list[str]:
+        from metaserver.ascend import PoolEntry
+
+        for entry in value:
+            PoolEntry.parse(entry)
+        return value
 
     def __repr_args__(self) -> Any:
         for key, value in super().__repr_args__():

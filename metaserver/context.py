@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
@@ -13,6 +14,9 @@ from metaserver.errors import Unauthorized
 from metaserver.metrics import Metrics
 from metaserver.store import Store
 
+if TYPE_CHECKING:
+    from metaserver.ascend import DecodeEndpoints
+
 
 @dataclass
 class Context:
@@ -20,6 +24,7 @@ class Context:
     store: Store
     metrics: Metrics
     clock: Callable[[], float]
+    ascend: DecodeEndpoints | None = None  # the vllm-ascend decode pool (metaserver.ascend)
 
     def __post_init__(self) -> None:
         token = self.settings.token

@@ -14,11 +14,12 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 
-from metaserver import service
+from metaserver import ascend, service
 from metaserver.context import Context
 from metaserver.errors import MetaserverError, PayloadTooLarge
 from metaserver.problems import render_problem
 from metaserver.validation import BodyInvalid
+from pdwire.ascend import COMPAT_PATH
 from pdwire.asgi import (
     ASGIApp,
     BodyTooLarge,
@@ -36,6 +37,7 @@ _PREFIX = "/v1/bindings/"
 _ID = re.compile(TRANSFER_ID_PATTERN)
 _ROUTE = "/v1/bindings/{transfer_id}"
 _EVENTS_ROUTE = "/v1/bindings/{transfer_id}/events"
+_ASCEND = "ascend"  # marks the vllm-ascend compat call (its token may come in the query)
 _JSON = [(b"content-type", b"application/json")]
 _TIMED_OUT = [*_JSON, (b"x-pdgate-wait", b"timeout")]
 
@@ -44,6 +46,10 @@ Handler = Callable[[Context, str, bytes], Awaitable[service.Reply]]
 
 async def _get(c: Context, transfer_id: str, body: bytes) -> service.Reply:
     return await service.get_binding(c, transfer_id)
+
+
+async def _ascend(c: Context, transfer_id: str, body: bytes) -> service.Reply:
+    return await ascend.post_binding(c, body)
 
 
 def _long_poll(query: bytes) -> Handler | None:
@@ -82,11 +88,18 @@ class FastPath:
         self._count = metrics.requests
         self._latency = {
             (m, r): metrics.latency.labels(m, r)
-            for m, r in (("PUT", _ROUTE), ("GET", _ROUTE), ("POST", _EVENTS_ROUTE))
+            for m, r in (
+                ("PUT", _ROUTE),
+                ("GET", _ROUTE),
+                ("POST", _EVENTS_ROUTE),
+                ("POST", COMPAT_PATH),
+            )  # fmt: skip
         }
 
     def _match(self, scope: Scope) -> tuple[str, Handler, str] | None:
         path: str = scope["path"]
+        if path == COMPAT_PATH and scope["method"] == "POST":
+            return _ASCEND, _ascend, COMPAT_PATH
         if not path.startswith(_PREFIX):
             return None
         rest = path[len(_PREFIX) :]
@@ -122,7 +135,10 @@ class FastPath:
                     auth = value
                 elif name == b"content-length":
                     declared = int(value) if value.isdigit() else -1
-            self.ctx.authorize(auth, write=method != "GET")
+            if transfer_id is _ASCEND:
+                ascend.authorize(self.ctx, auth, scope["query_string"])
+            else:
+                self.ctx.authorize(auth, write=method != "GET")
             try:
                 body = b"" if method == "GET" else await read_body(receive, self.max_body, declared)
             except BodyTooLarge as exc:

@@ -55,6 +55,11 @@ class Metrics:
             "requests answered 503 because the store was unreachable",
             registry=self.registry,
         )
+        self.ascend_refused = Counter(
+            "pdgate_metaserver_ascend_refused_total",
+            "vllm-ascend bindings refused: remote_host:remote_port outside the decode pool",
+            registry=self.registry,
+        )
         self.waiters = Gauge(
             "pdgate_metaserver_long_polls", "long-polls in progress", registry=self.registry
         )

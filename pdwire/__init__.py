@@ -10,6 +10,8 @@ FastAPI, vLLM, torch or Mooncake.
   one parser per message;
 * ``pdwire.trace`` — the W3C ``traceparent`` the proxy forwards to both legs (parser,
   formatter);
+* ``pdwire.ascend`` — vllm-ascend's layerwise handoff (``MooncakeLayerwiseConnector``): its request
+  ids, the body its decode engines post, the params of each leg;
 * ``pdwire.client`` — the metaserver's clients (async, blocking, background writer), retry
   and backoff, ``binding_url``;
 * ``pdwire.settings`` — the layered settings base (flags > env > YAML > defaults) and its CLI;

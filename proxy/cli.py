@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import SecretStr
 
 from pdwire.settings import SettingsParser
-from proxy.config import ProxySettings
+from proxy.config import Flow, ProxySettings
 from proxy.policies import POLICIES
 
 DESCRIPTION = """\
@@ -29,6 +29,11 @@ Flows (--flow):
   prefill-first  P first (pull connectors: vLLM NIXL / Mooncake): P's kv_transfer_params
                  are handed to D unchanged.
   direct         no disaggregation: D computes the prompt.
+  ascend-layerwise  decode-first for unchanged vllm-ascend engines (MooncakeLayerwiseConnector):
+                 D gets {do_remote_prefill, metaserver: <URL>} and posts its blocks to the
+                 metaserver's /v1/ascend/metaserver; the proxy waits for them, then sends P
+                 the prefill with D's parameters. Needs --metaserver (and the metaserver's
+                 --ascend-decode pool); --ascend-callback-url if D reaches it elsewhere.
 Prompts estimated below --disagg-min-tokens skip P whatever the flow.
 
 Instances come from --prefill/--decode (static), the metaserver registry (--discovery
@@ -59,7 +64,8 @@ def build_parser() -> SettingsParser[ProxySettings]:
     opt("--discovery-interval", "discovery_interval_s", float)
     opt("--metaserver", "metaserver", metavar="URL")
     opt("--metaserver-token", "metaserver_token")
-    opt("--flow", "flow", choices=["decode-first", "concurrent", "prefill-first", "direct"])
+    opt("--flow", "flow", choices=[f.value for f in Flow])
+    opt("--ascend-callback-url", "ascend_callback_url", metavar="URL")
     p.switch("--flow-header", "flow_header")
     opt("--disagg-min-tokens", "disagg_min_tokens", int)
     opt("--cached-skip-ratio", "cached_skip_ratio", float)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
@@ -16,6 +17,10 @@ class Flow(enum.StrEnum):
     CONCURRENT = "concurrent"
     PREFILL_FIRST = "prefill-first"
     DIRECT = "direct"
+    ASCEND_LAYERWISE = "ascend-layerwise"
+
+
+_NEEDS_METASERVER = (Flow.DECODE_FIRST, Flow.CONCURRENT, Flow.ASCEND_LAYERWISE)
 
 
 class HttpClient(enum.StrEnum):
@@ -58,6 +63,13 @@ class ProxySettings(LayeredSettings):
     # metaserver
     metaserver: str | None = Field(None, description="metaserver URL (decode-first flows)")
     metaserver_token: SecretStr | None = Field(None, description="metaserver bearer token")
+    ascend_callback_url: str | None = Field(
+        None,
+        description="ascend-layerwise: the URL vllm-ascend D engines POST their blocks to "
+        "(default: --metaserver + /v1/ascend/metaserver; with --metaserver-token, ?token= "
+        "is appended)",
+        pattern=r"^https?://[^\s?#]+$",
+    )
 
     # flows
     flow: Flow = Field(Flow.DECODE_FIRST, description="P/D flow")
@@ -142,9 +154,19 @@ class ProxySettings(LayeredSettings):
             raise ValueError("dns discovery needs --prefill-dns and --decode-dns NAME:PORT")
         if self.discovery == Discovery.METASERVER and not self.metaserver:
             raise ValueError("metaserver discovery needs --metaserver")
-        if self.flow in (Flow.DECODE_FIRST, Flow.CONCURRENT) and not self.metaserver:
+        if self.flow in _NEEDS_METASERVER and not self.metaserver:
             raise ValueError(f"flow {self.flow} needs --metaserver")
         return self
+
+    def ascend_url(self) -> str:
+        """Where vllm-ascend D engines POST their blocks (the metaserver's compat endpoint)."""
+        from pdwire.ascend import COMPAT_PATH
+
+        assert self.metaserver is not None
+        url = self.ascend_callback_url or self.metaserver.rstrip("/") + COMPAT_PATH
+        if self.metaserver_token is not None:
+            url += "?token=" + quote(self.metaserver_token.get_secret_value(), safe="")
+        return url
 
     def __repr_args__(self) -> Any:
         for key, value in super().__repr_args__():

@@ -220,7 +220,8 @@ class CompletionsHandler:
                 else:
                     up.close()
                     if up.binding_tracked and self.rt.events is not None:
-                        self.rt.events.post(up.tid, BindingState.ABORTED, outcome)
+                        for bid in up.binding_ids or (up.tid,):
+                            self.rt.events.post(bid, BindingState.ABORTED, outcome)
             if d is not None:
                 d.release(req.tokens)
             rt.metrics.inflight.dec()

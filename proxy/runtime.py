@@ -19,7 +19,7 @@ from proxy.backend import Backend
 from proxy.config import Discovery, Flow, HttpClient, ProxySettings
 from proxy.dispatch import Decider, Dispatcher
 from proxy.events import EventClient, EventSink
-from proxy.flows import DecodeFirst, Direct, Legs, PrefillFirst, Timeouts
+from proxy.flows import AscendLayerwise, DecodeFirst, Direct, Legs, PrefillFirst, Timeouts
 from proxy.flows.base import Flow as FlowImpl
 from proxy.flows.bindings import BindingSource
 from proxy.instances import (
@@ -137,6 +137,9 @@ class Runtime:
             bindings = BindingSource(backend, s.metaserver, token)
             flows[Flow.DECODE_FIRST] = DecodeFirst(legs, bindings, self.events)
             flows[Flow.CONCURRENT] = DecodeFirst(legs, bindings, self.events, concurrent=True)
+            flows[Flow.ASCEND_LAYERWISE] = AscendLayerwise(
+                legs, bindings, self.events, s.ascend_url()
+            )
         prefix = self.decode_policy if isinstance(self.decode_policy, PrefixAware) else None
         decider = Decider(s.disagg_min_tokens, s.cached_skip_ratio, prefix, self.metrics)
         self.dispatcher = Dispatcher(

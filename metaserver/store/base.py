@@ -71,6 +71,7 @@ class BindingPut:
     kv_host: str
     kv_port: int
     event_json: bytes
+    vetted: bool = False  # the caller already checked the decode endpoint (ascend compat)
 
     @classmethod
     def of(cls, transfer_id: str, spec: BindingSpec, now: float) -> BindingPut:

@@ -95,12 +95,13 @@ class MemoryStore(Store):
             if existing.record.spec_json == put.spec_json:
                 return PutOutcome.SAME, existing.record
             raise Conflict(f"binding {put.transfer_id} exists with different content")
-        instance = self._live_instance(put.decode_instance_id)
-        problem = decode_instance_problem(
-            put, None if instance is None else (instance.record.role, instance.kv)
-        )
-        if problem is not None:
-            raise Unprocessable(problem)
+        if not put.vetted:
+            instance = self._live_instance(put.decode_instance_id)
+            problem = decode_instance_problem(
+                put, None if instance is None else (instance.record.role, instance.kv)
+            )
+            if problem is not None:
+                raise Unprocessable(problem)
         record = StoredBinding(
             transfer_id=put.transfer_id,
             spec_json=put.spec_json,

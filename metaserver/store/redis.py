@@ -179,6 +179,7 @@ class RedisStore(Store):
                 self._ttl_ms,
                 self._channel,
                 repr(now - self._max_age_s),
+                "1" if put.vetted else "0",
             ],
         )
         status = res[0].decode()

@@ -7,7 +7,8 @@ event...}``.
 """
 
 # KEYS: binding hash, event list, binding index, decode instance hash
-# ARGV: transfer_id, spec, instance_id, kv_host, kv_port, event, now, ttl_ms, channel, prune_before
+# ARGV: transfer_id, spec, instance_id, kv_host, kv_port, event, now, ttl_ms, channel, prune_before,
+#       vetted ('1': the endpoint was checked by the caller, skip the registry)
 PUT_BINDING = """
 local spec = redis.call('HGET', KEYS[1], 'spec')
 if spec then
@@ -17,11 +18,13 @@ if spec then
   for _, e in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do table.insert(out, e) end
   return out
 end
-local inst = redis.call('HMGET', KEYS[4], 'role', 'kvh', 'kvp')
-if not inst[1] then return {'noinst'} end
-if inst[1] == 'prefill' then return {'prefill'} end
-if (not inst[2]) or inst[2] == '' then return {'nokv'} end
-if inst[2] ~= ARGV[4] or inst[3] ~= ARGV[5] then return {'kvmismatch', inst[2], inst[3]} end
+if ARGV[11] ~= '1' then
+  local inst = redis.call('HMGET', KEYS[4], 'role', 'kvh', 'kvp')
+  if not inst[1] then return {'noinst'} end
+  if inst[1] == 'prefill' then return {'prefill'} end
+  if (not inst[2]) or inst[2] == '' then return {'nokv'} end
+  if inst[2] ~= ARGV[4] or inst[3] ~= ARGV[5] then return {'kvmismatch', inst[2], inst[3]} end
+end
 redis.call('HSET', KEYS[1], 'spec', ARGV[2], 'state', 'bound', 'inst', ARGV[3],
            'created', ARGV[7], 'updated', ARGV[7])
 redis.call('PEXPIRE', KEYS[1], ARGV[8])

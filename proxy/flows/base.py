@@ -70,7 +70,7 @@ class Attempt:
 class Upstream:
     """D's answer with its first bytes read (the whole body when not streaming)."""
 
-    __slots__ = ("binding_tracked", "first", "prefill_cached", "resp", "tid")
+    __slots__ = ("binding_ids", "binding_tracked", "first", "prefill_cached", "resp", "tid")
 
     def __init__(self, resp: Response, first: bytes, tid: str) -> None:
         self.resp = resp
@@ -78,6 +78,7 @@ class Upstream:
         self.tid = tid
         self.prefill_cached: int | None = None
         self.binding_tracked = False  # decode-first flows: the metaserver knows this tid
+        self.binding_ids: tuple[str, ...] = ()  # the bindings' ids when not just ``tid``
 
     @property
     def content_type(self) -> bytes:

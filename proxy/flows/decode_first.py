@@ -40,51 +40,12 @@ from proxy.flows.base import (
     prefill_cached,
 )
 from proxy.flows.bindings import BindingMissing, BindingSource
+from proxy.flows.watch import DecodeWatch, answered, drop
 
 if TYPE_CHECKING:
     from proxy.tracing import RequestSpan
 
 log = logging.getLogger("pdgate.proxy.flows")
-
-
-class _DecodeWatch:
-    """While armed, D's task failing interrupts the request's task, and so does D answering:
-    at once (``any_end``: the binding wait), or after ``grace`` seconds (P's leg: P's report
-    may still come; a P that hangs must not hold D's answer)."""
-
-    __slots__ = ("_timer", "any_end", "armed", "fired", "grace", "task")
-
-    def __init__(self, task: asyncio.Task[Any], grace: float) -> None:
-        self.task = task
-        self.grace = grace
-        self.armed = False
-        self.any_end = True
-        self.fired = False
-        self._timer: asyncio.TimerHandle | None = None
-
-    def __call__(self, d_task: asyncio.Task[Upstream]) -> None:
-        if not self.armed or self.fired:
-            return
-        if self.any_end or d_task.cancelled() or d_task.exception() is not None:
-            self._fire()
-        else:
-            self._timer = self.task.get_loop().call_later(self.grace, self._fire)
-
-    def _fire(self) -> None:
-        self._timer = None
-        if self.armed and not self.fired:
-            self.fired = True
-            self.task.cancel()
-
-    def disarm(self) -> None:
-        self.armed = False
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def absorb(self) -> bool:
-        """In an ``except CancelledError``: True when the cancel was ours alone."""
-        return self.fired and self.task.uncancel() == 0
 
 
 class DecodeFirst:
@@ -115,7 +76,7 @@ class DecodeFirst:
             d_kv = decode_leg(a.tid, url, d_span.traceparent)
             d_leg = self._legs.traced_decode(a, a.req.for_decode(d_kv), d_span)
         d_task = asyncio.get_running_loop().create_task(d_leg)
-        watch = _DecodeWatch(task, self._grace_s)
+        watch = DecodeWatch(task, self._grace_s)
         d_task.add_done_callback(watch)
         try:
             if not self._concurrent:
@@ -137,22 +98,22 @@ class DecodeFirst:
             except asyncio.CancelledError:
                 if not watch.absorb():
                     raise
-                if _answered(d_task):
+                if answered(d_task):
                     return self._without_prefill(a, d_task.result())
                 await d_task  # raises D's error
                 raise
             watch.disarm()
             why = no_push_reason(answer)
-            if why is None or _answered(d_task):
+            if why is None or answered(d_task):
                 up = await d_task
         except BaseException as exc:
             watch.disarm()
-            _drop(d_task)
+            drop(d_task)
             failed = isinstance(exc, LegError) and exc.leg == "prefill"
             state = BindingState.FAILED if failed else BindingState.ABORTED
             self._events.post(a.tid, state, str(exc) or type(exc).__name__)
             raise
-        if why is not None and not _answered(d_task):
+        if why is not None and not answered(d_task):
             return await self._decode_alone(a, d_task, why)
         up.prefill_cached = prefill_cached(answer)
         up.binding_tracked = True
@@ -179,7 +140,7 @@ class DecodeFirst:
         return up
 
     async def _decode_alone(self, a: Attempt, d_task: asyncio.Task[Upstream], why: str) -> Upstream:
-        _drop(d_task)
+        drop(d_task)
         log.warning("%s: P pushed nothing (%s); D computes the prompt itself", a.tid, why)
         self._legs.metrics.no_push.inc()
         self._events.post(a.tid, BindingState.FAILED, f"P pushed nothing: {why}")
@@ -220,15 +181,3 @@ class DecodeFirst:
             self._binding_waits.end(waiting)
         self._binding_hist.observe(time.perf_counter() - t0)
         return raw
-
-
-def _answered(d_task: asyncio.Task[Upstream]) -> bool:
-    return d_task.done() and not d_task.cancelled() and d_task.exception() is None
-
-
-def _drop(d_task: asyncio.Task[Upstream]) -> None:
-    """Cancel D's leg if it still runs; close its answer if it came; retrieve its error."""
-    if not d_task.done():
-        d_task.cancel()
-    elif not d_task.cancelled() and d_task.exception() is None:
-        d_task.result().close()

@@ -11,8 +11,19 @@ Targets:
   sglang-router     --pd-disaggregation, round_robin (P and D sent concurrently)
   vllm-router       --vllm-pd-disaggregation, round_robin (P first, then D)
   pdgate-decode-first  D first, binding through the real metaserver, P told by the binding
+  ascend-example    vllm-ascend's example layerwise proxy (``--ascend-example PATH``: a copy
+                    of examples/disaggregated_prefill_v1/load_balance_proxy_layerwise_server_
+                    example.py kept outside the repo), on fakes of vllm-ascend's D and P
+  pdgate-ascend-layerwise  --flow ascend-layerwise on the same fakes (``--ascend`` or
+                    ``--ascend-example``), D posting to the real metaserver
 
     .venv/bin/python tests/bench/proxy_bench.py [--seconds 10] [--connections 64] [--fakes N]
+    .venv/bin/python tests/bench/proxy_bench.py --ascend-example /tmp/x/example.py \
+        --only ascend-example,pdgate-ascend-layerwise
+
+The example imports ``vllm.logger`` (vLLM is in the venv) and one constant from
+``vllm_ascend`` (``BATCH_KV_TRANSFER_PARAMS``), which the bench provides as a one-line shim
+package on the example's PYTHONPATH; fastapi, httpx and uvicorn come from the venv.
 
 ``--fakes N`` starts N fake P and N fake D instances (every router gets all of them;
 direct-D uses the first D). ``--tracing`` adds ``pdgate@traced`` and
@@ -132,8 +143,15 @@ class Stack:
         self.logs = logs
         self.procs: list[Process] = []
 
-    def start(self, name: str, argv: list[str], health: str, timeout: float = 60) -> Process:
-        proc = Process(argv, log=self.logs / f"{name}.log")
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        health: str,
+        timeout: float = 60,
+        env: dict[str, str] | None = None,
+    ) -> Process:
+        proc = Process(argv, log=self.logs / f"{name}.log", env=env)
         self.procs.append(proc)
         wait_http(health, timeout=timeout, proc=proc)
         return proc
@@ -154,6 +172,38 @@ def fake(stack: Stack, role: str, metaserver: str | None) -> tuple[str, Process]
     argv += ["--no-record"] + (["--metaserver", metaserver] if metaserver else [])
     proc = stack.start(f"fake-{role}-{port}", argv, f"http://127.0.0.1:{port}/health")
     return f"http://127.0.0.1:{port}", proc
+
+
+def ascend_fake(stack: Stack, role: str, kv_port: int) -> tuple[str, Process]:
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.fakes.ascend", "--role", role, "--port", str(port)]
+    argv += ["--kv-port", str(kv_port), "--no-record"]
+    proc = stack.start(f"ascend-{role}-{port}", argv, f"http://127.0.0.1:{port}/health")
+    return f"http://127.0.0.1:{port}", proc
+
+
+def ascend_shim(root: Path) -> Path:
+    """The one name the example imports from vllm_ascend (sfa_pd_rd2h/protocol.py)."""
+    pkg = root / "vllm_ascend" / "distributed" / "kv_transfer" / "kv_p2p" / "sfa_pd_rd2h"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for d in [pkg, *pkg.parents]:
+        if d == root:
+            break
+        (d / "__init__.py").touch()
+    (pkg / "protocol.py").write_text('BATCH_KV_TRANSFER_PARAMS = "batch_kv_transfer_params"\n')
+    return root
+
+
+def example_argv(path: Path, port: int, p: list[str], d: list[str]) -> list[str]:
+    def hosts_ports(urls: list[str]) -> tuple[list[str], list[str]]:
+        pairs = [u.removeprefix("http://").rsplit(":", 1) for u in urls]
+        return [h for h, _ in pairs], [port for _, port in pairs]
+
+    ph, pp = hosts_ports(p)
+    dh, dp = hosts_ports(d)
+    return [sys.executable, str(path), "--host", "127.0.0.1", "--port", str(port),
+            "--prefiller-hosts", *ph, "--prefiller-ports", *pp,
+            "--decoder-hosts", *dh, "--decoder-ports", *dp]  # fmt: skip
 
 
 def pdgate_argv(
@@ -222,6 +272,15 @@ def main() -> None:
     ap.add_argument(
         "--tracing", action="store_true", help="also run pdgate with traces exported (OTLP)"
     )
+    ap.add_argument(
+        "--ascend-example",
+        type=Path,
+        help="a copy of vllm-ascend's load_balance_proxy_layerwise_server_example.py: adds "
+        "ascend-example and pdgate-ascend-layerwise on fakes of vllm-ascend's engines",
+    )
+    ap.add_argument(
+        "--ascend", action="store_true", help="add pdgate-ascend-layerwise (no example needed)"
+    )
     args = ap.parse_args()
     if args.loadgen:
         try:
@@ -243,9 +302,12 @@ def main() -> None:
     try:
         ms_port = free_port()
         ms = f"http://127.0.0.1:{ms_port}"
+        ascend = bool(args.ascend or args.ascend_example)
+        kv_ports = [free_port() for _ in range(args.fakes)] if ascend else []
+        pool = ["--ascend-decode", ",".join(f"127.0.0.1:{k}" for k in kv_ports)] if ascend else []
         stack.start(
             "metaserver",
-            [sys.executable, "-m", "metaserver.cli", "--port", str(ms_port)],
+            [sys.executable, "-m", "metaserver.cli", "--port", str(ms_port), *pool],
             ms + "/health",
         )
         ms_proc = stack.procs[-1]
@@ -253,6 +315,12 @@ def main() -> None:
         ds = [fake(stack, "decode", ms) for _ in range(args.fakes)]
         p, d = [url for url, _ in ps], [url for url, _ in ds]
         others = {"metaserver": [ms_proc], "P": [x for _, x in ps], "D": [x for _, x in ds]}
+        aps = [ascend_fake(stack, "prefill", free_port()) for _ in kv_ports]
+        ads = [ascend_fake(stack, "decode", k) for k in kv_ports]
+        a_p, a_d = [url for url, _ in aps], [url for url, _ in ads]
+        if ascend:
+            others["P"] += [x for _, x in aps]
+            others["D"] += [x for _, x in ads]
         w = args.workers
         targets: list[tuple[str, list[str] | None, str | None]] = [
             ("direct-D", None, d[0]),
@@ -269,6 +337,20 @@ def main() -> None:
             else:
                 targets.append(entry)
 
+        envs: dict[str, dict[str, str]] = {}
+        if args.ascend_example:
+            shim = ascend_shim(logs / "shim")
+            envs["ascend-example"] = {"PYTHONPATH": str(shim)}
+            path = args.ascend_example.resolve()
+            targets.append(("ascend-example", example_argv(path, 0, a_p, a_d), None))
+        if ascend:
+            targets.append(
+                (
+                    "pdgate-ascend-layerwise",
+                    pdgate_argv(0, a_p, a_d, "ascend-layerwise", ms, w),
+                    None,
+                )
+            )
         if args.aiohttp:
             variant("pdgate@aiohttp", "prefill-first", None, None, "--http-client", "aiohttp")
             variant("pdgate-decode-first@aiohttp", "decode-first", ms, None, "--http-client",
@@ -297,9 +379,15 @@ def main() -> None:
                 port = free_port()
                 argv[argv.index("--port") + 1] = str(port)
                 url = f"http://127.0.0.1:{port}"
-                health = url + ("/health" if name.startswith("pdgate") else "/v1/models")
+                health = url + (
+                    "/health"
+                    if name.startswith("pdgate")
+                    else "/healthcheck"
+                    if name == "ascend-example"
+                    else "/v1/models"
+                )
                 try:
-                    proc = stack.start(name, argv, health)
+                    proc = stack.start(name, argv, health, env=envs.get(name))
                 except (RuntimeError, TimeoutError) as exc:
                     print(f"# {name}: did not start: {exc}", flush=True)
                     continue
@@ -372,6 +460,23 @@ def report(rows: list[dict[str, Any]]) -> None:
                 f"{mode}: pdgate / best ({best['target']}) = {ratio:.2f} "
                 f"(target >= 1.0); p99 {ours['p99']:.1f} vs best-of-rivals "
                 f"{min(r['p99'] for r in rivals):.1f} ms -> {'ok' if p99_ok else 'worse'}"
+            )
+        ours = next(
+            (r for r in rows if r["target"] == "pdgate-ascend-layerwise" and r["mode"] == mode),
+            None,
+        )
+        theirs = next(
+            (r for r in rows if r["target"] == "ascend-example" and r["mode"] == mode), None
+        )
+        if ours and theirs:
+            ratio = ours["rps"] / theirs["rps"] if theirs["rps"] else float("inf")
+            p99 = ours["p99"] / theirs["p99"] if theirs["p99"] else float("nan")
+            ok = ratio >= 10 and p99 <= 0.1 and ours["errors"] == 0
+            print(
+                f"{mode}: ascend-layerwise / vllm-ascend example = {ratio:.1f}x req/s, p99 "
+                f"{ours['p99']:.1f} vs {theirs['p99']:.1f} ms ({p99:.3f}x), errors "
+                f"{ours['errors']} vs {theirs['errors']} "
+                f"(target >= 10x, p99 <= 0.1x, no errors) -> {'ok' if ok else 'below target'}"
             )
     for r in rows:
         if r["target"] == "pdgate-decode-first":

@@ -23,12 +23,14 @@ class FakeVLLM:
         port: int | None = None,
         instance_id: str | None = None,
         extra: list[str] | None = None,
+        module: str = "tests.fakes.vllm",
     ) -> None:
+        """``module``: the fake to run (``tests.fakes.ascend`` for vllm-ascend's engines)."""
         self.role = role
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.instance_id = instance_id or f"{role}-{self.port}"
-        argv = [sys.executable, "-m", "tests.fakes.vllm", "--role", role, "--port", str(self.port)]
+        argv = [sys.executable, "-m", module, "--role", role, "--port", str(self.port)]
         argv += ["--instance-id", self.instance_id]
         if metaserver:
             argv += ["--metaserver", metaserver]

@@ -121,3 +121,46 @@ def test_plan_default_flow_follows_the_connector() -> None:
     plain = options_from(build_parser().parse_args(["--model", "m"]), None)
     assert (plain.connector, plain.flow) == ("pdgate", "decode-first")  # defaults unchanged
     assert kv_config(build_plan(plain).children[1].argv)["kv_connector"] == "PdgateConnector"
+
+
+def test_plan_ascend_connector_runs_unchanged_vllm_ascend_engines() -> None:
+    from launch.cli import build_parser, options_from
+
+    argv = ["--model", "m", "--device", "npu", "--connector", "ascend", "--decode", "2"]
+    o = options_from(build_parser().parse_args([*argv, "--tp-decode", "2"]), None)
+    assert o.flow == "ascend-layerwise"
+    plan = build_plan(o)
+    engines = [c for c in plan.children if c.kind == "engine"]
+    ports = []
+    for child in engines:
+        cfg = kv_config(child.argv)
+        producer = child.name.startswith("prefill")
+        assert cfg == {
+            "kv_connector": "MooncakeLayerwiseConnector",
+            "kv_role": "kv_producer" if producer else "kv_consumer",
+            "kv_port": cfg["kv_port"],
+            "kv_connector_extra_config": {
+                "prefill": {"dp_size": 1, "tp_size": 1},
+                "decode": {"dp_size": 1, "tp_size": 2},
+            },
+        }
+        assert isinstance(cfg["kv_port"], str)  # a string, as vllm-ascend's docs write it
+        ports.append(int(cfg["kv_port"]))
+        assert "PDGATE_METASERVER_TOKEN" not in child.env
+    assert len(set(ports)) == 3
+    ms = plan.children[0].argv
+    d_ports = ports[1:]
+    assert ms[ms.index("--ascend-decode") + 1] == ",".join(
+        f"127.0.0.1:{p}-{p + 1}" for p in d_ports
+    )  # each D's side channel: kv_port + tp rank
+    proxy = plan.children[-1].argv
+    assert proxy[proxy.index("--flow") + 1] == "ascend-layerwise"
+
+
+def test_plan_ascend_connector_needs_npu_and_its_flow() -> None:
+    with pytest.raises(ValueError, match="npu"):
+        build_plan(LaunchOptions(model="m", connector="ascend", flow="ascend-layerwise"))
+    with pytest.raises(ValueError, match="does not drive"):
+        build_plan(LaunchOptions(model="m", device="npu", connector="ascend", flow="decode-first"))
+    with pytest.raises(ValueError, match="--connector ascend"):
+        build_plan(LaunchOptions(model="m", device="npu", flow="ascend-layerwise"))

@@ -19,6 +19,19 @@ discovery, and a StatefulSet. Call with (dict "root" $ "role" "prefill"|"decode"
 {{- define "pdgate.engine.kvTransferConfig" -}}
 {{- $root := .root -}}
 {{- $v := $root.Values -}}
+{{- if eq $v.connector.kind "vllm-ascend" -}}
+{{- /* vllm-ascend's layerwise config, as its multi-node tutorial writes it */ -}}
+{{- $sizes := dict
+  "prefill" (dict "dp_size" 1 "tp_size" (int $v.prefill.tensorParallelSize))
+  "decode" (dict "dp_size" 1 "tp_size" (int $v.decode.tensorParallelSize))
+-}}
+{{- toJson (dict
+  "kv_connector" "MooncakeLayerwiseConnector"
+  "kv_role" (ternary "kv_producer" "kv_consumer" (eq .role "prefill"))
+  "kv_port" (toString (int $v.connector.sideChannelPort))
+  "kv_connector_extra_config" (mergeOverwrite $sizes (deepCopy $v.connector.extraConfig))
+) -}}
+{{- else -}}
 {{- $preset := include "pdgate.engine.preset" $root | fromJson -}}
 {{- $extra := dict
   "metaserver_url" (include "pdgate.metaserver.url" $root)
@@ -45,6 +58,7 @@ discovery, and a StatefulSet. Call with (dict "root" $ "role" "prefill"|"decode"
 {{- $_ := set $cfg "kv_connector_module_path" . -}}
 {{- end }}
 {{- toJson $cfg -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "pdgate.engine" -}}

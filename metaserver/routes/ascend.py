@@ -1,0 +1,39 @@
+"""``POST /v1/ascend/metaserver``: where unchanged vllm-ascend decode engines post their blocks
+(served by ``metaserver.fastpath``; this route documents it and serves the unusual cases)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+
+from metaserver import ascend
+from metaserver.context import ctx
+from metaserver.responses import json_bytes
+from pdwire.ascend import COMPAT_PATH
+
+router = APIRouter(tags=["vllm-ascend"])
+_BODY = {"$ref": "#/components/schemas/AscendBinding"}
+
+
+@router.post(
+    COMPAT_PATH,
+    responses={200: {}, 401: {}, 409: {}, 422: {}},
+    openapi_extra={
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _BODY}}},
+        "parameters": [
+            {
+                "name": "token",
+                "in": "query",
+                "required": False,
+                "schema": {"type": "string"},
+                "description": "the metaserver token, when one is set (D sends no header)",
+            }
+        ],
+    },
+    summary="Record a vllm-ascend decode engine's blocks (MooncakeLayerwiseConnector)",
+)
+async def post_ascend_binding(request: Request) -> Response:
+    c = ctx(request)
+    ascend.authorize(c, request.headers.get("authorization", "").encode() or None,
+                     request.scope.get("query_string", b""))  # fmt: skip
+    reply = await ascend.post_binding(c, await request.body())
+    return json_bytes(reply.body, reply.status)
