@@ -25,10 +25,10 @@ from metaserver.store import Store, create_store
 from metaserver.validation import BodyInvalid
 from pdwire.asgi import ASGIApp
 from pdwire.limits import BodySizeLimit
-from pdwire.models import BindingSpec, EventIn, InstanceSpec
+from pdwire.models import BindingSpec, EventIn, InstanceSpec, MarkIn
 
 log = logging.getLogger("pdgate.metaserver")
-_BODY_MODELS = (BindingSpec, EventIn, InstanceSpec)
+_BODY_MODELS = (BindingSpec, EventIn, InstanceSpec, MarkIn)
 
 
 def create_app(

@@ -1,10 +1,11 @@
-"""ASGI fast path for the three calls on the P/D data path.
+"""ASGI fast path for the calls on the P/D data path.
 
-``PUT /v1/bindings/{id}``, ``GET /v1/bindings/{id}`` (plain reads and long-polls) and
-``POST /v1/bindings/{id}/events`` are served here, in front of FastAPI, calling the very same
-``metaserver.service`` functions as the documented routes — only the framework's per-request
-machinery (routing table, dependency solving, middleware stack) is skipped. Everything else,
-including any unusual query string, falls through to FastAPI.
+``PUT /v1/bindings/{id}``, ``GET /v1/bindings/{id}`` (plain reads and long-polls),
+``POST /v1/bindings/{id}/events`` and ``POST /v1/bindings/{id}/marks`` are served here, in
+front of FastAPI, calling the very same ``metaserver.service`` functions as the documented
+routes — only the framework's per-request machinery (routing table, dependency solving,
+middleware stack) is skipped. Everything else, including any unusual query string, falls
+through to FastAPI.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ _PREFIX = "/v1/bindings/"
 _ID = re.compile(TRANSFER_ID_PATTERN)
 _ROUTE = "/v1/bindings/{transfer_id}"
 _EVENTS_ROUTE = "/v1/bindings/{transfer_id}/events"
+_MARKS_ROUTE = "/v1/bindings/{transfer_id}/marks"
 _JSON = [(b"content-type", b"application/json")]
 _TIMED_OUT = [*_JSON, (b"x-pdgate-wait", b"timeout")]
 
@@ -82,7 +84,12 @@ class FastPath:
         self._count = metrics.requests
         self._latency = {
             (m, r): metrics.latency.labels(m, r)
-            for m, r in (("PUT", _ROUTE), ("GET", _ROUTE), ("POST", _EVENTS_ROUTE))
+            for m, r in (
+                ("PUT", _ROUTE),
+                ("GET", _ROUTE),
+                ("POST", _EVENTS_ROUTE),
+                ("POST", _MARKS_ROUTE),
+            )
         }
 
     def _match(self, scope: Scope) -> tuple[str, Handler, str] | None:
@@ -94,6 +101,8 @@ class FastPath:
         handler: Handler | None
         if method == "POST" and rest.endswith("/events"):
             tid, route, handler = rest[:-7], _EVENTS_ROUTE, service.post_event
+        elif method == "POST" and rest.endswith("/marks"):
+            tid, route, handler = rest[:-6], _MARKS_ROUTE, service.post_mark
         elif method == "PUT":
             tid, route, handler = rest, _ROUTE, service.put_binding
         elif method == "GET":

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from metaserver.context import Context
 from metaserver.errors import NotFound, StoreUnavailable
-from metaserver.store.base import BindingPut, PutOutcome, StoredBinding, event_json
+from metaserver.store.base import BindingPut, PutOutcome, StoredBinding, event_json, mark_json
 from metaserver.validation import parse_body
-from pdwire.models import BindingSpec, BindingState, EventIn
+from pdwire.models import BindingSpec, BindingState, EventIn, MarkIn
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,4 +76,13 @@ async def post_event(c: Context, transfer_id: str, body: bytes) -> Reply:
     raw = event_json(event.state, event.actor, now, None if detail is None else detail.encode())
     record = await c.store.add_event(transfer_id, event.state, raw, now)
     c.metrics.events.labels(event.state.value).inc()
+    return Reply(200, record.to_json())
+
+
+async def post_mark(c: Context, transfer_id: str, body: bytes) -> Reply:
+    mark = parse_body(MarkIn, body)
+    detail = None if mark.detail is None else mark.detail.model_dump_json(exclude_none=True)
+    raw = mark_json(mark.mark, mark.actor, c.clock(), None if detail is None else detail.encode())
+    record = await c.store.add_mark(transfer_id, mark.mark, raw)
+    c.metrics.marks.labels(mark.mark.value).inc()
     return Reply(200, record.to_json())

@@ -12,7 +12,7 @@ import enum
 import json
 from dataclasses import dataclass
 
-from pdwire.models import BindingSpec, BindingState
+from pdwire.models import BindingSpec, BindingState, MarkKind
 
 # Past this many events, consecutive ``pushing`` events are folded into the last one.
 MAX_EVENTS = 64
@@ -32,13 +32,17 @@ class StoredBinding:
     created_at: float
     updated_at: float
     events: tuple[bytes, ...]
+    marks: tuple[bytes, ...] = ()  # in ``MarkKind`` order, each kind at most once
 
     def to_json(self) -> bytes:
         head = (
             f'{{"transfer_id":"{self.transfer_id}","state":"{self.state.value}",'
             f'"created_at":{self.created_at!r},"updated_at":{self.updated_at!r},'
         ).encode()
-        return head + self.spec_json[1:-1] + b',"events":[' + b",".join(self.events) + b"]}"
+        body = head + self.spec_json[1:-1] + b',"events":[' + b",".join(self.events) + b"]"
+        if self.marks:  # absent while empty: a reader of an older release rejects the key
+            body += b',"marks":[' + b",".join(self.marks) + b"]"
+        return body + b"}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +98,11 @@ def event_json(state: BindingState, actor: str, at: float, detail_json: bytes | 
     return body.encode() + (detail_json or b"null") + b"}"
 
 
+def mark_json(kind: MarkKind, actor: str, at: float, detail_json: bytes | None) -> bytes:
+    body = f'{{"mark":"{kind.value}","actor":{json.dumps(actor)},"at":{at!r},"detail":'
+    return body.encode() + (detail_json or b"null") + b"}"
+
+
 def check_transition(current: BindingState, new: BindingState) -> str:
     """Return ``"apply"``, ``"duplicate"`` or ``"conflict"`` for a state change.
 
@@ -145,6 +154,12 @@ class Store(abc.ABC):
     async def add_event(
         self, transfer_id: str, state: BindingState, event_json: bytes, now: float
     ) -> StoredBinding: ...
+
+    @abc.abstractmethod
+    async def add_mark(self, transfer_id: str, kind: MarkKind, mark_json: bytes) -> StoredBinding:
+        """Record a mark (``NotFound`` without the binding). A mark never changes the state,
+        the update time or the expiry, is accepted in any state (terminal ones included), and
+        is kept once per kind: a second one of a kind is a no-op returning the record."""
 
     # instances
     @abc.abstractmethod

@@ -25,7 +25,7 @@ from metaserver.store.base import (
     check_transition,
     decode_instance_problem,
 )
-from pdwire.models import BindingState
+from pdwire.models import BindingState, MarkKind
 
 Clock = Callable[[], float]
 _SWEEP_EVERY = 512
@@ -44,6 +44,7 @@ class _Binding:
     record: StoredBinding
     expires: float
     events: list[bytes] = field(default_factory=list)
+    marks: dict[MarkKind, bytes] = field(default_factory=dict)
 
 
 class MemoryStore(Store):
@@ -171,6 +172,16 @@ class MemoryStore(Store):
         if state is BindingState.DONE:
             self._latencies.append(now - entry.record.created_at)
         self._waiters.notify(transfer_id)
+        return entry.record
+
+    async def add_mark(self, transfer_id: str, kind: MarkKind, mark_json: bytes) -> StoredBinding:
+        entry = self._live_binding(transfer_id)
+        if entry is None:
+            raise NotFound(f"binding {transfer_id} not found")
+        if kind not in entry.marks:
+            entry.marks[kind] = mark_json
+            marks = tuple(entry.marks[k] for k in MarkKind if k in entry.marks)
+            entry.record = replace(entry.record, marks=marks)
         return entry.record
 
     # ---- instances ------------------------------------------------------------------------
