@@ -4,6 +4,8 @@ Raw body, one JSON parse, SSE bytes passed through. A watcher notices a client t
 (``proxy.server``'s protocol calls it; elsewhere a task on ``receive()``) and cancels the
 request at once: both legs are dropped (closing a connection
 aborts a vLLM request), load is released in ``finally``, the binding is marked ``aborted``.
+A decode-first request's binding gets its ``first_token`` and ``end`` marks, posted in the
+background (``proxy.events``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from pdwire.asgi import BodyTooLarge, ClientDisconnected, Receive, Scope, Send, read_body
 from pdwire.ids import IdMaker, valid_id
-from pdwire.models import BindingState
+from pdwire.models import BindingState, MarkKind
 from proxy.config import Flow
 from proxy.errors import BadRequest, PayloadTooLarge, ProxyError, Unauthorized, sse_error_event
 from proxy.flows import Upstream
@@ -167,6 +169,8 @@ class CompletionsHandler:
         outcome, status = "ok", 200
         try:
             up, d, used = await rt.dispatcher.open(req, scope["path"], flow)
+            if up.binding_tracked and rt.events is not None:  # background: not awaited
+                rt.events.mark(up.tid, MarkKind.FIRST_TOKEN, time.perf_counter() - t0)
             headers = [(b"content-type", up.content_type), *extra]
             if not req.stream:
                 body = fix_body(up.first, up.prefill_cached)
@@ -203,8 +207,10 @@ class CompletionsHandler:
                     up.release()
                 else:
                     up.close()
-                    if up.binding_tracked and self.rt.events is not None:
-                        self.rt.events.post(up.tid, BindingState.ABORTED, outcome)
+                    if up.binding_tracked and rt.events is not None:
+                        rt.events.post(up.tid, BindingState.ABORTED, outcome)
+                if up.binding_tracked and rt.events is not None:
+                    rt.events.mark(up.tid, MarkKind.END, time.perf_counter() - t0, outcome)
             if d is not None:
                 d.release(req.tokens)
             rt.metrics.inflight.dec()
