@@ -20,7 +20,7 @@ from metaserver.fastpath import FastPath
 from metaserver.metrics import Metrics, MetricsMiddleware
 from metaserver.problems import render_problem
 from metaserver.responses import JSON
-from metaserver.routes import bindings, instances, ops
+from metaserver.routes import bindings, instances, ops, ui
 from metaserver.store import Store, create_store
 from metaserver.validation import BodyInvalid
 from pdwire.asgi import ASGIApp
@@ -65,6 +65,7 @@ def create_app(
     app.state.ctx = context
     for module in (bindings, instances, ops):
         app.include_router(module.router)
+    app.include_router(ui.make_router())
     _install_error_handlers(app, metrics)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
