@@ -167,7 +167,9 @@ class DecodeFirst:
         log.warning("%s: P pushed nothing (%s); D computes the prompt itself", a.tid, why)
         self._legs.metrics.no_push.inc()
         self._events.post(a.tid, BindingState.FAILED, f"P pushed nothing: {why}")
-        return await self._legs.decode(a, a.req.for_decode(None))
+        up = await self._legs.decode(a, a.req.for_decode(None))
+        up.binding_tracked = True  # the failed binding's timeline gets D's first token and end
+        return up
 
     async def _binding(self, a: Attempt) -> msgspec.Raw:
         t0 = time.perf_counter()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from pdwire.models import BindingState, MarkDetail, MarkKind
+from pdwire.params import push_report
 from proxy.config import Flow
 from proxy.mock import MockBackend, RecordedEvent, Reply
 from tests.proxy.inmemory import BINDING, PUSHED, SSE, InMemoryProxy, never
@@ -98,3 +99,22 @@ async def test_marks_never_hold_the_answer() -> None:
     assert started == [FIRST, END]
     hung.set()
     await px.settle()
+
+
+async def test_marks_on_a_binding_failed_because_p_pushed_nothing() -> None:
+    """P refused the push: the binding is failed and D computes alone; its answer still gets
+    first token and end on that binding, so the failed transfer's timeline is complete."""
+    refused = Reply.completion("x", kv_transfer_params=push_report(None, "decoder not vouched"))
+    backend = MockBackend(
+        {"decode": [SSE.after(never()), SSE], "get": Reply.json(BINDING), "prefill": refused}
+    )
+    px = InMemoryProxy(backend)
+    ex = await px.send(stream=True)
+    assert ex.status == 200 and ex.ended
+    await px.settle()
+    first, _ = backend.calls_of("decode")
+    assert [(m.transfer_id, m.mark) for m in px.marks] == [
+        (first.request_id, FIRST),
+        (first.request_id, END),
+    ]
+    assert [e.state for e in px.events] == [BindingState.FAILED]  # no abort of a whole answer
