@@ -137,6 +137,7 @@
     const names = {
       bound: "waiting for P", prefill_started: "prefill", pushing: "pushing",
       done: "KV landed → first token", first_token: "streaming",
+      failed: "after the failure (D computes the prompt itself)",
     };
     list.forEach((x, i) => {
       const next = i + 1 < list.length ? list[i + 1].at : end;
