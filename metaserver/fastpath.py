@@ -148,13 +148,11 @@ class FastPath:
         except Exception:
             log.exception("%s %s failed", method, scope["path"])
             status, payload = 500, b'{"detail":"internal error"}'
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [*headers, (b"content-length", str(len(payload)).encode())],
-            }
-        )
+        if status == 204:  # no body, so no content headers (RFC 9110 §8.6)
+            headers = []
+        else:
+            headers = [*headers, (b"content-length", str(len(payload)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
         self._count.labels(method, route, str(status)).inc()
         self._latency[(method, route)].observe(time.perf_counter() - started)

@@ -83,6 +83,6 @@ async def post_mark(c: Context, transfer_id: str, body: bytes) -> Reply:
     mark = parse_body(MarkIn, body)
     detail = None if mark.detail is None else mark.detail.model_dump_json(exclude_none=True)
     raw = mark_json(mark.mark, mark.actor, c.clock(), None if detail is None else detail.encode())
-    record = await c.store.add_mark(transfer_id, mark.mark, raw)
+    await c.store.add_mark(transfer_id, mark.mark, raw)
     c.metrics.marks.labels(mark.mark.value).inc()
-    return Reply(200, record.to_json())
+    return Reply(204, b"")

@@ -61,6 +61,7 @@ def build_parser() -> SettingsParser[ProxySettings]:
     opt("--metaserver-token", "metaserver_token")
     opt("--flow", "flow", choices=["decode-first", "concurrent", "prefill-first", "direct"])
     p.switch("--flow-header", "flow_header")
+    p.switch("--binding-marks", "binding_marks")
     opt("--disagg-min-tokens", "disagg_min_tokens", int)
     opt("--cached-skip-ratio", "cached_skip_ratio", float)
     policies = sorted(POLICIES)

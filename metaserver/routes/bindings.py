@@ -110,11 +110,13 @@ async def post_event(request: Request, transfer_id: TransferId) -> Response:
 
 @router.post(
     "/{transfer_id}/marks",
-    responses={200: {"model": Binding}, 404: {}},
+    status_code=204,
+    responses={204: {"description": "recorded (or one of that kind already was)"}, 404: {}},
     openapi_extra=_body(MarkIn),
     summary="Record a moment that is not a state (first_token, end); once per kind",
 )
 async def post_mark(request: Request, transfer_id: TransferId) -> Response:
     c = ctx(request)
     c.authorize(request.headers.get("authorization"), write=True)
-    return _send(await service.post_mark(c, transfer_id, await request.body()))
+    await service.post_mark(c, transfer_id, await request.body())
+    return Response(status_code=204)

@@ -156,10 +156,11 @@ class Store(abc.ABC):
     ) -> StoredBinding: ...
 
     @abc.abstractmethod
-    async def add_mark(self, transfer_id: str, kind: MarkKind, mark_json: bytes) -> StoredBinding:
-        """Record a mark (``NotFound`` without the binding). A mark never changes the state,
-        the update time or the expiry, is accepted in any state (terminal ones included), and
-        is kept once per kind: a second one of a kind is a no-op returning the record."""
+    async def add_mark(self, transfer_id: str, kind: MarkKind, mark_json: bytes) -> bool:
+        """Record a mark; True when recorded, False when one of that kind was already there
+        (kept once per kind: the first wins); ``NotFound`` without the binding. A mark never
+        changes the state, the update time or the expiry, and is accepted in any state,
+        terminal ones included. Nothing is read back: marks are fire-and-forget."""
 
     # instances
     @abc.abstractmethod

@@ -174,15 +174,16 @@ class MemoryStore(Store):
         self._waiters.notify(transfer_id)
         return entry.record
 
-    async def add_mark(self, transfer_id: str, kind: MarkKind, mark_json: bytes) -> StoredBinding:
+    async def add_mark(self, transfer_id: str, kind: MarkKind, mark_json: bytes) -> bool:
         entry = self._live_binding(transfer_id)
         if entry is None:
             raise NotFound(f"binding {transfer_id} not found")
-        if kind not in entry.marks:
-            entry.marks[kind] = mark_json
-            marks = tuple(entry.marks[k] for k in MarkKind if k in entry.marks)
-            entry.record = replace(entry.record, marks=marks)
-        return entry.record
+        if kind in entry.marks:
+            return False
+        entry.marks[kind] = mark_json
+        marks = tuple(entry.marks[k] for k in MarkKind if k in entry.marks)
+        entry.record = replace(entry.record, marks=marks)
+        return True
 
     # ---- instances ------------------------------------------------------------------------
     async def put_instance(

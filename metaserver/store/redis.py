@@ -270,15 +270,13 @@ class RedisStore(Store):
             )
         return _binding(transfer_id, res)
 
-    async def add_mark(self, transfer_id: str, kind: MarkKind, mark_json: bytes) -> StoredBinding:
+    async def add_mark(self, transfer_id: str, kind: MarkKind, mark_json: bytes) -> bool:
         res = await self._batch.call(
-            self._add_mark,
-            [self._bkey(transfer_id), self._ekey(transfer_id)],
-            [lua.mark_field(kind), mark_json],
+            self._add_mark, [self._bkey(transfer_id)], [lua.mark_field(kind), mark_json]
         )
-        if res[0] == b"notfound":
+        if res == -1:
             raise NotFound(f"binding {transfer_id} not found")
-        return _binding(transfer_id, res)
+        return bool(res)
 
     # ---- instances ------------------------------------------------------------------------
     async def put_instance(

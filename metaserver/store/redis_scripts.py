@@ -104,16 +104,13 @@ return record(verdict)
 """
 )
 
-# KEYS: binding hash, event list; ARGV: the mark's hash field (m:<kind>), the mark's JSON.
-# No state, update time, expiry or publish: a mark is an observation, not a change.
-ADD_MARK = (
-    _RECORD
-    + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'notfound'} end
-redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
-return record('ok')
+# KEYS: binding hash; ARGV: the mark's hash field (m:<kind>), the mark's JSON.
+# Returns 1 recorded, 0 already there, -1 no binding. No state, update time, expiry or
+# publish, and nothing read back: a mark is an observation, not a change.
+ADD_MARK = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+return redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
 """
-)
 
 # KEYS: binding hash, event list
 READ_BINDING = (

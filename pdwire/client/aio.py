@@ -131,9 +131,10 @@ class AsyncMetaserverClient:
 
     async def post_mark(
         self, transfer_id: str, mark: MarkKind, actor: str, detail: MarkDetail | None = None
-    ) -> Binding:
-        """Record a moment that is not a state (``first_token``, ``end``); once per kind."""
-        return P.decode(Binding, await self.send(P.post_mark(transfer_id, mark, actor, detail)))
+    ) -> None:
+        """Record a moment that is not a state (``first_token``, ``end``); once per kind.
+        Answered ``204``: nothing to decode."""
+        await self.send(P.post_mark(transfer_id, mark, actor, detail))
 
     # ---- instances ------------------------------------------------------------------------
     async def put_instance(self, instance_id: str, spec: InstanceSpec) -> Instance:

@@ -125,9 +125,10 @@ class MetaserverClient:
 
     def post_mark(
         self, transfer_id: str, mark: MarkKind, actor: str, detail: MarkDetail | None = None
-    ) -> Binding:
-        """Record a moment that is not a state (``first_token``, ``end``); once per kind."""
-        return P.decode(Binding, self.send(P.post_mark(transfer_id, mark, actor, detail)))
+    ) -> None:
+        """Record a moment that is not a state (``first_token``, ``end``); once per kind.
+        Answered ``204``: nothing to decode."""
+        self.send(P.post_mark(transfer_id, mark, actor, detail))
 
     def put_instance(self, instance_id: str, spec: InstanceSpec) -> Instance:
         return P.decode(Instance, self.send(P.put_instance(instance_id, spec)))

@@ -27,9 +27,14 @@ S = BindingState
 K = MarkKind
 
 
-async def mark(store: Store, tid: str, kind: MarkKind, **detail: Any) -> Binding:
+async def mark(
+    store: Store, tid: str, kind: MarkKind, recorded: bool = True, **detail: Any
+) -> Binding:
+    """Add a mark, check whether the store says it was recorded, return the record."""
     raw = json.dumps(detail).encode() if detail else None
-    rec = await store.add_mark(tid, kind, mark_json(kind, "proxy", time.time(), raw))
+    assert await store.add_mark(tid, kind, mark_json(kind, "proxy", time.time(), raw)) is recorded
+    rec = await store.get_binding(tid)
+    assert rec is not None
     return Binding.model_validate_json(rec.to_json())
 
 
@@ -44,7 +49,7 @@ async def test_store_marks_kept_once_per_kind_without_touching_state(store: Stor
     assert [(m.mark, m.actor) for m in first.marks] == [(K.FIRST_TOKEN, "proxy")]
     assert first.marks[0].detail == MarkDetail(since_request_s=0.25)
     await asyncio.sleep(0.01)
-    again = await mark(store, "t1", K.FIRST_TOKEN, since_request_s=9.0)
+    again = await mark(store, "t1", K.FIRST_TOKEN, recorded=False, since_request_s=9.0)
     assert again.marks == first.marks  # the first report of a kind wins
     end = await mark(store, "t1", K.END, since_request_s=0.5, outcome="ok")
     assert [m.mark for m in end.marks] == [K.FIRST_TOKEN, K.END]
@@ -101,13 +106,16 @@ async def test_api_marks_roundtrip_and_validation(api: httpx.AsyncClient) -> Non
     assert "marks" not in plain  # a reader of an older release never sees the key unasked
     body = {"mark": "first_token", "actor": "proxy", "detail": {"since_request_s": 0.125}}
     r = await api.post("/v1/bindings/t1/marks", json=body)
-    assert r.status_code == 200, r.text
-    got = Binding.model_validate(r.json())
+    assert r.status_code == 204 and r.content == b"", r.text
+    assert "content-length" not in r.headers and "content-type" not in r.headers
+    got = Binding.model_validate((await api.get("/v1/bindings/t1")).json())
     assert got.state is S.BOUND and [m.mark for m in got.marks] == [K.FIRST_TOKEN]
+    again = await api.post("/v1/bindings/t1/marks", json={**body, "detail": {}})
+    assert again.status_code == 204  # the first report of a kind wins, quietly
     r = await api.post(
         "/v1/bindings/t1/marks", json={"mark": "end", "actor": "proxy", "detail": {"outcome": "ok"}}
     )
-    assert r.status_code == 200
+    assert r.status_code == 204
     listed = (await api.get("/v1/bindings", params={"state": "bound"})).json()["bindings"]
     assert [m["mark"] for m in listed[0]["marks"]] == ["first_token", "end"]
     assert listed[0]["marks"][1]["detail"] == {"outcome": "ok"}
@@ -135,8 +143,9 @@ async def test_api_marks_need_the_write_token(api_factory: Callable[..., Any]) -
     body = {"mark": "end", "actor": "proxy"}
     assert (await api.post("/v1/bindings/t1/marks", json=body)).status_code == 401
     r = await api.post("/v1/bindings/t1/marks", json=body, headers=AUTH)
-    assert r.status_code == 200
-    assert [m["mark"] for m in r.json()["marks"]] == ["end"]
+    assert r.status_code == 204
+    got = (await api.get("/v1/bindings/t1")).json()
+    assert [m["mark"] for m in got["marks"]] == ["end"]
 
 
 async def test_client_post_mark_against_a_metaserver_process(
@@ -146,8 +155,8 @@ async def test_client_post_mark_against_a_metaserver_process(
     async with AsyncMetaserverClient(ms.url, token=TOKEN) as client:
         await client.put_instance("decode-0", decode_instance())
         await client.put_binding("t1", binding_spec())
-        got = await client.post_mark("t1", K.FIRST_TOKEN, "proxy", MarkDetail(since_request_s=0.5))
+        await client.post_mark("t1", K.FIRST_TOKEN, "proxy", MarkDetail(since_request_s=0.5))
+        got = await client.get_binding("t1")
         assert [(m.mark, m.detail) for m in got.marks] == [
             (K.FIRST_TOKEN, MarkDetail(since_request_s=0.5))
         ]
-        assert (await client.get_binding("t1")).marks == got.marks

@@ -56,7 +56,7 @@ def stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -
             [
                 str(VENV_BIN / "pd-proxy"), "--port", str(port), "--metaserver", ms.url,
                 *token, "--prefill", p.url, "--decode", d.url, "--flow", "decode-first",
-                "--retries", "0", "--health-interval", "0.2",
+                "--retries", "0", "--health-interval", "0.2", "--binding-marks",
             ],
             log=logs / "proxy.log",
         )  # fmt: skip

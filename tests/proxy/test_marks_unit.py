@@ -1,6 +1,7 @@
-"""The proxy's binding marks (``first_token``, ``end``) through ``proxy.mock``: posted for
-decode-first requests only, with the proxy's own timings, in the background — a metaserver
-that never answers them does not hold the client's answer."""
+"""The proxy's binding marks (``first_token``, ``end``, with ``--binding-marks``) through
+``proxy.mock``: off by default, posted for decode-first requests only, with the proxy's own
+timings, in the background — a metaserver that never answers them does not hold the client's
+answer."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _since(detail: MarkDetail | None) -> float:
 async def test_marks_stream_reports_first_token_then_end() -> None:
     decode = Reply.sse(["Hello", " world"])
     backend = MockBackend({"decode": decode, "get": Reply.json(BINDING), "prefill": PUSHED})
-    px = InMemoryProxy(backend)
+    px = InMemoryProxy(backend, binding_marks=True)
     ex = await px.send(stream=True)
     assert ex.status == 200 and ex.ended
     await px.settle()
@@ -41,7 +42,7 @@ async def test_marks_stream_reports_first_token_then_end() -> None:
 
 async def test_marks_nonstream_and_concurrent_flow() -> None:
     backend = MockBackend({"decode": Reply.completion("hi"), "prefill": PUSHED})
-    px = InMemoryProxy(backend, flow=Flow.CONCURRENT)
+    px = InMemoryProxy(backend, flow=Flow.CONCURRENT, binding_marks=True)
     ex = await px.send()
     assert ex.status == 200
     await px.settle()
@@ -54,7 +55,7 @@ async def test_marks_nonstream_and_concurrent_flow() -> None:
 
 async def test_marks_none_without_a_binding() -> None:
     backend = MockBackend({"decode": Reply.completion("hi")})
-    px = InMemoryProxy(backend, flow=Flow.DIRECT)
+    px = InMemoryProxy(backend, flow=Flow.DIRECT, binding_marks=True)
     ex = await px.send()
     assert ex.status == 200
     await px.settle()
@@ -64,7 +65,7 @@ async def test_marks_none_without_a_binding() -> None:
 async def test_marks_end_of_an_abandoned_stream_says_why() -> None:
     decode = Reply.sse(["Hello", never(), " world"])
     backend = MockBackend({"decode": decode, "get": Reply.json(BINDING), "prefill": PUSHED})
-    px = InMemoryProxy(backend)
+    px = InMemoryProxy(backend, binding_marks=True)
     ex = px.request(stream=True)
     await ex.parts(1)
     ex.disconnect()
@@ -83,7 +84,7 @@ async def test_marks_end_of_an_abandoned_stream_says_why() -> None:
 async def test_marks_never_hold_the_answer() -> None:
     """A metaserver that never answers a mark: the client still gets its whole answer."""
     backend = MockBackend({"decode": SSE, "get": Reply.json(BINDING), "prefill": PUSHED})
-    px = InMemoryProxy(backend)
+    px = InMemoryProxy(backend, binding_marks=True)
     hung = asyncio.Event()
     started: list[MarkKind] = []
 
@@ -108,7 +109,7 @@ async def test_marks_on_a_binding_failed_because_p_pushed_nothing() -> None:
     backend = MockBackend(
         {"decode": [SSE.after(never()), SSE], "get": Reply.json(BINDING), "prefill": refused}
     )
-    px = InMemoryProxy(backend)
+    px = InMemoryProxy(backend, binding_marks=True)
     ex = await px.send(stream=True)
     assert ex.status == 200 and ex.ended
     await px.settle()
@@ -118,3 +119,12 @@ async def test_marks_on_a_binding_failed_because_p_pushed_nothing() -> None:
         (first.request_id, END),
     ]
     assert [e.state for e in px.events] == [BindingState.FAILED]  # no abort of a whole answer
+
+
+async def test_marks_off_by_default() -> None:
+    backend = MockBackend({"decode": SSE, "get": Reply.json(BINDING), "prefill": PUSHED})
+    px = InMemoryProxy(backend)
+    ex = await px.send(stream=True)
+    assert ex.status == 200 and ex.ended
+    await px.settle()
+    assert px.marks == [] and px.events == []
