@@ -78,7 +78,7 @@ class CompletionsHandler:
         self._flow_default = rt.settings.flow
         self._flow_header = rt.settings.flow_header
         self._max_body = rt.settings.max_body_bytes
-        self._marks = rt.events if rt.settings.binding_marks else None  # the timeline's marks
+        self._marks = rt.settings.binding_marks  # the timeline's first_token / end marks
         self._counters: dict[tuple[str, Flow, str, int], Any] = {}
         self._histograms: dict[Flow, Any] = {}
 
@@ -170,8 +170,8 @@ class CompletionsHandler:
         outcome, status = "ok", 200
         try:
             up, d, used = await rt.dispatcher.open(req, scope["path"], flow)
-            if up.binding_tracked and self._marks is not None:  # background: not awaited
-                self._marks.mark(up.tid, MarkKind.FIRST_TOKEN, time.perf_counter() - t0)
+            if self._marks and up.binding_tracked and rt.events is not None:  # not awaited
+                rt.events.mark(up.tid, MarkKind.FIRST_TOKEN, time.perf_counter() - t0)
             headers = [(b"content-type", up.content_type), *extra]
             if not req.stream:
                 body = fix_body(up.first, up.prefill_cached)
@@ -210,8 +210,8 @@ class CompletionsHandler:
                     up.close()
                     if up.binding_tracked and rt.events is not None:
                         rt.events.post(up.tid, BindingState.ABORTED, outcome)
-                if up.binding_tracked and self._marks is not None:
-                    self._marks.mark(up.tid, MarkKind.END, time.perf_counter() - t0, outcome)
+                if self._marks and up.binding_tracked and rt.events is not None:
+                    rt.events.mark(up.tid, MarkKind.END, time.perf_counter() - t0, outcome)
             if d is not None:
                 d.release(req.tokens)
             rt.metrics.inflight.dec()

@@ -7,6 +7,7 @@ paths printed)."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -138,6 +139,16 @@ async def wait_for_end(page: Page, tid: str, state: str) -> str:
     return box
 
 
+async def until(page: Page, js: str, timeout_s: float = 15.0) -> None:
+    """Poll a JS expression with ``page.evaluate`` (Playwright's ``wait_for_function`` evaluates
+    strings with ``eval``, which the page's content security policy rightly refuses)."""
+    for _ in range(int(timeout_s * 10)):
+        if await page.evaluate(js):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"not true within {timeout_s}s: {js}")
+
+
 def shot_path(name: str) -> Path:
     ARTIFACTS.mkdir(exist_ok=True)
     return ARTIFACTS / name
@@ -194,13 +205,14 @@ async def test_timeline_page_shows_a_failed_transfer_with_its_error_and_filters(
     assert {"first_token", "end"} <= set(kinds)  # D still answered: the timeline says when
     # filters: failed only, then the decode instance; both go into the address for sharing
     await page.select_option("#f-state", "failed")
-    await page.wait_for_function("location.search.includes('state=failed')")
-    await page.wait_for_function(
+    await until(page, "location.search.includes('state=failed')")
+    await until(
+        page,
         "(() => { const all = [...document.querySelectorAll('section.transfer')];"
-        " return all.length > 0 && all.every(s => s.dataset.state === 'failed'); })()"
+        " return all.length > 0 && all.every(s => s.dataset.state === 'failed'); })()",
     )
     await page.select_option("#f-instance", stack.decode.instance_id)
-    await page.wait_for_function(f"location.search.includes('instance={stack.decode.instance_id}')")
+    await until(page, f"location.search.includes('instance={stack.decode.instance_id}')")
     assert await page.locator(box).count() == 1
     assert await page.locator(f"{box} .bar .seg.failed").count() == 1
     await page.click(f"{box} .row")
@@ -208,4 +220,4 @@ async def test_timeline_page_shows_a_failed_transfer_with_its_error_and_filters(
     await page.screenshot(path=str(path), full_page=True)
     print(f"\nfailed-transfer screenshot: {path}")
     await page.select_option("#f-state", "done")
-    await page.wait_for_function(f"!document.querySelector('section.transfer[data-tid=\"{tid}\"]')")
+    await until(page, f"!document.querySelector('section.transfer[data-tid=\"{tid}\"]')")
