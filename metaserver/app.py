@@ -21,16 +21,16 @@ from metaserver.fastpath import FastPath
 from metaserver.metrics import Metrics, MetricsMiddleware
 from metaserver.problems import render_problem
 from metaserver.responses import JSON
-from metaserver.routes import ascend, bindings, instances, ops
+from metaserver.routes import ascend, bindings, instances, ops, ui
 from metaserver.store import Store, create_store
 from metaserver.validation import BodyInvalid
 from pdwire.ascend import AscendBinding
 from pdwire.asgi import ASGIApp
 from pdwire.limits import BodySizeLimit
-from pdwire.models import BindingSpec, EventIn, InstanceSpec
+from pdwire.models import BindingSpec, EventIn, InstanceSpec, MarkIn
 
 log = logging.getLogger("pdgate.metaserver")
-_BODY_MODELS = (BindingSpec, EventIn, InstanceSpec, AscendBinding)
+_BODY_MODELS = (BindingSpec, EventIn, InstanceSpec, AscendBinding, MarkIn)
 
 
 def create_app(
@@ -73,6 +73,7 @@ def create_app(
     app.state.ctx = context
     for module in (bindings, instances, ops, ascend):
         app.include_router(module.router)
+    app.include_router(ui.make_router())
     _install_error_handlers(app, metrics)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)

@@ -1,10 +1,11 @@
-"""ASGI fast path for the three calls on the P/D data path.
+"""ASGI fast path for the calls on the P/D data path.
 
-``PUT /v1/bindings/{id}``, ``GET /v1/bindings/{id}`` (plain reads and long-polls) and
-``POST /v1/bindings/{id}/events`` are served here, in front of FastAPI, calling the very same
-``metaserver.service`` functions as the documented routes — only the framework's per-request
-machinery (routing table, dependency solving, middleware stack) is skipped. Everything else,
-including any unusual query string, falls through to FastAPI.
+``PUT /v1/bindings/{id}``, ``GET /v1/bindings/{id}`` (plain reads and long-polls),
+``POST /v1/bindings/{id}/events`` and ``POST /v1/bindings/{id}/marks`` are served here, in
+front of FastAPI, calling the very same ``metaserver.service`` functions as the documented
+routes — only the framework's per-request machinery (routing table, dependency solving,
+middleware stack) is skipped. Everything else, including any unusual query string, falls
+through to FastAPI.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ _ID = re.compile(TRANSFER_ID_PATTERN)
 _ROUTE = "/v1/bindings/{transfer_id}"
 _EVENTS_ROUTE = "/v1/bindings/{transfer_id}/events"
 _ASCEND = "ascend"  # marks the vllm-ascend compat call (its token may come in the query)
+_MARKS_ROUTE = "/v1/bindings/{transfer_id}/marks"
 _JSON = [(b"content-type", b"application/json")]
 _TIMED_OUT = [*_JSON, (b"x-pdgate-wait", b"timeout")]
 
@@ -93,6 +95,7 @@ class FastPath:
                 ("GET", _ROUTE),
                 ("POST", _EVENTS_ROUTE),
                 ("POST", COMPAT_PATH),
+                ("POST", _MARKS_ROUTE),
             )  # fmt: skip
         }
 
@@ -107,6 +110,8 @@ class FastPath:
         handler: Handler | None
         if method == "POST" and rest.endswith("/events"):
             tid, route, handler = rest[:-7], _EVENTS_ROUTE, service.post_event
+        elif method == "POST" and rest.endswith("/marks"):
+            tid, route, handler = rest[:-6], _MARKS_ROUTE, service.post_mark
         elif method == "PUT":
             tid, route, handler = rest, _ROUTE, service.put_binding
         elif method == "GET":
@@ -155,13 +160,11 @@ class FastPath:
         except Exception:
             log.exception("%s %s failed", method, scope["path"])
             status, payload = 500, b'{"detail":"internal error"}'
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [*headers, (b"content-length", str(len(payload)).encode())],
-            }
-        )
+        if status == 204:  # no body, so no content headers (RFC 9110 §8.6)
+            headers = []
+        else:
+            headers = [*headers, (b"content-length", str(len(payload)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
         self._count.labels(method, route, str(status)).inc()
         self._latency[(method, route)].observe(time.perf_counter() - started)

@@ -50,6 +50,12 @@ class Metrics:
             ["state"],
             registry=self.registry,
         )
+        self.marks = Counter(
+            "pdgate_metaserver_binding_marks_total",
+            "binding marks received (first_token, end)",
+            ["mark"],
+            registry=self.registry,
+        )
         self.store_errors = Counter(
             "pdgate_metaserver_store_unavailable_total",
             "requests answered 503 because the store was unreachable",

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from metaserver.context import Context
 from metaserver.errors import NotFound, StoreUnavailable
-from metaserver.store.base import BindingPut, PutOutcome, StoredBinding, event_json
+from metaserver.store.base import BindingPut, PutOutcome, StoredBinding, event_json, mark_json
 from metaserver.validation import parse_body
-from pdwire.models import BindingSpec, BindingState, EventIn
+from pdwire.models import BindingSpec, BindingState, EventIn, MarkIn
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,3 +79,12 @@ async def post_event(c: Context, transfer_id: str, body: bytes) -> Reply:
     if record.updated_at == now and record.state is event.state:  # applied, not a duplicate
         c.metrics.observe_event(event.state, record.created_at, len(record.events), now)
     return Reply(200, record.to_json())
+
+
+async def post_mark(c: Context, transfer_id: str, body: bytes) -> Reply:
+    mark = parse_body(MarkIn, body)
+    detail = None if mark.detail is None else mark.detail.model_dump_json(exclude_none=True)
+    raw = mark_json(mark.mark, mark.actor, c.clock(), None if detail is None else detail.encode())
+    await c.store.add_mark(transfer_id, mark.mark, raw)
+    c.metrics.marks.labels(mark.mark.value).inc()
+    return Reply(204, b"")

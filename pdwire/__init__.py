@@ -5,7 +5,7 @@ FastAPI, vLLM, torch or Mooncake.
 
 * ``pdwire.version`` — ``PROTOCOL_VERSION``, carried by bindings and by the P–D handshake;
 * ``pdwire.ids`` — the transfer/instance id pattern (written once) and ``IdMaker``;
-* ``pdwire.models`` — bindings, instances, events: the metaserver's HTTP bodies;
+* ``pdwire.models`` — bindings, instances, events and marks: the metaserver's HTTP bodies;
 * ``pdwire.params`` — ``kv_transfer_params`` of each leg and P's push report, one builder and
   one parser per message;
 * ``pdwire.trace`` — the W3C ``traceparent`` the proxy forwards to both legs (parser,
@@ -32,6 +32,10 @@ from pdwire.models import (
     InstanceRole,
     InstanceSpec,
     KVEndpoint,
+    Mark,
+    MarkDetail,
+    MarkIn,
+    MarkKind,
 )
 from pdwire.params import (
     PushReport,
@@ -60,6 +64,10 @@ __all__ = [
     "InstanceRole",
     "InstanceSpec",
     "KVEndpoint",
+    "Mark",
+    "MarkDetail",
+    "MarkIn",
+    "MarkKind",
     "ParamsError",
     "PushReport",
     "RecvParams",

@@ -129,6 +129,37 @@ class Event(_Strict):
     detail: EventDetail | None = None
 
 
+class MarkKind(enum.StrEnum):
+    """Moments of a transfer that are not binding states: the proxy reports them after the
+    binding is done (or failed), so they never move the state machine."""
+
+    FIRST_TOKEN = "first_token"  # the proxy got D's first token (or, not streamed, its answer)
+    END = "end"  # the proxy finished (or gave up on) the client's answer
+
+
+class MarkDetail(_Strict):
+    since_request_s: Annotated[float, Field(ge=0, le=86_400)] | None = Field(
+        default=None,
+        description="seconds from the proxy receiving the client's request to this moment",
+    )
+    outcome: Annotated[str, Field(max_length=64)] | None = Field(
+        default=None, description="end: how the answer ended (ok, stream_error, …)"
+    )
+
+
+class MarkIn(_Strict):
+    mark: MarkKind
+    actor: Annotated[str, Field(min_length=1, max_length=128)]
+    detail: MarkDetail | None = None
+
+
+class Mark(_Strict):
+    mark: MarkKind
+    actor: str
+    at: float
+    detail: MarkDetail | None = None
+
+
 class Binding(BindingSpec):
     """A binding as the metaserver returns it."""
 
@@ -137,6 +168,10 @@ class Binding(BindingSpec):
     created_at: float
     updated_at: float
     events: list[Event]
+    marks: list[Mark] = Field(
+        default_factory=list,
+        description="first_token / end, once each; the key is absent while there are none",
+    )
 
     @property
     def claimed(self) -> bool:

@@ -67,6 +67,7 @@ def build_parser() -> SettingsParser[ProxySettings]:
     opt("--flow", "flow", choices=[f.value for f in Flow])
     opt("--ascend-callback-url", "ascend_callback_url", metavar="URL")
     p.switch("--flow-header", "flow_header")
+    p.switch("--binding-marks", "binding_marks")
     opt("--disagg-min-tokens", "disagg_min_tokens", int)
     opt("--cached-skip-ratio", "cached_skip_ratio", float)
     policies = sorted(POLICIES)

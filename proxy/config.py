@@ -74,6 +74,9 @@ class ProxySettings(LayeredSettings):
     # flows
     flow: Flow = Field(Flow.DECODE_FIRST, description="P/D flow")
     flow_header: bool = Field(False, description="honour a per-request x-pd-flow header")
+    binding_marks: bool = Field(
+        False, description="post first_token / end marks to each decode-first binding"
+    )
     disagg_min_tokens: int = Field(
         0, ge=0, description="prompts estimated below this many tokens skip P (0: never)"
     )

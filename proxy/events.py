@@ -1,5 +1,6 @@
-"""Fire-and-forget binding events from the proxy (``aborted``, ``failed``): never on the
-response's critical path, bounded so a slow metaserver cannot pile up tasks.
+"""Fire-and-forget binding events (``aborted``, ``failed``) and marks (``first_token``,
+``end``) from the proxy: never on the response's critical path, bounded so a slow metaserver
+cannot pile up tasks.
 
 An outcome can be known before D has written the binding it belongs to (the concurrent flow
 sends P at once, and P may answer ``push: none`` before D's write lands): an event answered
@@ -13,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from pdwire.client import MetaserverClientError, NotFoundError
-from pdwire.models import BindingState, EventDetail
+from pdwire.models import BindingState, EventDetail, MarkDetail, MarkKind
 
 log = logging.getLogger("pdgate.proxy.events")
 ACTOR = "proxy"
@@ -25,6 +26,10 @@ class EventClient(Protocol):
 
     async def post_event(
         self, transfer_id: str, state: BindingState, actor: str, detail: EventDetail | None = None
+    ) -> object: ...
+
+    async def post_mark(
+        self, transfer_id: str, mark: MarkKind, actor: str, detail: MarkDetail | None = None
     ) -> object: ...
 
 
@@ -44,25 +49,46 @@ class EventSink:
         self.sent = 0
 
     def post(self, transfer_id: str, state: BindingState, error: str | None = None) -> None:
+        detail = EventDetail(error=error[:4000]) if error else None
+        self._spawn(transfer_id, state.value, self._client.post_event, state, ACTOR, detail)
+
+    def mark(
+        self,
+        transfer_id: str,
+        kind: MarkKind,
+        since_request_s: float,
+        outcome: str | None = None,
+    ) -> None:
+        """Report a moment of the transfer (first token, end of the answer) to its binding."""
+        detail = MarkDetail(since_request_s=max(0.0, since_request_s), outcome=outcome)
+        self._spawn(transfer_id, kind.value, self._client.post_mark, kind, ACTOR, detail)
+
+    def _spawn(
+        self, transfer_id: str, what: str, call: Callable[..., Awaitable[object]], *args: object
+    ) -> None:
         if len(self._pending) >= self._max:
             self.dropped += 1
             return
-        task = asyncio.get_running_loop().create_task(self._send(transfer_id, state, error))
+        coro = self._send(transfer_id, what, call, args)
+        task = asyncio.get_running_loop().create_task(coro)
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _send(self, transfer_id: str, state: BindingState, error: str | None) -> None:
-        detail = EventDetail(error=error[:4000]) if error else None
+    async def _send(
+        self,
+        transfer_id: str,
+        what: str,
+        call: Callable[..., Awaitable[object]],
+        args: tuple[object, ...],
+    ) -> None:
         for wait in (*NOT_YET_S, None):
             try:
-                await self._client.post_event(transfer_id, state, ACTOR, detail)
+                await call(transfer_id, *args)
                 self.sent += 1
                 return
             except MetaserverClientError as exc:
                 if wait is None or not isinstance(exc, NotFoundError):
-                    log.debug(
-                        "binding %s: %s event not recorded: %s", transfer_id, state.value, exc
-                    )
+                    log.debug("binding %s: %s not recorded: %s", transfer_id, what, exc)
                     return
             await self._sleep(wait)
 

@@ -4,6 +4,8 @@ Raw body, one JSON parse, SSE bytes passed through. A watcher notices a client t
 (``proxy.server``'s protocol calls it; elsewhere a task on ``receive()``) and cancels the
 request at once: both legs are dropped (closing a connection
 aborts a vLLM request), load is released in ``finally``, the binding is marked ``aborted``.
+With ``--binding-marks``, a decode-first request's binding gets its ``first_token`` and ``end``
+marks, posted in the background (``proxy.events``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdwire.asgi import BodyTooLarge, ClientDisconnected, Receive, Scope, Send, read_body
 from pdwire.ids import IdMaker, valid_id
-from pdwire.models import BindingState
+from pdwire.models import BindingState, MarkKind
 from proxy.config import Flow
 from proxy.errors import BadRequest, PayloadTooLarge, ProxyError, Unauthorized, sse_error_event
 from proxy.flows import Upstream
@@ -79,6 +81,7 @@ class CompletionsHandler:
         self._flow_default = rt.settings.flow
         self._flow_header = rt.settings.flow_header
         self._max_body = rt.settings.max_body_bytes
+        self._marks = rt.settings.binding_marks  # the timeline's first_token / end marks
         self._counters: dict[tuple[str, Flow, str, int], Any] = {}
         self._histograms: dict[Flow, Any] = {}
 
@@ -181,6 +184,8 @@ class CompletionsHandler:
         outcome, status = "ok", 200
         try:
             up, d, used = await rt.dispatcher.open(req, scope["path"], flow, span)
+            if self._marks and up.binding_tracked and rt.events is not None:  # not awaited
+                rt.events.mark(up.tid, MarkKind.FIRST_TOKEN, time.perf_counter() - t0)
             headers = [(b"content-type", up.content_type), *extra]
             if not req.stream:
                 body = fix_body(up.first, up.prefill_cached)
@@ -219,9 +224,11 @@ class CompletionsHandler:
                     up.release()
                 else:
                     up.close()
-                    if up.binding_tracked and self.rt.events is not None:
+                    if up.binding_tracked and rt.events is not None:
                         for bid in up.binding_ids or (up.tid,):
-                            self.rt.events.post(bid, BindingState.ABORTED, outcome)
+                            rt.events.post(bid, BindingState.ABORTED, outcome)
+                if self._marks and up.binding_tracked and rt.events is not None:
+                    rt.events.mark(up.tid, MarkKind.END, time.perf_counter() - t0, outcome)
             if d is not None:
                 d.release(req.tokens)
             rt.metrics.inflight.dec()

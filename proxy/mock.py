@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from pdwire.models import BindingState, EventDetail
+from pdwire.models import BindingState, EventDetail, MarkDetail, MarkKind
 from proxy.backend import LegError, status_error
 from proxy.errors import UpstreamError, UpstreamTimeout
 
@@ -381,11 +381,25 @@ class RecordedEvent(NamedTuple):
     error: str | None
 
 
+class RecordedMark(NamedTuple):
+    transfer_id: str
+    mark: MarkKind
+    actor: str
+    detail: MarkDetail | None
+
+
 class MockEventClient:
-    """The metaserver client behind ``proxy.events.EventSink``: records binding events."""
+    """The metaserver client behind ``proxy.events.EventSink``: records binding events and
+    marks."""
 
     def __init__(self) -> None:
         self.events: list[RecordedEvent] = []
+        self.marks: list[RecordedMark] = []
+
+    async def post_mark(
+        self, transfer_id: str, mark: MarkKind, actor: str, detail: MarkDetail | None = None
+    ) -> None:
+        self.marks.append(RecordedMark(transfer_id, mark, actor, detail))
 
     async def post_event(
         self, transfer_id: str, state: BindingState, actor: str, detail: EventDetail | None = None
@@ -402,6 +416,7 @@ __all__ = [
     "MockResponse",
     "Outcome",
     "RecordedEvent",
+    "RecordedMark",
     "Reply",
     "Step",
     "Wait",

@@ -16,6 +16,7 @@ from pdwire.models import (
     BindingSpec,
     BindingState,
     EventIn,
+    MarkIn,
 )
 
 router = APIRouter(prefix="/v1/bindings", tags=["bindings"])
@@ -23,7 +24,7 @@ TransferId = Annotated[str, Path(pattern=TRANSFER_ID_PATTERN)]
 _WRITE: dict[str, object] = {"security": [{"bearer": []}]}
 
 
-def _body(model: type[BindingSpec] | type[EventIn]) -> dict[str, object]:
+def _body(model: type[BindingSpec] | type[EventIn] | type[MarkIn]) -> dict[str, object]:
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
     return {
         "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
@@ -105,3 +106,17 @@ async def post_event(request: Request, transfer_id: TransferId) -> Response:
     c = ctx(request)
     c.authorize(request.headers.get("authorization"), write=True)
     return _send(await service.post_event(c, transfer_id, await request.body()))
+
+
+@router.post(
+    "/{transfer_id}/marks",
+    status_code=204,
+    responses={204: {"description": "recorded (or one of that kind already was)"}, 404: {}},
+    openapi_extra=_body(MarkIn),
+    summary="Record a moment that is not a state (first_token, end); once per kind",
+)
+async def post_mark(request: Request, transfer_id: TransferId) -> Response:
+    c = ctx(request)
+    c.authorize(request.headers.get("authorization"), write=True)
+    await service.post_mark(c, transfer_id, await request.body())
+    return Response(status_code=204)

@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pdwire.models import BindingSpec, BindingState
+from pdwire.models import BindingSpec, BindingState, MarkKind
 
 # Past this many events, consecutive ``pushing`` events are folded into the last one.
 MAX_EVENTS = 64
@@ -33,13 +33,17 @@ class StoredBinding:
     created_at: float
     updated_at: float
     events: tuple[bytes, ...]
+    marks: tuple[bytes, ...] = ()  # in ``MarkKind`` order, each kind at most once
 
     def to_json(self) -> bytes:
         head = (
             f'{{"transfer_id":"{self.transfer_id}","state":"{self.state.value}",'
             f'"created_at":{self.created_at!r},"updated_at":{self.updated_at!r},'
         ).encode()
-        return head + self.spec_json[1:-1] + b',"events":[' + b",".join(self.events) + b"]}"
+        body = head + self.spec_json[1:-1] + b',"events":[' + b",".join(self.events) + b"]"
+        if self.marks:  # absent while empty: a reader of an older release rejects the key
+            body += b',"marks":[' + b",".join(self.marks) + b"]"
+        return body + b"}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +122,11 @@ def event_json(state: BindingState, actor: str, at: float, detail_json: bytes | 
     return body.encode() + (detail_json or b"null") + b"}"
 
 
+def mark_json(kind: MarkKind, actor: str, at: float, detail_json: bytes | None) -> bytes:
+    body = f'{{"mark":"{kind.value}","actor":{json.dumps(actor)},"at":{at!r},"detail":'
+    return body.encode() + (detail_json or b"null") + b"}"
+
+
 def check_transition(current: BindingState, new: BindingState) -> str:
     """Return ``"apply"``, ``"duplicate"`` or ``"conflict"`` for a state change.
 
@@ -169,6 +178,13 @@ class Store(abc.ABC):
     async def add_event(
         self, transfer_id: str, state: BindingState, event_json: bytes, now: float
     ) -> StoredBinding: ...
+
+    @abc.abstractmethod
+    async def add_mark(self, transfer_id: str, kind: MarkKind, mark_json: bytes) -> bool:
+        """Record a mark; True when recorded, False when one of that kind was already there
+        (kept once per kind: the first wins); ``NotFound`` without the binding. A mark never
+        changes the state, the update time or the expiry, and is accepted in any state,
+        terminal ones included. Nothing is read back: marks are fire-and-forget."""
 
     # instances
     @abc.abstractmethod

@@ -27,7 +27,7 @@ from metaserver.store.base import (
     decode_instance_problem,
     open_transfers_of,
 )
-from pdwire.models import BindingState
+from pdwire.models import BindingState, MarkKind
 
 Clock = Callable[[], float]
 _SWEEP_EVERY = 512
@@ -46,6 +46,7 @@ class _Binding:
     record: StoredBinding
     expires: float
     events: list[bytes] = field(default_factory=list)
+    marks: dict[MarkKind, bytes] = field(default_factory=dict)
 
 
 class MemoryStore(Store):
@@ -175,6 +176,17 @@ class MemoryStore(Store):
             self._latencies.append(now - entry.record.created_at)
         self._waiters.notify(transfer_id)
         return entry.record
+
+    async def add_mark(self, transfer_id: str, kind: MarkKind, mark_json: bytes) -> bool:
+        entry = self._live_binding(transfer_id)
+        if entry is None:
+            raise NotFound(f"binding {transfer_id} not found")
+        if kind in entry.marks:
+            return False
+        entry.marks[kind] = mark_json
+        marks = tuple(entry.marks[k] for k in MarkKind if k in entry.marks)
+        entry.record = replace(entry.record, marks=marks)
+        return True
 
     # ---- instances ------------------------------------------------------------------------
     async def put_instance(

@@ -47,7 +47,7 @@ from metaserver.store.base import (
 )
 from metaserver.store.redis_batch import ScriptBatcher
 from metaserver.store.redis_pool import close_pool, make_pool
-from pdwire.models import BindingState
+from pdwire.models import BindingState, MarkKind
 
 log = logging.getLogger("pdgate.metaserver.redis")
 _LATENCY_SAMPLES = 1000
@@ -87,6 +87,7 @@ class RedisStore(Store):
         self._put_binding = self._r.register_script(lua.PUT_BINDING)
         self._add_event = self._r.register_script(lua.ADD_EVENT)
         self._read_binding = self._r.register_script(lua.READ_BINDING)
+        self._add_mark = self._r.register_script(lua.ADD_MARK)
         self._delete_binding = self._r.register_script(lua.DELETE_BINDING)
         self._put_instance = self._r.register_script(lua.PUT_INSTANCE)
         self._set_drain = self._r.register_script(lua.SET_DRAIN)
@@ -273,6 +274,14 @@ class RedisStore(Store):
             )
         return _binding(transfer_id, res)
 
+    async def add_mark(self, transfer_id: str, kind: MarkKind, mark_json: bytes) -> bool:
+        res = await self._batch.call(
+            self._add_mark, [self._bkey(transfer_id)], [lua.mark_field(kind), mark_json]
+        )
+        if res == -1:
+            raise NotFound(f"binding {transfer_id} not found")
+        return bool(res)
+
     # ---- instances ------------------------------------------------------------------------
     async def put_instance(
         self,
@@ -369,8 +378,13 @@ class RedisStore(Store):
         return self._waiters.subscribe(transfer_id)
 
 
+_MARKS = len(MarkKind)
+
+
 def _binding(transfer_id: str, res: list[Any]) -> StoredBinding:
-    _, spec, state, inst, created, updated, *events = res
+    _, spec, state, inst, created, updated, *rest = res
+    marks = tuple(m for m in rest[:_MARKS] if m is not None)
+    events = rest[_MARKS:]
     return StoredBinding(
         transfer_id=transfer_id,
         spec_json=spec,
@@ -379,6 +393,7 @@ def _binding(transfer_id: str, res: list[Any]) -> StoredBinding:
         created_at=float(created),
         updated_at=float(updated),
         events=tuple(events),
+        marks=marks,
     )
 
 

@@ -3,20 +3,46 @@
 Every script that changes a binding also PUBLISHes its transfer id on the namespace's change
 channel, in the same atomic step, so long-polls on any metaserver replica wake up.
 Successful scripts return the record as ``{status, spec, state, instance, created, updated,
-event...}``.
+mark..., event...}``: one slot per ``MarkKind`` (in its order; nil while that mark is absent),
+then the events. Marks are fields ``m:<kind>`` of the binding hash, so they share its expiry
+and its deletion.
+"""
+
+from pdwire.models import MarkKind
+
+
+def mark_field(kind: MarkKind) -> str:
+    """The binding hash's field that holds a mark of this kind."""
+    return f"m:{kind.value}"
+
+
+MARK_FIELDS = [mark_field(kind) for kind in MarkKind]
+_HMGET_MARKS = "".join(f", '{f}'" for f in MARK_FIELDS)
+_NO_MARKS = "".join(", false" for _ in MARK_FIELDS)
+_N = 5 + len(MARK_FIELDS)
+
+# the record of KEYS[1] (hash) and KEYS[2] (events) with a status in front
+_RECORD = f"""
+local function record(status)
+  local h = redis.call('HMGET', KEYS[1], 'spec', 'state', 'inst', 'created', 'updated'
+                       {_HMGET_MARKS})
+  local out = {{status}}
+  for i = 1, {_N} do out[i + 1] = h[i] end
+  for _, e in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do out[#out + 1] = e end
+  return out
+end
 """
 
 # KEYS: binding hash, event list, binding index, decode instance hash
 # ARGV: transfer_id, spec, instance_id, kv_host, kv_port, event, now, ttl_ms, channel, prune_before,
 #       vetted ('1': the endpoint was checked by the caller, skip the registry)
-PUT_BINDING = """
+PUT_BINDING = (
+    _RECORD
+    + """
 local spec = redis.call('HGET', KEYS[1], 'spec')
 if spec then
   if spec ~= ARGV[2] then return {'conflict'} end
-  local h = redis.call('HMGET', KEYS[1], 'state', 'inst', 'created', 'updated')
-  local out = {'same', spec, h[1], h[2], h[3], h[4]}
-  for _, e in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do table.insert(out, e) end
-  return out
+  return record('same')
 end
 if ARGV[11] ~= '1' then
   local inst = redis.call('HMGET', KEYS[4], 'role', 'kvh', 'kvp')
@@ -34,13 +60,18 @@ redis.call('PEXPIRE', KEYS[2], ARGV[8])
 redis.call('ZADD', KEYS[3], ARGV[7], ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[10])
 redis.call('PUBLISH', ARGV[9], ARGV[1])
-return {'created', ARGV[2], 'bound', ARGV[3], ARGV[7], ARGV[7], ARGV[6]}
+return {'created', ARGV[2], 'bound', ARGV[3], ARGV[7], ARGV[7]"""
+    + _NO_MARKS
+    + """, ARGV[6]}
 """
+)
 
 # KEYS: binding hash, event list, latency list
 # ARGV: state, event, now, ttl_active_ms, ttl_terminal_ms, channel, transfer_id, max_events,
 #       latency_samples
-ADD_EVENT = """
+ADD_EVENT = (
+    _RECORD
+    + """
 local cur = redis.call('HMGET', KEYS[1], 'state', 'created')
 if not cur[1] then return {'notfound'} end
 local rank = {bound=0, prefill_started=1, pushing=2, done=3, failed=3, aborted=3}
@@ -72,20 +103,27 @@ if verdict == 'apply' then
   end
   redis.call('PUBLISH', ARGV[6], ARGV[7])
 end
-local h = redis.call('HMGET', KEYS[1], 'spec', 'state', 'inst', 'created', 'updated')
-local out = {verdict, h[1], h[2], h[3], h[4], h[5]}
-for _, e in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do table.insert(out, e) end
-return out
+return record(verdict)
+"""
+)
+
+# KEYS: binding hash; ARGV: the mark's hash field (m:<kind>), the mark's JSON.
+# Returns 1 recorded, 0 already there, -1 no binding. No state, update time, expiry or
+# publish, and nothing read back: a mark is an observation, not a change.
+ADD_MARK = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+return redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
 """
 
 # KEYS: binding hash, event list
-READ_BINDING = """
-local h = redis.call('HMGET', KEYS[1], 'spec', 'state', 'inst', 'created', 'updated')
-if not h[1] then return {'notfound'} end
-local out = {'ok', h[1], h[2], h[3], h[4], h[5]}
-for _, e in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do table.insert(out, e) end
+READ_BINDING = (
+    _RECORD
+    + """
+local out = record('ok')
+if not out[2] then return {'notfound'} end
 return out
 """
+)
 
 # KEYS: binding hash, event list, channel-less delete; ARGV: channel, transfer_id
 DELETE_BINDING = """

@@ -16,6 +16,9 @@ from pdwire.models import (
     EventIn,
     Instance,
     InstanceSpec,
+    MarkDetail,
+    MarkIn,
+    MarkKind,
     Stats,
 )
 
@@ -79,6 +82,11 @@ def post_event(
 ) -> Call:
     body = EventIn(state=state, actor=actor, detail=detail).model_dump_json(exclude_none=True)
     return Call("POST", f"/v1/bindings/{transfer_id}/events", body=body.encode())
+
+
+def post_mark(transfer_id: str, mark: MarkKind, actor: str, detail: MarkDetail | None) -> Call:
+    body = MarkIn(mark=mark, actor=actor, detail=detail).model_dump_json(exclude_none=True)
+    return Call("POST", f"/v1/bindings/{transfer_id}/marks", body=body.encode())
 
 
 def put_instance(instance_id: str, spec: InstanceSpec) -> Call:

@@ -22,6 +22,8 @@ from pdwire.models import (
     EventDetail,
     Instance,
     InstanceSpec,
+    MarkDetail,
+    MarkKind,
     Stats,
 )
 
@@ -126,6 +128,13 @@ class AsyncMetaserverClient:
         self, transfer_id: str, state: BindingState, actor: str, detail: EventDetail | None = None
     ) -> Binding:
         return P.decode(Binding, await self.send(P.post_event(transfer_id, state, actor, detail)))
+
+    async def post_mark(
+        self, transfer_id: str, mark: MarkKind, actor: str, detail: MarkDetail | None = None
+    ) -> None:
+        """Record a moment that is not a state (``first_token``, ``end``); once per kind.
+        Answered ``204``: nothing to decode."""
+        await self.send(P.post_mark(transfer_id, mark, actor, detail))
 
     # ---- instances ------------------------------------------------------------------------
     async def put_instance(self, instance_id: str, spec: InstanceSpec) -> Instance:

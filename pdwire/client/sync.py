@@ -37,6 +37,8 @@ from pdwire.models import (
     EventDetail,
     Instance,
     InstanceSpec,
+    MarkDetail,
+    MarkKind,
 )
 
 log = logging.getLogger("pdgate.pdwire.client")
@@ -120,6 +122,13 @@ class MetaserverClient:
         self, transfer_id: str, state: BindingState, actor: str, detail: EventDetail | None = None
     ) -> Binding:
         return P.decode(Binding, self.send(P.post_event(transfer_id, state, actor, detail)))
+
+    def post_mark(
+        self, transfer_id: str, mark: MarkKind, actor: str, detail: MarkDetail | None = None
+    ) -> None:
+        """Record a moment that is not a state (``first_token``, ``end``); once per kind.
+        Answered ``204``: nothing to decode."""
+        self.send(P.post_mark(transfer_id, mark, actor, detail))
 
     def put_instance(self, instance_id: str, spec: InstanceSpec) -> Instance:
         return P.decode(Instance, self.send(P.put_instance(instance_id, spec)))

@@ -147,9 +147,12 @@ class DecodeFirst:
         body = a.req.for_decode(None)
         span = a.leg_span("decode", a.decode.url)
         if span is None:
-            return await self._legs.decode(a, body)
-        span.set("pdgate.without_prefill", why)
-        return await self._legs.traced_decode(a, body, span)
+            up = await self._legs.decode(a, body)
+        else:
+            span.set("pdgate.without_prefill", why)
+            up = await self._legs.traced_decode(a, body, span)
+        up.binding_tracked = True  # the failed binding's timeline gets D's first token and end
+        return up
 
     def _binding(self, a: Attempt) -> Coroutine[Any, Any, msgspec.Raw]:
         if a.trace is None:

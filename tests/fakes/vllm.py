@@ -7,9 +7,12 @@ Roles:
   is this server's HTTP port) before streaming; on timeout it recomputes (or fails, by knob).
   A pull-style request (``remote_engine_id``…) is served at once (prefill-first flow).
 * ``prefill``: ``{"do_remote_decode": true, "transfer_id": T, "decode": binding}`` signals D's
-  side channel and posts ``done`` to the metaserver; without ``decode`` (concurrent mode) it first
-  long-polls the binding itself; without a transfer id (prefill-first) it answers with
-  ``kv_transfer_params`` for D to pull.
+  side channel and posts ``done`` to the metaserver (with the ``report_progress`` knob, first
+  ``prefill_started`` and one ``pushing`` per chunk, and ``done`` carrying a push summary, as
+  pdgate's connector does: ``connector/worker/half.py`` ``_report_pushing``/``_report_end``,
+  the summary in the format of ``connector/worker/overlap.py`` ``PushOverlap.message``);
+  without ``decode`` (concurrent mode) it first long-polls the binding itself; without a
+  transfer id (prefill-first) it answers with ``kv_transfer_params`` for D to pull.
 * ``both``: either, by request.
 
 Knobs (``POST /_fake/config`` with a JSON object, or flags): latency, errors, hangs, dropped
@@ -54,6 +57,8 @@ class Knobs:
     health_delay_ms: float = 0.0  # answer /health this late (a busy engine)
     write_binding: bool = True  # decode: write the binding to the metaserver
     refuse_push: str = ""  # prefill: push nothing and say why, as pdgate's connector does
+    report_progress: bool = False  # prefill: post prefill_started, pushing per chunk, done+summary
+    push_chunks: int = 2  # with report_progress: pushing events (one per prefill chunk)
     record: bool = True
 
 
@@ -70,8 +75,17 @@ class Stats:
 
 
 class FakeVLLM:
-    def __init__(self, role: str, port: int, host: str, metaserver: str | None, iid: str) -> None:
+    def __init__(
+        self,
+        role: str,
+        port: int,
+        host: str,
+        metaserver: str | None,
+        iid: str,
+        metaserver_token: str | None = None,
+    ) -> None:
         self.role = role
+        self.metaserver_token = metaserver_token
         self.port = port
         self.host = host
         self.metaserver = metaserver.rstrip("/") if metaserver else None
@@ -102,7 +116,11 @@ class FakeVLLM:
         return app
 
     async def _start(self, app: web.Application) -> None:
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512))
+        token = self.metaserver_token
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=512),
+            headers={"authorization": f"Bearer {token}"} if token else None,
+        )
         if self.metaserver:
             self._spawn(self._heartbeat())
 
@@ -289,18 +307,41 @@ class FakeVLLM:
                     raise web.HTTPInternalServerError(text=f"no binding for {tid}")
                 binding = await r.json()
         ep = binding["kv_endpoint"]
+        summary = None
+        if self.metaserver and k.report_progress:
+            summary = await self._report_progress(tid)
         async with self.session.post(f"http://{ep['host']}:{ep['port']}/_fake/kv/{tid}") as r:
             await r.read()
         self.stats.signals_sent += 1
         if self.metaserver:
-            self._spawn(self._post_done(tid))
+            detail = None if summary is None else {"bytes_pushed": 4096, "message": summary}
+            self._spawn(self._post_event(tid, "done", detail))
 
-    async def _post_done(self, tid: str) -> None:
+    async def _report_progress(self, tid: str) -> str:
+        """``prefill_started`` and a ``pushing`` per chunk (bytes so far), each written before
+        the next step like the connector's ordered background writer; returns the ``done``
+        summary (``PushOverlap.message`` format: the last chunk's push partly exposed)."""
+        await self._post_event(tid, "prefill_started")
+        chunks = max(1, self.knobs.push_chunks)
+        started = asyncio.get_running_loop().time()
+        for i in range(chunks):
+            await asyncio.sleep(0.02)
+            await self._post_event(tid, "pushing", {"bytes_pushed": 4096 * (i + 1) // chunks})
+        push_s = asyncio.get_running_loop().time() - started
+        return (
+            f"push_s={push_s:.6f} exposed_s={push_s / chunks / 2:.6f} "
+            f"tail_s={push_s / chunks / 2 + 0.001:.6f} hidden={1 - 0.5 / chunks:.3f} "
+            f"writes={chunks} p_end_at=0.000000"
+        )
+
+    async def _post_event(self, tid: str, state: str, detail: dict[str, Any] | None = None) -> None:
         assert self.session is not None
+        body: dict[str, Any] = {"state": state, "actor": f"prefill:{self.instance_id}"}
+        if detail is not None:
+            body["detail"] = detail
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
             async with self.session.post(
-                f"{self.metaserver}/v1/bindings/{tid}/events",
-                json={"state": "done", "actor": f"prefill:{self.instance_id}"},
+                f"{self.metaserver}/v1/bindings/{tid}/events", json=body
             ) as r:
                 await r.read()
 
@@ -347,11 +388,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--metaserver", default=None)
     p.add_argument("--instance-id", default=None)
+    p.add_argument("--metaserver-token", default=None, help="bearer token for its writes")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--no-record", action="store_true", help="do not keep received requests")
     args = p.parse_args(argv)
     iid = args.instance_id or f"{args.role}-{args.port}"
-    fake = FakeVLLM(args.role, args.port, args.host, args.metaserver, iid)
+    fake = FakeVLLM(args.role, args.port, args.host, args.metaserver, iid, args.metaserver_token)
     fake.knobs.tokens = args.tokens
     fake.knobs.record = not args.no_record
     try:

@@ -11,7 +11,16 @@ import pytest
 
 from connector import wire
 from pdwire import version
-from pdwire.models import Binding, BindingSpec, EventDetail, InstanceSpec
+from pdwire.models import (
+    Binding,
+    BindingSpec,
+    EventDetail,
+    InstanceSpec,
+    Mark,
+    MarkDetail,
+    MarkIn,
+    MarkKind,
+)
 from pdwire.params import decode_leg, prefill_leg, pull_prefill_leg, push_report
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
@@ -39,6 +48,14 @@ def test_protocol_doc_binding_table_is_binding_spec() -> None:
     added = set(Binding.model_fields) - set(BindingSpec.model_fields)
     assert added <= _ticked(section), added - _ticked(section)
     assert set(EventDetail.model_fields) <= _ticked(section)
+
+
+def test_protocol_doc_names_every_mark_kind_and_field() -> None:
+    section = _section("Binding marks")
+    rows = set(re.findall(r"^\| `(\w+)` \|", section, re.M))
+    assert rows == {k.value for k in MarkKind}
+    named = set(MarkIn.model_fields) | set(Mark.model_fields) | set(MarkDetail.model_fields)
+    assert named <= _ticked(section), named - _ticked(section)
 
 
 def test_protocol_doc_instance_registration_is_instance_spec() -> None:

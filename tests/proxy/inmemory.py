@@ -15,7 +15,14 @@ from pdwire.params import push_report
 from proxy.config import Flow, ProxySettings
 from proxy.handler import ON_DISCONNECT, CompletionsHandler
 from proxy.instances import Instance, Role
-from proxy.mock import MockBackend, MockEventClient, Outcome, RecordedEvent, Reply
+from proxy.mock import (
+    MockBackend,
+    MockEventClient,
+    Outcome,
+    RecordedEvent,
+    RecordedMark,
+    Reply,
+)
 from proxy.runtime import Runtime
 
 P_URL = "http://p0:8100"
@@ -188,6 +195,10 @@ class InMemoryProxy:
     @property
     def events(self) -> list[RecordedEvent]:
         return self.event_client.events
+
+    @property
+    def marks(self) -> list[RecordedMark]:
+        return self.event_client.marks
 
     def requests(self, outcome: str, status: int) -> float:
         """``pd_requests_total`` of this outcome and status (any endpoint, flow)."""

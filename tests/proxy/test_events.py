@@ -1,9 +1,10 @@
-"""``EventSink``: an event whose binding is not written yet is posted again; others are not."""
+"""``EventSink``: an event (or mark) whose binding is not written yet is posted again; others
+are not."""
 
 from __future__ import annotations
 
 from pdwire.client import ConflictError, MetaserverClientError, NotFoundError
-from pdwire.models import BindingState, EventDetail
+from pdwire.models import BindingState, EventDetail, MarkDetail, MarkKind
 from proxy.events import NOT_YET_S, EventSink
 
 
@@ -14,6 +15,7 @@ class ScriptedClient:
         self.errors = list(errors)
         self.calls = 0
         self.stored: list[tuple[str, BindingState, str | None]] = []
+        self.marks: list[tuple[str, MarkKind, MarkDetail | None]] = []
 
     async def post_event(
         self, transfer_id: str, state: BindingState, actor: str, detail: EventDetail | None = None
@@ -22,6 +24,14 @@ class ScriptedClient:
         if self.errors:
             raise self.errors.pop(0)
         self.stored.append((transfer_id, state, detail.error if detail else None))
+
+    async def post_mark(
+        self, transfer_id: str, mark: MarkKind, actor: str, detail: MarkDetail | None = None
+    ) -> None:
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        self.marks.append((transfer_id, mark, detail))
 
 
 def _not_found() -> NotFoundError:
@@ -65,3 +75,25 @@ async def test_events_other_errors_are_not_retried() -> None:
     sink.post("t", BindingState.ABORTED)
     await sink.drain()
     assert client.calls == 1 and waits == [] and sink.sent == 0
+
+
+async def test_events_mark_of_a_late_binding_is_posted_again() -> None:
+    client, waits = ScriptedClient(_not_found()), list[float]()
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+
+    sink = EventSink(client, sleep=sleep)
+    sink.mark("t", MarkKind.END, 1.5, "ok")
+    await sink.drain()
+    assert client.marks == [("t", MarkKind.END, MarkDetail(since_request_s=1.5, outcome="ok"))]
+    assert waits == [NOT_YET_S[0]] and sink.sent == 1
+
+
+async def test_events_full_sink_drops_marks_and_counts_them() -> None:
+    client = ScriptedClient()
+    sink = EventSink(client, max_pending=1)
+    sink.mark("t", MarkKind.FIRST_TOKEN, 0.1)
+    sink.mark("t", MarkKind.END, 0.2)
+    await sink.drain()
+    assert [m for _, m, _ in client.marks] == [MarkKind.FIRST_TOKEN] and sink.dropped == 1
