@@ -59,7 +59,8 @@ class _Load:
 
     transfer_id: str
     blocks: list[int]  # the blocks P writes (after D's own prefix hit)
-    expires: float  # monotonic: D's load deadline (P never writes after it)
+    # monotonic: D's load deadline (P starts no write after it) plus the late-landing hold
+    expires: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +87,12 @@ class DecodeSide:
         tracer: ConnectorTracer | None = None,
         stats: StatsCollector | None = None,
         clock: Callable[[], float] = time.monotonic,
+        late_landing_s: float = 0.0,
     ) -> None:
         self._writer = writer
+        # a write P had in flight when it froze may still land this long after D's deadline
+        # (its transport's write and lane deadlines): quarantined blocks are held that long too
+        self.late_landing_s = late_landing_s
         self._tracer = tracer  # tracing on in this engine
         self._stats = stats or StatsCollector()
         self._clock = clock
@@ -170,7 +175,7 @@ class DecodeSide:
 
         self._claimed.add(req_id)
         load_from = (prompt_len - num_external) // me.block_size
-        expires = time.monotonic() + self._load_timeout_s
+        expires = time.monotonic() + self._load_timeout_s + self.late_landing_s
         self._loading[req_id] = _Load(params.transfer_id, block_ids[load_from:], expires)
         tp = trace.header() if trace is not None else ""
         self._new.append(RecvEntry(req_id, params.transfer_id, block_ids, load_from, tp))
@@ -232,8 +237,9 @@ class DecodeSide:
 
     def quarantine(self, req_ids: Iterable[str]) -> None:
         """Loads failed because P went silent: P may only be frozen and write into these blocks
-        when it wakes (it never writes past D's deadline), so hold one more reference on each
-        until the deadline: vLLM frees or recomputes the request into other blocks meanwhile."""
+        when it wakes (it starts no write past D's deadline, but one it had in flight can
+        finish later), so hold one more reference on each until the deadline plus the
+        late-landing hold: vLLM frees or recomputes the request into other blocks meanwhile."""
         if self._manager is None:
             return
         pool = self._manager.block_pool

@@ -51,6 +51,13 @@ def identity_of(vllm_config: VllmConfig, settings: ConnectorSettings) -> Identit
     )
 
 
+def late_landing_s(write_timeout_s: float) -> float:
+    """How long after it failed (or its sender froze) a Mooncake write may still land: the write
+    deadline plus the lane deadline plus 2 s, as ``MooncakeTransport.late_landing_s`` with the
+    deadlines the connector sets from ``write_timeout_s``."""
+    return 2 * write_timeout_s + 2.0
+
+
 def push_window(kv_load_timeout_s: float) -> float:
     """How long after its binding was created P may still write into D's blocks when the
     binding does not state D's deadline (a D before ``load_deadline``): P's own
@@ -106,6 +113,7 @@ class ConnectorScheduler:
                 settings.kv_load_timeout_s,
                 tracer=self.tracer,
                 stats=self.stats,
+                late_landing_s=late_landing_s(settings.write_timeout_s),
             )
             if role is not InstanceRole.PREFILL
             else None

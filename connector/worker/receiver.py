@@ -141,7 +141,8 @@ class RecvTracker:
 
     def take_silent(self) -> set[str]:
         """Req ids failed for P's silence since the last call: P may only be frozen and write
-        again later, so their blocks must stay out of use until the deadline."""
+        again later, so their blocks must stay out of use until the deadline (plus the
+        late-landing hold)."""
         with self._lock:
             silent, self._quarantine = self._quarantine, set()
         return silent
@@ -213,7 +214,7 @@ class RecvTracker:
             self._quarantine.add(recv.req_id)
             log.warning(
                 "transfer %s (%s): no word from P for %.1fs (killed or frozen?); failing the "
-                "load; its blocks stay out of use until the deadline",
+                "load; its blocks stay out of use until the deadline and the late-landing hold",
                 recv.transfer_id,
                 recv.req_id,
                 now - (alive_at or now),
