@@ -332,6 +332,8 @@ class PrefillSide:
             if params is None and why is None:
                 return False, None
             tid = params.transfer_id if params is not None else None
+            if tid is not None:  # its binding and lease answers, fetched or still on their way
+                self._lookups.forget_binding(tid)
             out = False, push_report(tid, why or "finished before a push was set up")
         if state.trace is not None:
             self._finish_trace(request, state.trace, out[1])
