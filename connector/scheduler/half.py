@@ -16,6 +16,7 @@ from connector.scheduler.prefill import PrefillSide
 from connector.scheduler.registrar import Registrar
 from connector.stats import StatsCollector
 from connector.tracing import build_tracer
+from connector.transport.mooncake import late_landing_s
 from pdwire.client import AsyncMetaserverClient, BackgroundWriter, MetaserverClient
 from pdwire.models import InstanceRole, InstanceSpec, KVEndpoint
 
@@ -49,13 +50,6 @@ def identity_of(vllm_config: VllmConfig, settings: ConnectorSettings) -> Identit
         use_mla=bool(getattr(model, "use_mla", False)),
         block_size=vllm_config.cache_config.block_size,
     )
-
-
-def late_landing_s(write_timeout_s: float) -> float:
-    """How long after it failed (or its sender froze) a Mooncake write may still land: the write
-    deadline plus the lane deadline plus 2 s, as ``MooncakeTransport.late_landing_s`` with the
-    deadlines the connector sets from ``write_timeout_s``."""
-    return 2 * write_timeout_s + 2.0
 
 
 def push_window(kv_load_timeout_s: float) -> float:
@@ -113,7 +107,8 @@ class ConnectorScheduler:
                 settings.kv_load_timeout_s,
                 tracer=self.tracer,
                 stats=self.stats,
-                late_landing_s=late_landing_s(settings.write_timeout_s),
+                # the deadlines the connector gives Mooncake (set_deadlines): both write_timeout_s
+                late_landing_s=late_landing_s(settings.write_timeout_s, settings.write_timeout_s),
             )
             if role is not InstanceRole.PREFILL
             else None

@@ -23,6 +23,12 @@ log = logging.getLogger("pdgate.connector.mooncake")
 DEADLINE_ENV = ("MC_TRANSFER_TIMEOUT", "MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
 
 
+def late_landing_s(write_s: float, lane_s: float) -> float:
+    """How long after it failed (or its sender froze) a write may still land: the write deadline,
+    then up to the longest lane deadline before the lane is dropped, plus 2 s."""
+    return write_s + lane_s + 2.0
+
+
 def set_deadlines(write_timeout_s: int) -> dict[str, str]:
     """Set each deadline the environment does not already set (an operator's value wins)."""
     for name in DEADLINE_ENV:
@@ -58,7 +64,7 @@ class MooncakeTransport:
         # acknowledgement deadline drops the connection; the receiver then applies what it had
         # buffered (operators may set the three apart, so take the longest lane deadline)
         lane_s = max(float(knobs[k]) for k in DEADLINE_ENV[1:])
-        self._late_s = float(knobs["MC_TRANSFER_TIMEOUT"]) + lane_s + 2.0
+        self._late_s = late_landing_s(float(knobs["MC_TRANSFER_TIMEOUT"]), lane_s)
         self._lock = threading.Lock()
         log.info(
             "mooncake transfer engine up at %s (%s; %s)",
