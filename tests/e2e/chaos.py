@@ -60,12 +60,24 @@ def _ids(tokens: list[str]) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in tokens]
 
 
+class _HungUp(Exception):
+    """The client leaves after the tokens it wanted (``ask``'s ``hang_up_after``)."""
+
+
 async def ask(
-    c: AsyncOpenAI, model: str, q: Ask, *, bound_s: float, hang_up_s: float | None = None
+    c: AsyncOpenAI,
+    model: str,
+    q: Ask,
+    *,
+    bound_s: float,
+    hang_up_s: float | None = None,
+    hang_up_after: int | None = None,
 ) -> Answer:
     """Send ``q`` and classify the answer. ``hang_up_s``: the client gives up after that many
-    seconds (the request task is cancelled: its HTTP connection is closed). Anything still
-    running at ``bound_s`` is HUNG."""
+    seconds (the request task is cancelled: its HTTP connection is closed). ``hang_up_after``
+    (streams): the client closes the stream once it has that many tokens, wherever the
+    request is then — a point in the answer rather than in time, so it lands after the first
+    token however fast the machine is. Anything still running at ``bound_s`` is HUNG."""
     got: list[int] = []
     first: list[float] = []
     args: dict[str, Any] = dict(
@@ -90,6 +102,8 @@ async def ask(
                     if not first:
                         first.append(time.monotonic())
                     got.extend(_ids(lp.tokens))
+                    if hang_up_after is not None and len(got) >= hang_up_after:
+                        raise _HungUp  # leaving ``async with s`` closes the connection
 
     started = time.monotonic()
     abandon = hang_up_s is not None and hang_up_s < bound_s
@@ -107,6 +121,8 @@ async def ask(
         await asyncio.wait_for(go(), limit)
     except TimeoutError:
         return answer(Outcome.ABANDONED if abandon else Outcome.HUNG)
+    except _HungUp:
+        return answer(Outcome.ABANDONED)
     except openai.APIConnectionError as exc:  # also APITimeoutError
         return answer(Outcome.BROKEN, detail=f"{type(exc).__name__}: {exc.__cause__!r}")
     except openai.APIStatusError as exc:

@@ -15,13 +15,14 @@ Scenarios run in file order on one deployment; the destructive ones (P killed, D
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import signal
 import statistics
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +89,13 @@ class Chaos:
             if c.kind == "engine" and self.dep.supervisor.procs[c.name].poll() is None
         }
 
+    clients: list[AsyncOpenAI] = field(default_factory=list)
+
     def proxy_client(self) -> AsyncOpenAI:
-        return client(self.dep.proxy, timeout=BOUND_S + 30)
+        """A new client (a scenario's own connection pool: the proxy may have restarted),
+        closed with the deployment."""
+        self.clients.append(client(self.dep.proxy, timeout=BOUND_S + 30))
+        return self.clients[-1]
 
     def signal(self, name: str, sig: int) -> None:
         self.dep.supervisor._signal(self.dep.supervisor.procs[name], sig)
@@ -127,10 +133,13 @@ async def chaos(
         mono = AsyncOpenAI(
             base_url=monolithic.ready() + "/v1", api_key="unused", max_retries=0, timeout=120
         )
+        c = Chaos(d, monolithic.model, mono, chaos_redis, e2e_logs / "chaos")
         try:
-            yield Chaos(d, monolithic.model, mono, chaos_redis, e2e_logs / "chaos")
+            yield c
         finally:
             await mono.close()
+            for pd in c.clients:
+                await pd.close()
 
 
 async def _bindings_in(ms_url: str, states: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -142,20 +151,36 @@ async def _bindings_in(ms_url: str, states: tuple[str, ...]) -> list[dict[str, A
     return out
 
 
-async def _wait_pushing(c: Chaos, request: asyncio.Task[Answer], timeout_s: float = 60) -> str:
-    """Wait until a transfer is being prefilled (its binding says so); return the prefill
-    engine that runs it."""
+async def _wait_pushing(
+    c: Chaos, requests: Sequence[asyncio.Task[Answer]], timeout_s: float = 60
+) -> str:
+    """Wait until P pushes one of ``requests`` (a binding in ``pushing``); return the prefill
+    engine pushing it (that event's actor). One metaserver call per poll: an engine's
+    ``/metrics`` answers slowly while it computes (over a second on a busy 2-core machine),
+    and a push could start and end between two such polls."""
     deadline = time.monotonic() + timeout_s
     while True:
         assert time.monotonic() < deadline, "the prefill never started"
-        assert not request.done(), f"the request ended first: {request.result()}"
-        if await _bindings_in(c.dep.metaserver, STREAM_STATES):
-            for name, url in c.engines.items():
-                if name.startswith("prefill") and (await gauges(url)).get(
-                    "vllm:num_requests_running", 0
-                ):
-                    return name
+        if all(r.done() for r in requests):
+            raise AssertionError(f"the requests ended first: {[r.result() for r in requests]}")
+        for b in await _bindings_in(c.dep.metaserver, STREAM_STATES):
+            pushers = [e["actor"] for e in b["events"] if e["state"] == "pushing"]
+            if pushers and pushers[-1] in c.engines:
+                return str(pushers[-1])
         await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def _cancelled_on_error(tasks: list[asyncio.Task[Answer]]) -> AsyncIterator[None]:
+    """A scenario that fails before its fault leaves no request (and no connection) running
+    into the next one."""
+    try:
+        yield
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _assert_sound(m: Measured) -> None:
@@ -184,7 +209,9 @@ def hang_up_spans(first_token_s: float, answer_s: float) -> list[tuple[float, fl
     """When clients hang up, from the typical time to the first token and to the whole answer
     at this load (measured first: a shared 2-core machine is fast or slow by the minute): early
     (before P starts), before the first token (while P pushes), while D decodes, and late
-    (most of these get their whole answer)."""
+    (most of these get their whole answer). The streams of the third span leave after a random
+    number of tokens instead (``hang_up_points``): under the scenario's own load the first
+    token comes later than in the calibration round, and a time would mostly fall before it."""
     return [
         (0.0, 0.3 * first_token_s),
         (0.3 * first_token_s, first_token_s),
@@ -217,8 +244,13 @@ async def hangups(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
     room = asyncio.Semaphore(CONCURRENT_CLIENTS)
 
     async def client_(i: int) -> Answer:
+        stream = (i // len(spans)) % 4 != 3  # a quarter of each span's clients do not stream
+        mid_answer = stream and i < n_random and i % len(spans) == 2
         async with room:
-            q = Ask(prompts[i], refs[i], HANGUP_MAX_TOKENS, stream=i % 4 != 3)
+            q = Ask(prompts[i], refs[i], HANGUP_MAX_TOKENS, stream=stream)
+            if mid_answer:  # leave after 1 .. max_tokens - 1 tokens, whenever they come
+                after = 1 + i * 7 % (HANGUP_MAX_TOKENS - 1)
+                return await ask(pd, chaos.model, q, bound_s=BOUND_S, hang_up_after=after)
             return await ask(pd, chaos.model, q, bound_s=BOUND_S, hang_up_s=delays[i])
 
     answers = await asyncio.gather(*(client_(i) for i in range(n_random)))
@@ -253,7 +285,7 @@ async def test_chaos_hangups_leave_no_wrong_answer_and_free_everything(
 
 
 @pytest.mark.xfail(
-    reason="issue 13 target not met on this 2-core machine: D idle 4.0-5.8 s after the last "
+    reason="issue 13 target not met on this 2-core machine: D idle 4.0-6.7 s after the last "
     "hang-up (2.4-7.0 s before the lease); the figure includes requests still draining at that "
     "load (docs/reliability.md)",
     strict=False,
@@ -435,20 +467,44 @@ async def _long_request(c: Chaos, seed: int) -> tuple[Ask, asyncio.Task[Answer]]
     return q, asyncio.create_task(ask(c.proxy_client(), c.model, q, bound_s=BOUND_S))
 
 
+@dataclass(frozen=True)
+class Baseline:
+    """A fault-free request of ``LONG_PROMPT`` tokens (another prompt: the faulted ones find no
+    cached prefix): its time to the first token (what a retry from scratch costs), and the time
+    from its push showing as ``pushing`` to that first token."""
+
+    first_token_s: float
+    push_s: float
+
+    async def mid_push(self, requests: Sequence[asyncio.Task[Answer]]) -> None:
+        """Called when a push of ``requests`` shows as ``pushing``: wait until it is about half
+        done (the faults of scenarios 5-7 strike there, not at its first write)."""
+        await asyncio.sleep(MID_PUSH * self.push_s)
+        if all(r.done() for r in requests):
+            raise AssertionError(f"ended before mid-push: {[r.result() for r in requests]}")
+
+
+MID_PUSH = 0.5
+
+
 @pytest.fixture(scope="module")
-async def long_baseline(chaos: Chaos) -> float:
-    """Seconds to the first token of a fault-free request of ``LONG_PROMPT`` tokens (another
-    prompt: the faulted ones find no cached prefix): what a retry from scratch costs."""
+async def long_baseline(chaos: Chaos) -> Baseline:
     _, request = await _long_request(chaos, 41)
+    await _wait_pushing(chaos, [request])
+    seen = time.monotonic()
     a = await request
     assert a.outcome == Outcome.CORRECT and a.first_token is not None, a
-    return a.first_token - a.started
+    return Baseline(a.first_token - a.started, a.first_token - seen)
 
 
 @pytest.fixture(scope="module")
-async def p_frozen(chaos: Chaos, reliability: ReliabilityTable, long_baseline: float) -> Measured:
+async def p_frozen(
+    chaos: Chaos, reliability: ReliabilityTable, long_baseline: Baseline
+) -> Measured:
     _, request = await _long_request(chaos, 51)
-    victim = await _wait_pushing(chaos, request)
+    async with _cancelled_on_error([request]):
+        victim = await _wait_pushing(chaos, [request])
+        await long_baseline.mid_push([request])
     engines = chaos.engines
     chaos.signal(victim, signal.SIGSTOP)
     frozen_at = time.monotonic()
@@ -478,7 +534,7 @@ async def p_frozen(chaos: Chaos, reliability: ReliabilityTable, long_baseline: f
         m.answer_after_fault_s = answer.first_token - frozen_at
     row.note += (
         f"; first token {m.answer_after_fault_s:.1f}s after the freeze (fault-free: "
-        f"{long_baseline:.1f}s after the request)"
+        f"{long_baseline.first_token_s:.1f}s after the request)"
     )
     return m
 
@@ -500,9 +556,13 @@ async def test_target_p_frozen_answer_streams_within_5s(p_frozen: Measured) -> N
 
 
 @pytest.fixture(scope="module")
-async def p_killed(chaos: Chaos, reliability: ReliabilityTable, long_baseline: float) -> Measured:
+async def p_killed(
+    chaos: Chaos, reliability: ReliabilityTable, long_baseline: Baseline
+) -> Measured:
     _, request = await _long_request(chaos, 61)
-    victim = await _wait_pushing(chaos, request)
+    async with _cancelled_on_error([request]):
+        victim = await _wait_pushing(chaos, [request])
+        await long_baseline.mid_push([request])
     chaos.signal(victim, signal.SIGKILL)
     killed_at = time.monotonic()
     answer = await request
@@ -514,7 +574,7 @@ async def p_killed(chaos: Chaos, reliability: ReliabilityTable, long_baseline: f
         m.answer_after_fault_s = answer.first_token - killed_at
     row.note = (
         f"first token {m.answer_after_fault_s:.1f}s after the kill (fault-free: "
-        f"{long_baseline:.1f}s after the request)"
+        f"{long_baseline.first_token_s:.1f}s after the request)"
     )
     return m
 
@@ -528,7 +588,8 @@ async def test_chaos_p_killed_client_gets_the_right_answer(p_killed: Measured) -
 
 @pytest.mark.xfail(
     reason="issue 13 target not met: the proxy retries on the other P, which prefills from "
-    "scratch (first token 9.1 s after the kill, a fault-free request 5.8 s; docs/reliability.md)",
+    "scratch (first token 9.1-10.0 s after the kill, a fault-free request 5.8-6.9 s; "
+    "docs/reliability.md)",
     strict=False,
 )
 async def test_target_p_killed_answer_streams_within_5s(p_killed: Measured) -> None:
@@ -544,7 +605,9 @@ D_STREAM_TOKENS = 1000
 
 
 @pytest.fixture(scope="module")
-async def d_killed(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
+async def d_killed(
+    chaos: Chaos, reliability: ReliabilityTable, long_baseline: Baseline
+) -> Measured:
     stream_prompt = prompt_ids(300, seed=71)
     pushes = [prompt_ids(LONG_PROMPT, seed=72 + i) for i in range(3)]
     (stream_ref,) = await references(
@@ -557,16 +620,20 @@ async def d_killed(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
         ask(pd, chaos.model, Ask(stream_prompt, stream_ref, D_STREAM_TOKENS, ignore_eos=True),
             bound_s=BOUND_S)
     )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while not (await gauges(chaos.dep.url_of("decode-0"))).get("vllm:num_requests_running"):
-        assert time.monotonic() < deadline and not streaming.done(), "D never decoded"
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.5)  # some tokens are out
-    pushing = [
-        asyncio.create_task(ask(pd, chaos.model, Ask(p, r, 8), bound_s=BOUND_S))
-        for p, r in zip(pushes, push_refs, strict=True)
-    ]
-    await _wait_pushing(chaos, pushing[0])
+    in_flight = [streaming]
+    async with _cancelled_on_error(in_flight):
+        deadline = time.monotonic() + 60
+        while not (await gauges(chaos.dep.url_of("decode-0"))).get("vllm:num_requests_running"):
+            assert time.monotonic() < deadline and not streaming.done(), "D never decoded"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # some tokens are out
+        pushing = [
+            asyncio.create_task(ask(pd, chaos.model, Ask(p, r, 8), bound_s=BOUND_S))
+            for p, r in zip(pushes, push_refs, strict=True)
+        ]
+        in_flight += pushing
+        await _wait_pushing(chaos, pushing)
+        await long_baseline.mid_push(pushing)
     p_logs = {n: chaos.log_dir / f"{n}.log" for n in chaos.engines if n.startswith("prefill")}
     offsets = {n: f.stat().st_size for n, f in p_logs.items()}
     chaos.signal("decode-0", signal.SIGKILL)
@@ -584,20 +651,31 @@ async def d_killed(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
               f"{failed_writes} failed write(s) logged by P (each holds its source blocks "
               f"{LATE_LANDING_S:.0f}s)")  # fmt: skip
     reliability.add(row)
-    return Measured(row, in_flight_writes=failed_writes)
+    return Measured(row, fault_at=killed_at, in_flight_writes=failed_writes)
 
 
 async def test_chaos_d_killed_clients_get_clean_errors(d_killed: Measured) -> None:
     """The stream that was under way ends with an SSE error event after a correct prefix; the
-    requests whose prefill was being pushed get a clean 502/503 (their only D is gone)."""
+    requests whose prefill was being pushed get a clean 502/503 (their only D is gone); one
+    that got its whole answer before the kill (three share two P) is right."""
     _assert_sound(d_killed)
     stream, *pushed = d_killed.row.answers
     assert stream.outcome == Outcome.CLEAN_ERROR and stream.status is None, stream
     assert stream.tokens > 0, stream
-    for a in pushed:
+    cut = [a for a in pushed if a.ended >= d_killed.fault_at]
+    assert cut, f"every pushed request ended before D was killed: {pushed}"
+    for a in cut:
         assert a.outcome == Outcome.CLEAN_ERROR and a.status in (502, 503), a
+    for a in pushed:
+        assert a in cut or a.outcome == Outcome.CORRECT, a
 
 
+@pytest.mark.xfail(
+    reason="issue 13 target missed when a write is in flight at the kill: Mooncake's TCP "
+    "transport notices the dead peer only at its 10 s progress deadline, P retries once, then "
+    "holds 22 s: 35.6 s measured (22.3 s when the writes fail at once; docs/reliability.md)",
+    strict=False,
+)
 async def test_target_d_killed_prefill_blocks_free_within_5s(d_killed: Measured) -> None:
     took = d_killed.row.free_s("prefill")
     hold = LATE_LANDING_S if d_killed.in_flight_writes else 0.0
