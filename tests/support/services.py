@@ -60,12 +60,13 @@ class RedisServer:
 
 class RedisSentinelGroup:
     """A master, a replica and one Sentinel (quorum 1) on loopback: the smallest set that can
-    fail over, with Sentinel's timeouts cut to seconds (down after 0.5 s)."""
+    fail over, with Sentinel's timeouts cut to seconds (down after 0.5 s unless told)."""
 
     SERVICE = "pdgate"
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, down_after_ms: int = 500) -> None:
         self.workdir = workdir
+        self.down_after_ms = down_after_ms
         self.master = RedisServer(workdir / "master")
         self.replica = RedisServer(workdir / "replica", replica_of=self.master.port)
         self.port = free_port()
@@ -82,7 +83,7 @@ class RedisSentinelGroup:
         conf.write_text(
             f"port {self.port}\nbind 127.0.0.1\nprotected-mode no\ndir {self.workdir}\n"
             f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.master.port} 1\n"
-            f"sentinel down-after-milliseconds {self.SERVICE} 500\n"
+            f"sentinel down-after-milliseconds {self.SERVICE} {self.down_after_ms}\n"
             f"sentinel failover-timeout {self.SERVICE} 3000\n"
         )
         self.proc = Process(
