@@ -608,7 +608,7 @@ async def test_chaos_p_killed_client_gets_the_right_answer(p_killed: Measured) -
 
 @pytest.mark.xfail(
     reason="issue 13 target not met: the proxy retries on the other P, which prefills from "
-    "scratch (first token 9.1-10.0 s after the kill, a fault-free request 5.8-6.9 s; "
+    "scratch (first token 7.9-10.0 s after the kill, a fault-free request 5.8-7.1 s; "
     "docs/reliability.md)",
     strict=False,
 )
