@@ -310,10 +310,11 @@ OUTAGE_ERRORS = (502, 503, 504)  # what a request caught by the outage may get i
 
 
 async def _under_stream(
-    c: Chaos, name: str, seed: int, fault: Callable[[], Any], note: str = ""
+    c: Chaos, reliability: ReliabilityTable, name: str, seed: int, fault: Callable[[], Any]
 ) -> Measured:
     """A steady stream of short requests; ``fault`` (a coroutine function) runs ``FAULT_AT_S``
-    into it and returns when the service is back (its return: the moment it was back)."""
+    into it and returns when the service is back (its return: the moment it was back). The
+    row goes into the table."""
     n = int(STREAM_RATE_HZ * STREAM_S) + 1
     rng = random.Random(seed)
     prompts = [prompt_ids(rng.randrange(30, 200), seed=seed * 1000 + i) for i in range(n)]
@@ -336,7 +337,8 @@ async def _under_stream(
     )
     last = max(a.ended for a in answers)
     free = await seconds_until_idle(c.engines, last, IDLE_BOUND_S)
-    row = Row(name, answers, free, note or f"back {back_at - fault_at:.1f}s after the fault")
+    row = Row(name, answers, free, f"back {back_at - fault_at:.1f}s after the fault")
+    reliability.add(row)
     return Measured(row, fault_at=fault_at, back_at=back_at)
 
 
@@ -374,9 +376,9 @@ async def redis_restart(chaos: Chaos, reliability: ReliabilityTable) -> Measured
         await asyncio.to_thread(chaos.redis.start)  # same port, same data
         return await _metaserver_ready(chaos.dep.metaserver)
 
-    m = await _under_stream(chaos, "Redis killed and restarted under a steady stream", 21, fault)
-    reliability.add(m.row)
-    return m
+    return await _under_stream(
+        chaos, reliability, "Redis killed and restarted under a steady stream", 21, fault
+    )
 
 
 async def test_chaos_redis_restart_answers_are_right_or_clean_errors(
@@ -394,10 +396,9 @@ async def metaserver_restart(chaos: Chaos, reliability: ReliabilityTable) -> Mea
         await asyncio.to_thread(respawn, chaos.dep, "metaserver")
         return await _metaserver_ready(chaos.dep.metaserver)
 
-    m = await _under_stream(chaos, "metaserver killed and restarted under a steady stream", 22,
-                            fault)  # fmt: skip
-    reliability.add(m.row)
-    return m
+    return await _under_stream(
+        chaos, reliability, "metaserver killed and restarted under a steady stream", 22, fault
+    )
 
 
 async def test_chaos_metaserver_restart_answers_are_right_or_clean_errors(
@@ -450,14 +451,12 @@ async def sentinel_failover(
             await asyncio.sleep(0.1)
         return await _metaserver_ready(chaos.dep.metaserver)
 
+    name = "Sentinel failover of the metaserver's Redis under load"
     try:
-        m = await _under_stream(chaos, "Sentinel failover of the metaserver's Redis under load",
-                                23, fault)  # fmt: skip
+        return await _under_stream(chaos, reliability, name, 23, fault)
     except BaseException:  # the later scenarios still get a working store
         await _move_metaserver(chaos, chaos.redis.url)
         raise
-    reliability.add(m.row)
-    return m
 
 
 async def _move_metaserver(chaos: Chaos, store_url: str) -> None:
