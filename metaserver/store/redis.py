@@ -94,7 +94,7 @@ class RedisStore(Store):
         self._batch = ScriptBatcher(self._r)
         self._waiters = LocalWaiters()
         self._listener: asyncio.Task[None] | None = None
-        self.subscribed = asyncio.Event()
+        self.subscribed = asyncio.Event()  # set once Redis confirms the change subscription
 
     # ---- keys -----------------------------------------------------------------------------
     def _bkey(self, transfer_id: str) -> str:
@@ -133,17 +133,21 @@ class RedisStore(Store):
         """Feed local waiters from the change channel; reconnect forever with backoff."""
         delay = 0.05
         while True:
-            pubsub = self._r.pubsub(ignore_subscribe_messages=True)
+            pubsub = self._r.pubsub()
             try:
+                # SUBSCRIBE is only sent here; Redis may still run a PUBLISH from another
+                # connection before it. The subscription is live at its confirmation message.
                 await pubsub.subscribe(self._channel)
-                self.subscribed.set()
-                if delay > 0.05:
-                    log.info("change subscription restored")
-                delay = 0.05
-                self._waiters.notify_all()  # anything may have changed while we were away
                 async for message in pubsub.listen():
-                    if message.get("type") == "message":
+                    kind = message.get("type")
+                    if kind == "message":
                         self._waiters.notify(message["data"].decode())
+                    elif kind == "subscribe":
+                        self.subscribed.set()
+                        if delay > 0.05:
+                            log.info("change subscription restored")
+                        delay = 0.05
+                        self._waiters.notify_all()  # anything may have changed while away
             except asyncio.CancelledError:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
