@@ -496,17 +496,23 @@ class Baseline:
     first_token_s: float
     push_s: float
 
-    async def mid_push(self, requests: Sequence[asyncio.Task[Answer]]) -> bool:
+    async def mid_push(self, c: Chaos, requests: Sequence[asyncio.Task[Answer]]) -> bool:
         """Called when a push of ``requests`` shows as ``pushing``: wait until it is about half
         done (the faults of scenarios 5-7 strike there, not at its first write). False when
-        the requests all ended before that: ``push_s`` is then what they took, and the caller
-        tries again with new prompts."""
-        seen = time.monotonic()
+        no push is under way any more (the requests' first tokens may be out): ``push_s`` is
+        then what the last push took (its ``pushing`` → ``done`` events), and the caller
+        tries again with new prompts. One scenario runs at a time: any push is theirs."""
         await asyncio.sleep(MID_PUSH * self.push_s)
-        if not all(r.done() for r in requests):
+        if not all(r.done() for r in requests) and await _bindings_in(
+            c.dep.metaserver, STREAM_STATES
+        ):
             return True
-        firsts = [a.first_token for r in requests if (a := r.result()).first_token is not None]
-        self.push_s = max(min(firsts, default=seen) - seen, 0.2)
+        took = [
+            ev["done"] - ev["pushing"]
+            for b in await _bindings_in(c.dep.metaserver, ("done",))
+            if {"pushing", "done"} <= (ev := {e["state"]: e["at"] for e in b["events"]}).keys()
+        ]
+        self.push_s = max(min(took, default=self.push_s / 2), 0.2)
         return False
 
 
@@ -523,7 +529,7 @@ async def _long_request_mid_push(
         _, request = await _long_request(c, seed + 100 * attempt)
         async with _cancelled_on_error([request]):
             victim = await _wait_pushing(c, [request])
-            if await baseline.mid_push([request]):
+            if await baseline.mid_push(c, [request]):
                 return request, victim
     raise AssertionError(f"{MID_PUSH_TRIES} pushes ended before their middle")
 
@@ -664,7 +670,7 @@ async def _stream_and_pushes_mid_push(
             ]
             in_flight += pushing
             await _wait_pushing(c, pushing)
-            if await baseline.mid_push(pushing):
+            if await baseline.mid_push(c, pushing):
                 return streaming, pushing
         streaming.cancel()
         await asyncio.gather(*in_flight, return_exceptions=True)
