@@ -18,10 +18,11 @@ from metaserver.config import MetaserverSettings
 from metaserver.context import Context
 from metaserver.errors import MetaserverError
 from metaserver.fastpath import FastPath
+from metaserver.feeds import FeedHub
 from metaserver.metrics import Metrics, MetricsMiddleware
 from metaserver.problems import render_problem
 from metaserver.responses import JSON
-from metaserver.routes import ascend, bindings, instances, ops, ui
+from metaserver.routes import ascend, bindings, feeds, instances, ops, ui
 from metaserver.store import Store, create_store
 from metaserver.validation import BodyInvalid
 from pdwire.ascend import AscendBinding
@@ -69,9 +70,10 @@ def create_app(
         use_registry=settings.ascend_registry,
         refresh_s=settings.ascend_refresh_s,
     )
-    context = Context(settings=settings, store=store, metrics=metrics, clock=clock, ascend=pool)
+    hub = FeedHub(store, metrics)
+    context = Context(settings, store, metrics, clock, ascend=pool, feeds=hub)
     app.state.ctx = context
-    for module in (bindings, instances, ops, ascend):
+    for module in (bindings, feeds, instances, ops, ascend):
         app.include_router(module.router)
     app.include_router(ui.make_router())
     _install_error_handlers(app, metrics)

@@ -16,6 +16,7 @@ from metaserver.store import Store
 
 if TYPE_CHECKING:
     from metaserver.ascend import DecodeEndpoints
+    from metaserver.feeds import FeedHub
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Context:
     metrics: Metrics
     clock: Callable[[], float]
     ascend: DecodeEndpoints | None = None  # the vllm-ascend decode pool (metaserver.ascend)
+    feeds: FeedHub | None = None  # binding feeds (metaserver.feeds)
 
     def __post_init__(self) -> None:
         token = self.settings.token

@@ -69,6 +69,19 @@ class Metrics:
         self.waiters = Gauge(
             "pdgate_metaserver_long_polls", "long-polls in progress", registry=self.registry
         )
+        self.feeds = Gauge(
+            "pdgate_metaserver_binding_feeds", "binding feeds open", registry=self.registry
+        )
+        self.feed_lines = Counter(
+            "pdgate_metaserver_binding_feed_lines_total",
+            "bindings sent down binding feeds",
+            registry=self.registry,
+        )
+        self.feeds_lost = Counter(
+            "pdgate_metaserver_binding_feeds_lost_total",
+            "binding feeds ended with 'lost' (store reconnect or a reader too slow)",
+            registry=self.registry,
+        )
         # P/D signals (docs/kubernetes.md: autoscaling inputs)
         self.prefill_queue = Histogram(
             "pdgate_metaserver_prefill_queue_seconds",

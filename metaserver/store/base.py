@@ -10,10 +10,14 @@ import abc
 import asyncio
 import enum
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pdwire.models import BindingSpec, BindingState, MarkKind
+
+# Told of each binding created from now on, on any replica sharing the store; ``None`` when
+# notifications may have been missed (the store's subscription was interrupted).
+CreatedListener = Callable[["StoredBinding | None"], None]
 
 # Past this many events, consecutive ``pushing`` events are folded into the last one.
 MAX_EVENTS = 64
@@ -223,6 +227,17 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def changes(self, transfer_id: str) -> ChangeSubscription: ...
 
+    # creations (binding feeds)
+    @abc.abstractmethod
+    def watch_created(self, listener: CreatedListener) -> Callable[[], None]:
+        """Call ``listener(record)`` for each binding created from now on — by this process or
+        by any replica sharing the store — once the store's notifications flow (see
+        ``notifications_live``); ``listener(None)`` when some may have been missed. Returns
+        the call that stops it."""
+
+    async def notifications_live(self) -> None:  # noqa: B027 - always live in memory
+        """Return once change notifications flow (Redis: its subscription is confirmed)."""
+
 
 class ChangeSubscription(abc.ABC):
     """Wakes a waiter when a binding may have changed. Use as an async context manager, then
@@ -247,6 +262,7 @@ class LocalWaiters:
 
     def __init__(self) -> None:
         self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._created: list[CreatedListener] = []
 
     def subscribe(self, transfer_id: str) -> _LocalSubscription:
         return _LocalSubscription(self, transfer_id)
@@ -259,6 +275,21 @@ class LocalWaiters:
         for events in self._waiters.values():
             for event in events:
                 event.set()
+
+    def created(self, record: StoredBinding) -> None:
+        """A new binding: its waiters wake, and the creation listeners get the record."""
+        self.notify(record.transfer_id)
+        for listener in self._created:
+            listener(record)
+
+    def lost(self) -> None:
+        """Notifications may have been missed: creation listeners hear ``None``."""
+        for listener in list(self._created):
+            listener(None)
+
+    def watch_created(self, listener: CreatedListener) -> Callable[[], None]:
+        self._created.append(listener)
+        return lambda: self._created.remove(listener) if listener in self._created else None
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._waiters.values())

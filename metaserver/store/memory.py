@@ -16,6 +16,7 @@ from metaserver.store.base import (
     MAX_EVENTS,
     BindingPut,
     ChangeSubscription,
+    CreatedListener,
     LocalWaiters,
     OpenTransfers,
     PutOutcome,
@@ -116,7 +117,7 @@ class MemoryStore(Store):
             record, self._clock() + self._binding_ttl, [put.event_json]
         )
         self._sweep()
-        self._waiters.notify(put.transfer_id)
+        self._waiters.created(record)
         return PutOutcome.CREATED, record
 
     async def get_binding(self, transfer_id: str) -> StoredBinding | None:
@@ -244,3 +245,6 @@ class MemoryStore(Store):
 
     def changes(self, transfer_id: str) -> ChangeSubscription:
         return self._waiters.subscribe(transfer_id)
+
+    def watch_created(self, listener: CreatedListener) -> Callable[[], None]:
+        return self._waiters.watch_created(listener)

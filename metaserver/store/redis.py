@@ -10,6 +10,9 @@
   themselves once Redis is back.
 * Long-polls: one pub/sub connection per process listens on ``<ns>:changes`` and wakes local
   waiters; after a reconnect every waiter is woken to re-read (no change is missed).
+* Binding feeds: the same connection listens on ``<ns>:created``, where a new binding is
+  published whole (``_created``), so a feed sends it without reading it back; a lost
+  subscription tells the feeds (they end, and their readers fall back to long-polls).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from metaserver.store.base import (
     MAX_EVENTS,
     BindingPut,
     ChangeSubscription,
+    CreatedListener,
     LocalWaiters,
     OpenTransfers,
     PutOutcome,
@@ -72,6 +76,8 @@ class RedisStore(Store):
         self._retain_ms = str(int(retain_s * 1000))
         self._max_age_s = binding_ttl_s + retain_s
         self._channel = f"{namespace}:changes"
+        self._created_channel = f"{namespace}:created"
+        self._created_raw = self._created_channel.encode()
         retry = Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.25), retries)
         self._pool = make_pool(
             url,
@@ -137,12 +143,16 @@ class RedisStore(Store):
             try:
                 # SUBSCRIBE is only sent here; Redis may still run a PUBLISH from another
                 # connection before it. The subscription is live at its confirmation message.
-                await pubsub.subscribe(self._channel)
+                await pubsub.subscribe(self._channel, self._created_channel)
+                confirmed = 0
                 async for message in pubsub.listen():
                     kind = message.get("type")
                     if kind == "message":
-                        self._waiters.notify(message["data"].decode())
-                    elif kind == "subscribe":
+                        if message["channel"] == self._created_raw:
+                            self._waiters.created(_created(message["data"]))
+                        else:
+                            self._waiters.notify(message["data"].decode())
+                    elif kind == "subscribe" and (confirmed := confirmed + 1) == 2:
                         self.subscribed.set()
                         if delay > 0.05:
                             log.info("change subscription restored")
@@ -154,6 +164,7 @@ class RedisStore(Store):
                 raise
             except (RedisError, OSError) as exc:
                 self.subscribed.clear()
+                self._waiters.lost()
                 log.warning("change subscription lost (%s); retrying in %.2fs", exc, delay)
             finally:
                 with contextlib.suppress(Exception):
@@ -185,6 +196,7 @@ class RedisStore(Store):
                 self._channel,
                 repr(now - self._max_age_s),
                 "1" if put.vetted else "0",
+                self._created_channel,
             ],
         )
         status = res[0].decode()
@@ -380,6 +392,19 @@ class RedisStore(Store):
 
     def changes(self, transfer_id: str) -> ChangeSubscription:
         return self._waiters.subscribe(transfer_id)
+
+    def watch_created(self, listener: CreatedListener) -> Callable[[], None]:
+        return self._waiters.watch_created(listener)
+
+    async def notifications_live(self) -> None:
+        await self.subscribed.wait()
+
+
+def _created(data: bytes) -> StoredBinding:
+    """A ``<ns>:created`` message (PUT_BINDING): id, instance, time, first event, spec."""
+    tid, inst, created, event, spec = data.split(b"\n", 4)
+    at = float(created)
+    return StoredBinding(tid.decode(), spec, BindingState.BOUND, inst.decode(), at, at, (event,))
 
 
 _MARKS = len(MarkKind)

@@ -35,7 +35,8 @@ end
 
 # KEYS: binding hash, event list, binding index, decode instance hash
 # ARGV: transfer_id, spec, instance_id, kv_host, kv_port, event, now, ttl_ms, channel, prune_before,
-#       vetted ('1': the endpoint was checked by the caller, skip the registry)
+#       vetted ('1': the endpoint was checked by the caller, skip the registry), created channel
+# A new binding is also published whole on the created channel (redis.py ``_created`` reads it).
 PUT_BINDING = (
     _RECORD
     + """
@@ -60,6 +61,8 @@ redis.call('PEXPIRE', KEYS[2], ARGV[8])
 redis.call('ZADD', KEYS[3], ARGV[7], ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[10])
 redis.call('PUBLISH', ARGV[9], ARGV[1])
+redis.call('PUBLISH', ARGV[12], ARGV[1] .. '\\n' .. ARGV[3] .. '\\n' .. ARGV[7] .. '\\n' .. ARGV[6]
+           .. '\\n' .. ARGV[2])
 return {'created', ARGV[2], 'bound', ARGV[3], ARGV[7], ARGV[7]"""
     + _NO_MARKS
     + """, ARGV[6]}

@@ -11,7 +11,14 @@ import pytest
 
 from metaserver.errors import Conflict, NotFound, Unprocessable
 from metaserver.store import Store
-from metaserver.store.base import MAX_EVENTS, BindingPut, OpenTransfers, PutOutcome, event_json
+from metaserver.store.base import (
+    MAX_EVENTS,
+    BindingPut,
+    OpenTransfers,
+    PutOutcome,
+    StoredBinding,
+    event_json,
+)
 from pdwire.models import Binding, BindingState, Instance, KVEndpoint
 from tests.metaserver.conftest import binding_spec, decode_instance
 
@@ -320,3 +327,29 @@ async def test_store_changes_wake_waiters_on_write(store: Store) -> None:
         task = asyncio.create_task(event(store, "t1", S.DONE))
         assert await sub.wait(5.0) is True
         await task
+
+
+async def test_store_watch_created_hands_over_each_new_binding_once(store: Store) -> None:
+    await register(store)
+    seen: list[StoredBinding | None] = []
+    two = asyncio.Event()
+
+    def listener(record: StoredBinding | None) -> None:
+        seen.append(record)
+        if len(seen) == 2:
+            two.set()
+
+    stop = store.watch_created(listener)
+    await asyncio.wait_for(store.notifications_live(), 5)
+    await bind(store, "w1")
+    await event(store, "w1", S.DONE)  # a change, not a creation
+    await bind(store, "w2")
+    await asyncio.wait_for(two.wait(), 5)
+    await asyncio.sleep(0.1)  # nothing more comes
+    assert [r.transfer_id for r in seen if r is not None] == ["w1", "w2"]
+    w2 = await store.get_binding("w2")
+    assert w2 is not None and seen[1] is not None and seen[1].to_json() == w2.to_json()
+    stop()
+    await bind(store, "w3")
+    await asyncio.sleep(0.1)
+    assert len(seen) == 2
