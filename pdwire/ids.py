@@ -21,8 +21,8 @@ class IdMaker:
     (each attempt of a request gets a new transfer id)."""
 
     def __init__(self, kind: str) -> None:
-        self._prefix = f"{kind}-{os.urandom(6).hex()}-"
+        self.prefix = f"{kind}-{os.urandom(6).hex()}-"  # what every id of this maker starts with
         self._count = itertools.count(1)
 
     def next(self) -> str:
-        return f"{self._prefix}{next(self._count)}"
+        return f"{self.prefix}{next(self._count)}"

@@ -86,6 +86,14 @@ class SettingsParser(argparse.ArgumentParser, Generic[S]):
             flag, dest=name, action="store_true", default=argparse.SUPPRESS, help=help_text
         )
 
+    def unswitch(self, flag: str, name: str) -> None:
+        """A boolean setting (on by default) turned off by a bare flag."""
+        help_text = self.settings_cls.model_fields[name].description or ""
+        self.add_argument(
+            flag, dest=name, action="store_false", default=argparse.SUPPRESS,
+            help=f"turn off: {help_text}",
+        )  # fmt: skip
+
     def load(self, argv: Sequence[str] | None = None) -> S:
         args = vars(self.parse_args(argv))
         try:

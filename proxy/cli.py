@@ -68,6 +68,7 @@ def build_parser() -> SettingsParser[ProxySettings]:
     opt("--ascend-callback-url", "ascend_callback_url", metavar="URL")
     p.switch("--flow-header", "flow_header")
     p.switch("--binding-marks", "binding_marks")
+    p.unswitch("--no-binding-feed", "binding_feed")
     opt("--disagg-min-tokens", "disagg_min_tokens", int)
     opt("--cached-skip-ratio", "cached_skip_ratio", float)
     policies = sorted(POLICIES)

@@ -77,6 +77,11 @@ class ProxySettings(LayeredSettings):
     binding_marks: bool = Field(
         False, description="post first_token / end marks to each decode-first binding"
     )
+    binding_feed: bool = Field(
+        True,
+        description="decode-first reads D's bindings from one feed the metaserver streams "
+        "to this process (long-polls while it is down)",
+    )
     disagg_min_tokens: int = Field(
         0, ge=0, description="prompts estimated below this many tokens skip P (0: never)"
     )

@@ -74,6 +74,7 @@ class Dispatcher:
         *,
         retries: int,
         backoff: Backoff,
+        ids: IdMaker | None = None,
     ) -> None:
         self._registry = registry
         self._flows = flows
@@ -83,7 +84,7 @@ class Dispatcher:
         self._metrics = metrics
         self._retries = retries
         self._backoff = backoff
-        self._ids = IdMaker("pd")
+        self._ids = ids or IdMaker("pd")
         self._ok: weakref.WeakKeyDictionary[Instance, Any] = weakref.WeakKeyDictionary()
 
     def _pick(self, role: Role, avoid: set[str], info: RequestInfo, policy: Policy) -> Instance:

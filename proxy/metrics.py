@@ -268,6 +268,15 @@ class Metrics:
             "age of the oldest of them (0: none in flight)",
             registry=r,
         )
+        binding_reads = counter(
+            "pd_binding_reads_total",
+            "D's bindings read for decode-first, by how: the binding feed or a long-poll (the "
+            "feed was down, or the binding did not come on it)",
+            ["via"],
+            registry=r,
+        )
+        self.binding_reads_feed = binding_reads.labels("feed")
+        self.binding_reads_long_poll = binding_reads.labels("long_poll")
         self.events_dropped = counter(
             "pd_binding_events_dropped_total", "binding events not sent (queue full)", registry=r
         )

@@ -13,6 +13,7 @@ import aiohttp
 
 from pdwire.client import AsyncMetaserverClient
 from pdwire.client.retry import Backoff
+from pdwire.ids import IdMaker
 from proxy.admission import Admission
 from proxy.aiohttp_backend import AiohttpBackend
 from proxy.backend import Backend
@@ -22,6 +23,7 @@ from proxy.events import EventClient, EventSink
 from proxy.flows import AscendLayerwise, DecodeFirst, Direct, Legs, PrefillFirst, Timeouts
 from proxy.flows.base import Flow as FlowImpl
 from proxy.flows.bindings import BindingSource
+from proxy.flows.feed import BindingFeed
 from proxy.instances import (
     DiscoverySource,
     DnsDiscovery,
@@ -65,6 +67,8 @@ class Runtime:
         # tracing on: built by ``start`` in the serving process (tests may set one); None: off
         self.tracer: ProxyTracer | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        self.ids = IdMaker("pd")  # transfer ids; the binding feed asks for this prefix
+        self.bindings: BindingSource | None = None
 
     async def start(self) -> None:
         s = self.settings
@@ -101,6 +105,11 @@ class Runtime:
             self._tasks.append(
                 loop.create_task(run_discovery(source, self.registry, s.discovery_interval_s))
             )
+        if self.bindings is not None and s.binding_feed:
+            assert s.metaserver is not None
+            feed = BindingFeed(self.session, s.metaserver, token, self.ids.prefix)
+            self.bindings.feed = feed
+            self._tasks.append(loop.create_task(feed.run(), name="binding-feed"))
         if self.metaserver is not None:
             self.drains = DrainControl(self.registry, self.metaserver)
             watch = DrainWatch(self.metaserver, self.registry)
@@ -134,7 +143,7 @@ class Runtime:
             assert s.metaserver is not None
             token = s.metaserver_token.get_secret_value() if s.metaserver_token else None
             self.events = EventSink(events)
-            bindings = BindingSource(backend, s.metaserver, token)
+            bindings = self.bindings = BindingSource(backend, s.metaserver, token, self.metrics)
             flows[Flow.DECODE_FIRST] = DecodeFirst(legs, bindings, self.events)
             flows[Flow.CONCURRENT] = DecodeFirst(legs, bindings, self.events, concurrent=True)
             flows[Flow.ASCEND_LAYERWISE] = AscendLayerwise(
@@ -151,6 +160,7 @@ class Runtime:
             self.metrics,
             retries=s.retries,
             backoff=Backoff(base=s.backoff_base_s, cap=s.backoff_cap_s),
+            ids=self.ids,
         )
 
     def _discovery_source(self) -> DiscoverySource:

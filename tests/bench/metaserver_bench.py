@@ -87,6 +87,8 @@ class RawRedis:
                 "600000",
                 f"{self.ns}:changes",
                 "0",
+                "0",
+                f"{self.ns}:created",
             ],
         )
 

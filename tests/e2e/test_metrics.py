@@ -120,6 +120,7 @@ async def test_e2e_connector_metrics_agree_with_the_bytes_pushed(
     px = await _samples(engines.pd.proxy)
     assert px["pd_transfers_inflight"] == 0 and px["pd_binding_waits"] == 0
     assert px["pd_binding_wait_seconds_count"] >= len(lengths)
+    assert px["pd_binding_reads_total{feed}"] >= len(lengths)  # the binding feed served them
 
 
 async def _samples(url: str) -> dict[str, float]:

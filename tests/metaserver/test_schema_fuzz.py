@@ -12,6 +12,7 @@ from schemathesis.core.result import Ok
 
 from metaserver import MetaserverSettings, create_app
 from metaserver.store import MemoryStore
+from pdwire.feed import FEED_PATH
 
 APP = create_app(
     MetaserverSettings(max_wait_s=0.05), store=MemoryStore(binding_ttl_s=60, retain_s=60)
@@ -20,11 +21,13 @@ SCHEMA = schemathesis.openapi.from_asgi("/openapi.json", APP)
 _RESULTS = list(SCHEMA.get_all_operations())
 OPERATIONS = [result.ok() for result in _RESULTS if isinstance(result, Ok)]
 assert len(OPERATIONS) == len(_RESULTS), "schemathesis cannot read every operation of the schema"
-# /metrics is Prometheus text, not JSON; operations without inputs have no negative cases.
+# /metrics is Prometheus text, not JSON; operations without inputs have no negative cases; the
+# binding feed streams until the client leaves, so a valid query (negative cases add unknown
+# parameters, which are valid too) never ends: tests/metaserver/test_feeds.py tests its 422s.
 CASES = [
     pytest.param(op, mode, id=f"{op.method.upper()} {op.path} {mode.value}")
     for op in OPERATIONS
-    if op.path != "/metrics"
+    if op.path not in ("/metrics", FEED_PATH)
     for mode in GenerationMode
     if mode is GenerationMode.POSITIVE or list(op.iter_parameters()) or list(op.body.items)
 ]
