@@ -60,7 +60,7 @@ class BindingFeed:
             return await fut
         finally:
             timer.cancel()
-            del self._waiters[transfer_id]
+            self._waiters.pop(transfer_id, None)
 
     def _down(self) -> None:
         self.live = False
