@@ -158,6 +158,12 @@ class RedisStore(Store):
                             log.info("change subscription restored")
                         delay = 0.05
                         self._waiters.notify_all()  # anything may have changed while away
+                    elif kind == "subscribe" and confirmed > 2:
+                        # redis-py reconnected and subscribed again by itself: what was
+                        # published meanwhile is gone
+                        log.warning("change subscription re-established; waking every waiter")
+                        self._waiters.lost()
+                        self._waiters.notify_all()
             except asyncio.CancelledError:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
