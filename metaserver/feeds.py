@@ -74,9 +74,6 @@ class FeedHub:
         self._lengths: Counter[int] = Counter()  # prefix lengths in use
         self._unwatch: Callable[[], None] | None = None
 
-    def __len__(self) -> int:
-        return sum(len(f) for f in self._feeds.values())
-
     def _on_created(self, record: StoredBinding | None) -> None:
         if record is None:
             for feeds in self._feeds.values():

@@ -47,7 +47,6 @@ class BindingFeed:
         self._headers = auth_headers(token)
         self._silence_s = 3 * keepalive_s
         self._waiters: dict[str, asyncio.Future[msgspec.Raw | None]] = {}
-        self.delivered = 0  # bindings handed to a waiter (tests, metrics)
         self._went_live = False  # during the current connection
 
     async def wait(self, transfer_id: str, timeout_s: float) -> msgspec.Raw | None:
@@ -78,11 +77,11 @@ class BindingFeed:
             fut = self._waiters.get(got.transfer_id)
             if fut is not None and not fut.done():
                 fut.set_result(got.binding)
-                self.delivered += 1
         elif got.signal is Signal.LIVE:
             self.live = self._went_live = True
             log.info("binding feed live (prefix %s)", self.prefix)
         elif got.signal is Signal.LOST:
+            log.warning("binding feed lost (bindings may have been missed); long-polls meanwhile")
             self._down()
 
     async def _read(self) -> None:
