@@ -17,7 +17,7 @@ import pytest
 
 from launch.plan import build_plan
 from tests.e2e.client import client, complete
-from tests.e2e.conftest import LOG_DIR, STALL_TOLERANT_CONNECTOR, Engines
+from tests.e2e.conftest import LOG_DIR, STALL_TOLERANT_HEARTBEAT, Engines
 from tests.e2e.engine_metrics import prompt_tokens_by_source
 from tests.e2e.stack import (
     BLOCK_SIZE,
@@ -47,10 +47,11 @@ def omp_bind_per_rank(ranks: int) -> str:
 
 @pytest.fixture(scope="module")
 def hetero(tiny_model: Path) -> Iterator[Deployment]:
-    """A 1P1D deployment of its own: P tp=2, D tp=1. Stall-tolerant like the 2P2D one (a CI
-    run stalled 18 s: the registry forgot D, P refused the binding and D recomputed)."""
+    """A 1P1D deployment of its own: P tp=2, D tp=1. Its registrations outlive a stall of the
+    machine (a CI run stalled 18 s: the registry forgot D, P refused the binding and D
+    recomputed)."""
     opts = base_options(
-        tiny_model, tp_prefill=P_TP, tp_decode=1, extra_connector_config=STALL_TOLERANT_CONNECTOR
+        tiny_model, tp_prefill=P_TP, tp_decode=1, extra_connector_config=STALL_TOLERANT_HEARTBEAT
     )
     plan = build_plan(opts)
     bind = {"VLLM_CPU_OMP_THREADS_BIND": omp_bind_per_rank(P_TP)}
