@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -13,6 +14,7 @@ from metaserver import MetaserverSettings, create_app
 from metaserver.store import MemoryStore, Store
 from metaserver.store.redis import RedisStore
 from pdwire.models import BindingSpec, InstanceSpec, KVEndpoint
+from tests.support.services import RedisServer
 
 _ns = itertools.count()
 STORES = ["memory", "redis", "sentinel"]  # sentinel: the master a real redis-sentinel names
@@ -53,6 +55,17 @@ async def store_factory(store_url: str) -> AsyncIterator[Callable[..., Any]]:
     yield make
     for store in opened:
         await store.close()
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of the test's own, for tests that stop or kill it."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

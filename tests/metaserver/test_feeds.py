@@ -9,7 +9,6 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
 import httpx
 import pytest
@@ -105,19 +104,14 @@ async def test_feed_with_the_memory_store_and_two_readers_of_one_prefix(
 
 
 async def test_feed_ends_with_lost_when_redis_goes_away(
-    tmp_path: Path, metaserver_factory: Callable[..., MetaserverProcess]
+    private_redis: RedisServer, metaserver_factory: Callable[..., MetaserverProcess]
 ) -> None:
-    redis = RedisServer(tmp_path / "redis")
-    redis.start()
-    try:
-        ms = metaserver_factory(redis.url, "--namespace", f"lost{time.monotonic_ns()}")
-        async with httpx.AsyncClient(timeout=30) as http:
-            async with feed(http, ms.url, "pd-cccc-") as reader:
-                redis.stop()
-                assert parse_line(await reader.next(timeout_s=15)).signal is Signal.LOST
-                assert await reader.next() == b"<end>"
-    finally:
-        redis.stop()
+    ms = metaserver_factory(private_redis.url, "--namespace", f"lost{time.monotonic_ns()}")
+    async with httpx.AsyncClient(timeout=30) as http:
+        async with feed(http, ms.url, "pd-cccc-") as reader:
+            private_redis.stop()
+            assert parse_line(await reader.next(timeout_s=15)).signal is Signal.LOST
+            assert await reader.next() == b"<end>"
 
 
 @pytest.mark.parametrize(

@@ -49,16 +49,6 @@ async def test_replicas_long_poll_wakes_on_write_through_other_replica(
         assert got.json()["state"] == "done"
 
 
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 async def test_redis_crash_gives_503_then_recovers_without_losing_bindings(
     private_redis: RedisServer, metaserver_factory: Callable[..., MetaserverProcess]
 ) -> None:
