@@ -27,10 +27,16 @@ from vllm.v1.request import RequestStatus
 from connector.metadata import PdgateMetadata, RecvEntry
 from connector.stats import StatsCollector
 from connector.tracing import ConnectorTracer, Event, Value
-from pdwire.client import BackgroundWriter, ConflictError, MetaserverHTTPError, NotFoundError
+from pdwire.client import (
+    BackgroundWriter,
+    BindingWrite,
+    ConflictError,
+    MetaserverHTTPError,
+    NotFoundError,
+)
 from pdwire.errors import ParamsError
 from pdwire.models import Binding, BindingSpec, BindingState, EventDetail, KVEndpoint
-from pdwire.params import parse_decode_leg
+from pdwire.params import RecvParams, parse_decode_leg
 from pdwire.trace import TraceParent
 from pdwire.version import PROTOCOL_VERSION
 
@@ -64,11 +70,35 @@ class _Load:
 
 
 @dataclass(frozen=True, slots=True)
-class _Outgoing:
-    req_id: str
-    transfer_id: str
-    spec: BindingSpec
-    on_done: Callable[[bytes | None, Exception | None], None]
+class _Draft:
+    """What the scheduler thread keeps of a binding; the writer's thread builds the body."""
+
+    me: Identity
+    request_id: str
+    block_ids: list[int]
+    num_cached_tokens: int
+    num_prompt_tokens: int
+    load_deadline: float | None
+
+    def spec(self) -> BindingSpec:
+        me = self.me
+        # built without re-validating what this process computed (the metaserver validates
+        # the body at its edge): pydantic's checks of every block id cost tens of µs
+        return BindingSpec.model_construct(
+            request_id=self.request_id,
+            decode_instance_id=me.instance_id,
+            engine_id=me.engine_id,
+            kv_endpoint=me.kv_endpoint,
+            tp_size=me.tp_size,
+            num_kv_heads=me.num_kv_heads,
+            use_mla=me.use_mla,
+            block_size=me.block_size,
+            block_ids=[self.block_ids],
+            num_cached_tokens=self.num_cached_tokens,
+            num_prompt_tokens=self.num_prompt_tokens,
+            protocol=PROTOCOL_VERSION,
+            load_deadline=self.load_deadline,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +131,10 @@ class DecodeSide:
         self._wall = wall
         self._claimed: set[str] = set()  # req ids that already asked for their remote prefill
         self._new: list[RecvEntry] = []
-        self._outbox: list[_Outgoing] = []  # this step's bindings, submitted in ``fill``
+        self._outbox: list[BindingWrite] = []  # this step's bindings, submitted in ``fill``
+        self._outbox_reqs: list[str] = []  # their request ids
+        # matched() parsed these (req id -> params); after_alloc takes them
+        self._asked: dict[str, RecvParams] = {}
         self._rejected: collections.deque[str] = collections.deque()
         self._loading: dict[str, _Load] = {}  # by req id, until its KV is in
         self._manager: KVCacheManager | None = None
@@ -125,39 +158,32 @@ class DecodeSide:
         if params is None or request.request_id in self._claimed:
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        if count <= 0:
+            return 0, False
+        self._asked[request.request_id] = params
+        return count, True
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
-        if num_external <= 0 or request.request_id in self._claimed:
+        req_id = request.request_id
+        if num_external <= 0 or req_id in self._claimed:
             return
-        params = parse_decode_leg(request.kv_transfer_params)
+        params = self._asked.pop(req_id, None) or parse_decode_leg(request.kv_transfer_params)
         if params is None:
             return
         me = self._me
         prompt_len = len(request.prompt_token_ids or ())
         needed = -(-prompt_len // me.block_size)
         block_ids = list(blocks.get_block_ids()[0][:needed])
-        # built without re-validating what this process computed (the metaserver validates
-        # the body at its edge): pydantic's checks of every block id cost tens of µs per
-        # request on the scheduler thread
-        spec = BindingSpec.model_construct(
-            request_id=request.request_id,
-            decode_instance_id=me.instance_id,
-            engine_id=me.engine_id,
-            kv_endpoint=me.kv_endpoint,
-            tp_size=me.tp_size,
-            num_kv_heads=me.num_kv_heads,
-            use_mla=me.use_mla,
-            block_size=me.block_size,
-            block_ids=[block_ids],
-            num_cached_tokens=prompt_len - num_external,
-            num_prompt_tokens=prompt_len,
-            protocol=PROTOCOL_VERSION,
+        draft = _Draft(
+            me,
+            req_id,
+            block_ids,
+            prompt_len - num_external,
+            prompt_len,
             # the worker starts its kv_load_timeout_s clock when it sees the request, a step
             # later: this is D's deadline or a little before it
-            load_deadline=self._wall() + self._load_timeout_s if self._load_timeout_s else None,
+            self._wall() + self._load_timeout_s if self._load_timeout_s else None,
         )
-        req_id = request.request_id
         trace = params.trace if self._tracer is not None else None
         traced_at = self._wall() if trace is not None and trace.sampled else None
         stats, clock, sent_at = self._stats, self._clock, self._clock()
@@ -171,7 +197,7 @@ class DecodeSide:
             else:
                 stats.add("binding_writes", label="error" if error else "ok")
             if trace is not None and traced_at is not None:
-                self._bound(trace, spec, params.transfer_id, traced_at, error)
+                self._bound(trace, draft, params.transfer_id, traced_at, error)
 
         self._claimed.add(req_id)
         load_from = (prompt_len - num_external) // me.block_size
@@ -184,12 +210,13 @@ class DecodeSide:
         if held > 0:
             self._held[req_id] = held
             self._stats.add("blocks_held", held, label="decode")
-        self._outbox.append(_Outgoing(req_id, params.transfer_id, spec, on_done))
+        self._outbox.append(BindingWrite(params.transfer_id, draft.spec, on_done))
+        self._outbox_reqs.append(req_id)
 
     def _bound(
         self,
         trace: TraceParent,
-        spec: BindingSpec,
+        draft: _Draft,
         transfer_id: str,
         start: float,
         error: Exception | None,
@@ -200,11 +227,11 @@ class DecodeSide:
         end = self._wall()
         attributes: dict[str, Value] = {
             "pdgate.transfer_id": transfer_id,
-            "pdgate.request_id": spec.request_id,
-            "pdgate.instance": spec.decode_instance_id,
-            "pdgate.blocks": len(spec.block_ids[0]),
-            "pdgate.cached_tokens": spec.num_cached_tokens,
-            "pdgate.prompt_tokens": spec.num_prompt_tokens,
+            "pdgate.request_id": draft.request_id,
+            "pdgate.instance": draft.me.instance_id,
+            "pdgate.blocks": len(draft.block_ids),
+            "pdgate.cached_tokens": draft.num_cached_tokens,
+            "pdgate.prompt_tokens": draft.num_prompt_tokens,
         }
         events = [Event("binding_written" if error is None else "binding_failed", end)]
         why = "" if error is None else f"binding write failed: {error}"
@@ -213,11 +240,13 @@ class DecodeSide:
     def fill(self, meta: PdgateMetadata) -> None:
         # the step's bindings go to the writer together, at the end of ``schedule()``: waking
         # a writer thread per request in the middle of it handed the GIL to the thread's
-        # HTTP work while the scheduler still had requests to admit
-        outbox, self._outbox = self._outbox, []
-        for out in outbox:
-            if not self._writer.put_binding(out.transfer_id, out.spec, on_done=out.on_done):
-                meta.failed_recvs.append(out.req_id)  # queue full: fail fast, nothing sent
+        # HTTP work while the scheduler still had requests to admit. Their bodies are built
+        # and serialised on the writer's threads.
+        if self._outbox:
+            outbox, reqs, self._outbox, self._outbox_reqs = self._outbox, self._outbox_reqs, [], []
+            queued = self._writer.put_bindings(outbox)
+            for req_id in reqs[queued:]:  # queue full: fail fast, nothing sent
+                meta.failed_recvs.append(req_id)
                 self._stats.add("binding_writes", label="dropped")
         meta.recvs, self._new = self._new, []
         while self._rejected:
@@ -276,6 +305,7 @@ class DecodeSide:
         # reports it in finished_recving (after P's signal, the deadline, or a won abort).
         req_id = request.request_id
         self._claimed.discard(req_id)
+        self._asked.pop(req_id, None)
         load = self._loading.pop(req_id, None)
         if load is None or request.status != RequestStatus.FINISHED_ABORTED:
             return

@@ -1,7 +1,7 @@
 """The metaserver's clients, shared by the proxy and the connector.
 
 * ``AsyncMetaserverClient`` (aiohttp) — the proxy;
-* ``MetaserverClient`` (blocking) and ``BackgroundWriter`` (fire-and-forget, one thread) — the
+* ``MetaserverClient`` (blocking) and ``BackgroundWriter`` (fire-and-forget, a few threads) — the
   vLLM connector, whose scheduler thread must never block on the network.
 """
 
@@ -20,7 +20,7 @@ from pdwire.client.errors import (
     ValidationFailed,
 )
 from pdwire.client.retry import NO_BACKOFF, Backoff, RetryPolicy
-from pdwire.client.sync import BackgroundWriter, MetaserverClient
+from pdwire.client.sync import BackgroundWriter, BindingWrite, MetaserverClient
 
 __all__ = [
     "NO_BACKOFF",
@@ -29,6 +29,7 @@ __all__ = [
     "Backoff",
     "BackgroundWriter",
     "BadRequest",
+    "BindingWrite",
     "ConflictError",
     "MetaserverClient",
     "MetaserverClientError",

@@ -44,8 +44,12 @@ class Call:
     extra_timeout: float = 0.0  # long-polls stay open this much longer than the call timeout
 
 
+def binding_path(transfer_id: str) -> str:
+    return f"/v1/bindings/{transfer_id}"
+
+
 def put_binding(transfer_id: str, spec: BindingSpec) -> Call:
-    return Call("PUT", f"/v1/bindings/{transfer_id}", body=spec.model_dump_json().encode())
+    return Call("PUT", binding_path(transfer_id), body=spec.model_dump_json().encode())
 
 
 def get_binding(transfer_id: str, wait: float | None, state: BindingState | None) -> Call:
@@ -54,7 +58,7 @@ def get_binding(transfer_id: str, wait: float | None, state: BindingState | None
         params["wait"] = repr(float(wait))
     if state is not None:
         params["state"] = state.value
-    return Call("GET", f"/v1/bindings/{transfer_id}", params or None, None, wait or 0.0)
+    return Call("GET", binding_path(transfer_id), params or None, None, wait or 0.0)
 
 
 def binding_url(base_url: str, transfer_id: str, wait: float | None = None) -> str:
@@ -65,7 +69,7 @@ def binding_url(base_url: str, transfer_id: str, wait: float | None = None) -> s
 
 
 def delete_binding(transfer_id: str) -> Call:
-    return Call("DELETE", f"/v1/bindings/{transfer_id}")
+    return Call("DELETE", binding_path(transfer_id))
 
 
 def list_bindings(state: BindingState | None, instance: str | None, limit: int) -> Call:
@@ -81,12 +85,12 @@ def post_event(
     transfer_id: str, state: BindingState, actor: str, detail: EventDetail | None
 ) -> Call:
     body = EventIn(state=state, actor=actor, detail=detail).model_dump_json(exclude_none=True)
-    return Call("POST", f"/v1/bindings/{transfer_id}/events", body=body.encode())
+    return Call("POST", f"{binding_path(transfer_id)}/events", body=body.encode())
 
 
 def post_mark(transfer_id: str, mark: MarkKind, actor: str, detail: MarkDetail | None) -> Call:
     body = MarkIn(mark=mark, actor=actor, detail=detail).model_dump_json(exclude_none=True)
-    return Call("POST", f"/v1/bindings/{transfer_id}/marks", body=body.encode())
+    return Call("POST", f"{binding_path(transfer_id)}/marks", body=body.encode())
 
 
 def put_instance(instance_id: str, spec: InstanceSpec) -> Call:

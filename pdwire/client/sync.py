@@ -29,6 +29,7 @@ from pdwire.client.errors import (
     NotFoundError,
     error_for_status,
 )
+from pdwire.client.exchange import Exchange, ExchangeError, HttpxExchange, PlainExchange
 from pdwire.client.retry import RetryPolicy
 from pdwire.models import (
     Binding,
@@ -54,17 +55,22 @@ class MetaserverClient:
         retry: RetryPolicy | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
+        """``transport``: serve the calls through httpx with it (tests); by default they go
+        through ``PlainExchange`` (pdwire/client/exchange.py: why)."""
         self.base_url = base_url.rstrip("/")
         self._timeout = timeout_s
         self._retry = retry or RetryPolicy()
-        self._http = httpx.Client(
-            base_url=self.base_url, headers=P.headers(token), transport=transport
+        headers = P.headers(token)
+        self._exchange: Exchange = (
+            PlainExchange(self.base_url, headers)
+            if transport is None
+            else HttpxExchange(self.base_url, headers, transport)
         )
         self._closed = False
 
     def close(self) -> None:
         self._closed = True
-        self._http.close()
+        self._exchange.close()
 
     def __enter__(self) -> MetaserverClient:
         return self
@@ -79,26 +85,24 @@ class MetaserverClient:
         while True:
             attempt += 1
             try:
-                resp = self._http.request(
+                status, content = self._exchange.request(
                     call.method,
                     call.path,
-                    params=call.params,
-                    content=call.body,
-                    timeout=self._timeout + call.extra_timeout,
+                    call.params,
+                    call.body,
+                    self._timeout + call.extra_timeout,
                 )
-            except httpx.TransportError as exc:
+            except ExchangeError as exc:
                 if attempt > self._retry.retries or self._closed:
                     raise MetaserverUnavailable(
                         f"{call.method} {self.base_url}{call.path} failed after {attempt} "
                         f"attempts: {exc!r}"
                     ) from exc
             else:
-                if resp.status_code < 400:
-                    return resp.content
-                if not self._retry.retryable_status(resp.status_code) or (
-                    attempt > self._retry.retries
-                ):
-                    raise error_for_status(resp.status_code, resp.content, call.method, call.path)
+                if status < 400:
+                    return content
+                if not self._retry.retryable_status(status) or attempt > self._retry.retries:
+                    raise error_for_status(status, content, call.method, call.path)
             time.sleep(self._retry.backoff.compute(attempt))
 
     def put_binding(self, transfer_id: str, spec: BindingSpec) -> Binding:
@@ -152,10 +156,32 @@ Outcome = Callable[[bytes | None, Exception | None], None]
 
 @dataclass(frozen=True, slots=True)
 class _Job:
-    call: P.Call
+    call: P.Call | Callable[[], P.Call]  # a callable is built on the lane's thread
     on_done: Outcome | None
     quiet_conflict: bool  # a 409 is expected (another process got there first)
     key: str  # what the call is about: calls with one key keep their order
+
+    def describe(self) -> str:
+        return f"{self.call.method} {self.call.path}" if isinstance(self.call, P.Call) else self.key
+
+
+@dataclass(frozen=True, slots=True)
+class BindingWrite:
+    """A binding for ``BackgroundWriter.put_bindings``. ``spec`` may be a callable: the body is
+    then built and serialised on the writer's thread, not the caller's."""
+
+    transfer_id: str
+    spec: BindingSpec | Callable[[], BindingSpec]
+    on_done: Outcome | None = None
+
+    def job(self) -> _Job:
+        tid, spec = self.transfer_id, self.spec
+        call: P.Call | Callable[[], P.Call]
+        if isinstance(spec, BindingSpec):
+            call = P.put_binding(tid, spec)
+        else:
+            call = lambda: P.put_binding(tid, spec())  # noqa: E731
+        return _Job(call, self.on_done, False, _order_key(P.binding_path(tid)))
 
 
 def _order_key(path: str) -> str:
@@ -164,6 +190,14 @@ def _order_key(path: str) -> str:
 
 
 _STOP = object()
+
+
+@dataclass(frozen=True, slots=True)
+class _Fanout:
+    """Jobs that became ready together: one wake-up for the submitting thread (vLLM's
+    scheduler), the lane that takes it queues the rest."""
+
+    jobs: list[_Job]
 
 
 class BackgroundWriter:
@@ -175,7 +209,7 @@ class BackgroundWriter:
             raise ValueError(f"lanes must be >= 1, not {lanes}")
         self.client = client
         self._max = maxsize
-        self._ready: queue.SimpleQueue[_Job | object] = queue.SimpleQueue()
+        self._ready: queue.SimpleQueue[_Job | _Fanout | object] = queue.SimpleQueue()
         # key -> calls submitted behind the one of that key now ready or running
         self._behind: dict[str, deque[_Job]] = {}
         self._lock = threading.Lock()
@@ -194,29 +228,41 @@ class BackgroundWriter:
     def submit(
         self, call: P.Call, on_done: Outcome | None = None, quiet_conflict: bool = False
     ) -> bool:
-        job = _Job(call, on_done, quiet_conflict, _order_key(call.path))
+        return self._enqueue([_Job(call, on_done, quiet_conflict, _order_key(call.path))]) == 1
+
+    def _enqueue(self, jobs: list[_Job]) -> int:
+        """Queue ``jobs`` in order under one lock; those past the queue's bound are dropped.
+        Returns how many were queued (the first ones). The caller wakes one lane at most:
+        several jobs ready at once go out as one ``_Fanout`` that the lane spreads."""
+        ready: list[_Job] = []
         with self._lock:
-            if self._pending >= self._max:
-                self.dropped += 1
-                full = True
-            else:
-                full = False
-                self._pending += 1
+            room = max(0, min(len(jobs), self._max - self._pending))
+            self._pending += room
+            for job in jobs[:room]:
                 waiting = self._behind.get(job.key)
                 if waiting is None:
                     self._behind[job.key] = deque()
-                    self._ready.put(job)
+                    ready.append(job)
                 else:
                     waiting.append(job)
-        if full:
-            log.warning("metaserver write queue full; dropped %s %s", call.method, call.path)
-            return False
-        return True
+            self.dropped += len(jobs) - room
+        if len(ready) == 1:
+            self._ready.put(ready[0])
+        elif ready:
+            self._ready.put(_Fanout(ready))
+        for job in jobs[room:]:
+            log.warning("metaserver write queue full; dropped %s", job.describe())
+        return room
 
     def put_binding(
         self, transfer_id: str, spec: BindingSpec, on_done: Outcome | None = None
     ) -> bool:
-        return self.submit(P.put_binding(transfer_id, spec), on_done)
+        return self.put_bindings([BindingWrite(transfer_id, spec, on_done)]) == 1
+
+    def put_bindings(self, writes: list[BindingWrite]) -> int:
+        """Queue several bindings at once (one lock, one wake-up per lane at most); returns how
+        many were queued: the first ones, the rest were dropped (queue full)."""
+        return self._enqueue([w.job() for w in writes])
 
     def post_event(
         self,
@@ -242,6 +288,10 @@ class BackgroundWriter:
             job = self._ready.get()
             if job is _STOP:
                 return
+            if isinstance(job, _Fanout):  # the other lanes get the rest, woken from here
+                for other in job.jobs[1:]:
+                    self._ready.put(other)
+                job = job.jobs[0]
             assert isinstance(job, _Job)
             try:
                 self._perform(job)
@@ -260,15 +310,15 @@ class BackgroundWriter:
         body: bytes | None = None
         error: Exception | None = None
         try:
-            body = self.client.send(job.call)
+            call = job.call if isinstance(job.call, P.Call) else job.call()
+            body = self.client.send(call)
         except Exception as exc:  # reported to the callback, never raised in this thread
             error = exc
             late = job.quiet_conflict and isinstance(exc, ConflictError)
             log.log(
                 logging.DEBUG if late else logging.WARNING,
-                "metaserver %s %s failed: %s",
-                job.call.method,
-                job.call.path,
+                "metaserver %s failed: %s",
+                job.describe(),
                 exc,
             )
         with self._lock:

@@ -138,6 +138,30 @@ def test_sync_client_retries_resets_and_maps_errors() -> None:
             c.delete_binding("t1")
 
 
+def test_sync_client_reconnects_once_when_a_kept_alive_connection_was_closed() -> None:
+    # the server ends an idle keep-alive connection (uvicorn does after 5 s): the next call
+    # goes out again on a new connection at once, without spending a retry
+    with fault_server(Reply(200, b"{}", close_after=True), Reply(204, b"")) as srv:
+        with MetaserverClient(srv.url, retry=RetryPolicy(retries=0)) as c:
+            c.delete_binding("t1")
+            c.delete_binding("t2")
+        assert [path for _, path, _ in srv.requests] == ["/v1/bindings/t1", "/v1/bindings/t2"]
+
+
+def test_sync_client_times_out_a_silent_server() -> None:
+    with fault_server(default=Reply(200, b"{}", delay_s=1.0)) as srv:
+        with MetaserverClient(srv.url, timeout_s=0.2, retry=RetryPolicy(retries=0)) as c:
+            started = time.monotonic()
+            with pytest.raises(MetaserverUnavailable):
+                c.get_binding("t1")
+            assert time.monotonic() - started < 0.9
+
+
+def test_sync_client_refuses_a_url_it_cannot_use() -> None:
+    with pytest.raises(ValueError, match="http"):
+        MetaserverClient("metaserver:8300")
+
+
 def test_sync_client_against_real_server(
     metaserver_factory: Callable[..., MetaserverProcess],
 ) -> None:

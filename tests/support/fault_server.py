@@ -17,6 +17,7 @@ class Reply:
     body: bytes = b"{}"
     delay_s: float = 0.0
     reset: bool = False  # close the connection without answering
+    close_after: bool = False  # answer (keep-alive, as far as the client knows), then close
 
 
 @dataclass
@@ -62,6 +63,8 @@ def fault_server(*replies: Reply, default: Reply | None = None) -> Iterator[Faul
             self.send_header("content-length", str(len(reply.body)))
             self.end_headers()
             self.wfile.write(reply.body)
+            if reply.close_after:
+                self.close_connection = True
 
         do_GET = do_PUT = do_POST = do_DELETE = _handle
 
