@@ -1,9 +1,10 @@
 """Binding feeds: one long-lived stream per proxy process instead of one long-poll per request.
 
 A proxy process names its transfers with one prefix (``pdwire.ids.IdMaker``) and opens
-``GET /v1/feeds/bindings?prefix=P`` once. Every binding created from then on whose id starts
-with ``P`` — written by D's connector through any metaserver replica sharing the store — is sent
-down that stream as one NDJSON line, the same JSON as ``GET /v1/bindings/{id}``, without being
+``GET /v1/feeds/bindings?prefix=P&prefix=cmpl-P&prefix=chatcmpl-P`` once (the last two: the ids
+vllm-ascend's D gives its requests). Every binding created from then on whose id starts with
+one of them — written by D's connector through any metaserver replica sharing the store — is
+sent down that stream as one NDJSON line, the same JSON as ``GET /v1/bindings/{id}``, without being
 read back from the store (the store hands over the record it created; ``Store.watch_created``).
 
 Lines (``pdwire.feed`` parses them): ``{"feed":"live"}`` first, once the store's notifications
@@ -32,10 +33,10 @@ MAX_BUFFERED = 10_000  # lines queued for one slow reader before its feed is end
 class Feed:
     """The lines waiting to be written to one reader."""
 
-    __slots__ = ("_lines", "_wake", "lost", "prefix")
+    __slots__ = ("_lines", "_wake", "lost", "prefixes")
 
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        self.prefixes = prefixes
         self._lines: list[bytes] = []
         self._wake = asyncio.Event()
         self.lost = False
@@ -82,35 +83,41 @@ class FeedHub:
             return
         tid = record.transfer_id
         line: bytes | None = None
+        pushed: set[Feed] | None = None  # a feed whose prefixes nest gets the line once
         for n in self._lengths:
             for feed in self._feeds.get(tid[:n], ()):
                 if line is None:
-                    line = record.to_json() + b"\n"
-                feed.push(line)
+                    line, pushed = record.to_json() + b"\n", set()
+                assert pushed is not None
+                if feed not in pushed:
+                    pushed.add(feed)
+                    feed.push(line)
 
     def _add(self, feed: Feed) -> None:
         if self._unwatch is None:
             self._unwatch = self._store.watch_created(self._on_created)
-        self._feeds.setdefault(feed.prefix, set()).add(feed)
-        self._lengths[len(feed.prefix)] += 1
+        for prefix in feed.prefixes:
+            self._feeds.setdefault(prefix, set()).add(feed)
+            self._lengths[len(prefix)] += 1
         self._metrics.feeds.inc()
 
     def _remove(self, feed: Feed) -> None:
-        feeds = self._feeds[feed.prefix]
-        feeds.discard(feed)
-        if not feeds:
-            del self._feeds[feed.prefix]
-        self._lengths[len(feed.prefix)] -= 1
-        if not self._lengths[len(feed.prefix)]:
-            del self._lengths[len(feed.prefix)]
+        for prefix in feed.prefixes:
+            feeds = self._feeds[prefix]
+            feeds.discard(feed)
+            if not feeds:
+                del self._feeds[prefix]
+            self._lengths[len(prefix)] -= 1
+            if not self._lengths[len(prefix)]:
+                del self._lengths[len(prefix)]
         self._metrics.feeds.dec()
         if not self._feeds and self._unwatch is not None:
             self._unwatch()
             self._unwatch = None
 
-    async def stream(self, prefix: str, keepalive_s: float) -> AsyncIterator[bytes]:
+    async def stream(self, prefixes: tuple[str, ...], keepalive_s: float) -> AsyncIterator[bytes]:
         """The body of one feed response; the feed is registered before the first line."""
-        feed = Feed(prefix)
+        feed = Feed(prefixes)
         self._add(feed)
         try:
             await self._store.notifications_live()
@@ -124,7 +131,9 @@ class FeedHub:
                     break
                 if not lines:
                     yield KEEPALIVE_LINE
-            log.warning("binding feed %s ended: notifications may have been missed", prefix)
+            log.warning(
+                "binding feed %s ended: notifications may have been missed", ",".join(prefixes)
+            )
             self._metrics.feeds_lost.inc()
             yield LOST_LINE
         finally:

@@ -83,6 +83,12 @@ def prompt_count(prompt: object) -> int:
     return 1
 
 
+def ascend_id_prefixes(x_request_prefix: str) -> tuple[str, str]:
+    """What D's request ids start with when every ``X-Request-Id`` starts with
+    ``x_request_prefix`` (a binding feed asks for them)."""
+    return f"cmpl-{x_request_prefix}", f"chatcmpl-{x_request_prefix}"
+
+
 def ascend_request_ids(x_request_id: str, chat: bool, prompt: object = None) -> list[str]:
     """D's (and P's) external request ids for ``X-Request-Id: x_request_id``."""
     if chat:

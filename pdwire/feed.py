@@ -1,13 +1,16 @@
 """The binding feed's wire format, for the metaserver that writes it and the proxy that reads it.
 
-``GET /v1/feeds/bindings?prefix=P[&keepalive=S]`` answers ``200`` with ``application/x-ndjson``:
-one JSON object per line. A binding line is exactly what ``GET /v1/bindings/{id}`` answers
-(``transfer_id`` is its first key); every other line is ``{"feed": <signal>}``.
+``GET /v1/feeds/bindings?prefix=P[&prefix=Q ...][&keepalive=S]`` answers ``200`` with
+``application/x-ndjson``: one JSON object per line, for every binding created from then on whose
+transfer id starts with one of the prefixes (at most ``MAX_PREFIXES``). A binding line is
+exactly what ``GET /v1/bindings/{id}`` answers (``transfer_id`` is its first key); every other
+line is ``{"feed": <signal>}``.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlencode
 
@@ -16,6 +19,7 @@ import msgspec
 FEED_PATH = "/v1/feeds/bindings"
 MEDIA_TYPE = "application/x-ndjson"
 PREFIX_PATTERN = r"^[A-Za-z0-9._:-]{4,64}$"  # a prefix of transfer ids (pdwire.ids)
+MAX_PREFIXES = 4
 DEFAULT_KEEPALIVE_S = 5.0
 
 
@@ -32,8 +36,11 @@ KEEPALIVE_LINE = b'{"feed":"keepalive"}\n'
 LOST_LINE = b'{"feed":"lost"}\n'
 
 
-def feed_url(base_url: str, prefix: str, keepalive_s: float = DEFAULT_KEEPALIVE_S) -> str:
-    query = urlencode({"prefix": prefix, "keepalive": repr(float(keepalive_s))})
+def feed_url(
+    base_url: str, prefixes: str | Sequence[str], keepalive_s: float = DEFAULT_KEEPALIVE_S
+) -> str:
+    named = [prefixes] if isinstance(prefixes, str) else list(prefixes)
+    query = urlencode([*(("prefix", p) for p in named), ("keepalive", repr(float(keepalive_s)))])
     return f"{base_url.rstrip('/')}{FEED_PATH}?{query}"
 
 

@@ -270,8 +270,8 @@ class Metrics:
         )
         binding_reads = counter(
             "pd_binding_reads_total",
-            "D's bindings read for decode-first, by how: the binding feed or a long-poll (the "
-            "feed was down, or the binding did not come on it)",
+            "D's bindings read (decode-first, ascend-layerwise), by how: the binding feed or a "
+            "long-poll (the feed was down, or the binding did not come on it)",
             ["via"],
             registry=r,
         )

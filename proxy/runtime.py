@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 
+from pdwire.ascend import ascend_id_prefixes
 from pdwire.client import AsyncMetaserverClient
 from pdwire.client.retry import Backoff
 from pdwire.ids import IdMaker
@@ -107,7 +108,9 @@ class Runtime:
             )
         if self.bindings is not None and s.binding_feed:
             assert s.metaserver is not None
-            feed = BindingFeed(self.session, s.metaserver, token, self.ids.prefix)
+            # the proxy's own transfer ids, and vllm-ascend D's request ids made of them
+            prefixes = (self.ids.prefix, *ascend_id_prefixes(self.ids.prefix))
+            feed = BindingFeed(self.session, s.metaserver, token, prefixes)
             self.bindings.feed = feed
             self._tasks.append(loop.create_task(feed.run(), name="binding-feed"))
         if self.metaserver is not None:

@@ -34,7 +34,7 @@ class BindingSource:
         """D's binding as JSON bytes; ``BindingMissing`` if it never appeared; ``UpstreamError``
         when the metaserver fails."""
         feed = self.feed
-        if feed is not None and feed.live and transfer_id.startswith(feed.prefix):
+        if feed is not None and feed.live and transfer_id.startswith(feed.prefixes):
             loop = asyncio.get_running_loop()
             deadline = loop.time() + wait_s
             raw = await feed.wait(transfer_id, wait_s)

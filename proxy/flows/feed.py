@@ -1,6 +1,7 @@
 """The proxy's binding feed: one stream from the metaserver carrying every binding created for
 this process's transfers (``GET /v1/feeds/bindings?prefix=``; format in ``pdwire.feed``), so a
-decode-first request waits on a local future instead of its own long-poll.
+decode-first or ascend-layerwise request waits on a local future instead of its own long-poll.
+Its prefixes: the process's transfer ids, and vllm-ascend D's request ids made of them.
 
 A request uses the feed only when the feed is live as it starts waiting (the waiter is in
 place before D is sent anything, so D's binding cannot come first). When the feed goes down —
@@ -37,13 +38,13 @@ class BindingFeed:
         session: aiohttp.ClientSession,
         base_url: str,
         token: str | None,
-        prefix: str,
+        prefixes: tuple[str, ...],
         keepalive_s: float = 5.0,
     ) -> None:
-        self.prefix = prefix
+        self.prefixes = prefixes  # ``str.startswith`` takes the tuple
         self.live = False
         self._session = session
-        self._url = feed_url(base_url, prefix, keepalive_s)
+        self._url = feed_url(base_url, prefixes, keepalive_s)
         self._headers = auth_headers(token)
         self._silence_s = 3 * keepalive_s
         self._waiters: dict[str, asyncio.Future[msgspec.Raw | None]] = {}
@@ -79,7 +80,7 @@ class BindingFeed:
                 fut.set_result(got.binding)
         elif got.signal is Signal.LIVE:
             self.live = self._went_live = True
-            log.info("binding feed live (prefix %s)", self.prefix)
+            log.info("binding feed live (prefixes %s)", ", ".join(self.prefixes))
         elif got.signal is Signal.LOST:
             log.warning("binding feed lost (bindings may have been missed); long-polls meanwhile")
             self._down()

@@ -1,6 +1,7 @@
 """Binding feeds (``GET /v1/feeds/bindings``) on real pd-metaserver processes: a binding written
 through one replica streams out of another's feed as ``GET`` answers it; other prefixes stay
-out; keepalives flow; a Redis restart ends the feed with ``lost``; bad queries get 422."""
+out; one feed may name several prefixes; keepalives flow; a Redis restart ends the feed with
+``lost``; bad queries get 422."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import httpx
 import pytest
@@ -44,7 +45,7 @@ class Reader:
 
 @contextlib.asynccontextmanager
 async def feed(
-    http: httpx.AsyncClient, base: str, prefix: str, **q: float
+    http: httpx.AsyncClient, base: str, prefix: str | Sequence[str], **q: float
 ) -> AsyncIterator[Reader]:
     async with http.stream("GET", feed_url(base, prefix, **q)) as r:
         assert r.status_code == 200, await r.aread()
@@ -103,6 +104,26 @@ async def test_feed_with_the_memory_store_and_two_readers_of_one_prefix(
             assert "pdgate_metaserver_binding_feeds 2.0" in gauge
 
 
+async def test_feed_of_several_prefixes_sends_each_binding_once(
+    metaserver_factory: Callable[..., MetaserverProcess],
+) -> None:
+    # the ascend-layerwise proxy asks for its own prefix and vllm-ascend's D request ids
+    ms = metaserver_factory("memory")
+    mine = ("pd-ffff-", "cmpl-pd-ffff-", "chatcmpl-pd-ffff-", "pd-ffff-1")  # the last one nests
+    async with httpx.AsyncClient(timeout=30) as http:
+        assert (await http.put(f"{ms.url}/v1/instances/decode-0", json=instance_json())).is_success
+        async with feed(http, ms.url, mine, keepalive_s=0.3) as reader:
+            for tid in ("cmpl-pd-gggg-1-0", "pd-ffff-1", "cmpl-pd-ffff-2-0", "chatcmpl-pd-ffff-3"):
+                put = await http.put(f"{ms.url}/v1/bindings/{tid}", json=spec_json())
+                assert put.status_code == 201
+            got = [parse_line(await reader.next()).transfer_id for _ in range(3)]
+            assert got == ["pd-ffff-1", "cmpl-pd-ffff-2-0", "chatcmpl-pd-ffff-3"]
+            assert await reader.next(skip_keepalive=False) == b'{"feed":"keepalive"}'
+        metrics = (await http.get(f"{ms.url}/metrics")).text
+        assert "pdgate_metaserver_binding_feed_lines_total 3.0" in metrics
+        assert "pdgate_metaserver_binding_feeds 0.0" in metrics  # every prefix let go
+
+
 async def test_feed_ends_with_lost_when_redis_goes_away(
     private_redis: RedisServer, metaserver_factory: Callable[..., MetaserverProcess]
 ) -> None:
@@ -122,6 +143,8 @@ async def test_feed_ends_with_lost_when_redis_goes_away(
         "prefix=a%20b%20c%20d",
         "prefix=pd-x-&keepalive=0",
         "prefix=pd-x-&keepalive=61",
+        "prefix=pd-x-&prefix=ab",
+        "prefix=pd-1-&prefix=pd-2-&prefix=pd-3-&prefix=pd-4-&prefix=pd-5-",
     ],
 )
 async def test_feed_bad_query_is_422(
@@ -148,7 +171,7 @@ async def test_feed_needs_the_token_when_reads_are_protected(
 
 async def test_feed_of_a_reader_too_slow_ends_lost(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("metaserver.feeds.MAX_BUFFERED", 3)
-    f = Feed("pd-eeee-")
+    f = Feed(("pd-eeee-",))
     for i in range(3):
         f.push(b"%d\n" % i)
     assert not f.lost

@@ -152,6 +152,27 @@ async def test_ascend_completions_batch_of_prompts(
     assert cluster.decode[0].stats()["kv_received"] == 1  # all three children signalled
 
 
+async def test_ascend_bindings_come_from_the_binding_feed(
+    cluster: Cluster, proxy_factory: ProxyFactory
+) -> None:
+    # D's request ids (cmpl-T-i, chatcmpl-T) are built from the proxy's transfer ids, so its
+    # one feed carries them: no long-poll per request
+    proxy = await proxy_factory(**_settings(cluster))
+    rt = proxy.runtime
+    assert rt.bindings is not None and rt.bindings.feed is not None
+    feed = rt.bindings.feed
+    await wait_until(lambda: feed.live, within=10)
+    client = proxy.client()
+    await client.completions.create(
+        model="fake-model", prompt=["one " * 9, "two " * 7], max_tokens=2
+    )
+    await client.chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": "hi " * 12}], max_tokens=2
+    )
+    assert rt.metrics.binding_reads_feed.value == 3  # two children and one chat request
+    assert rt.metrics.binding_reads_long_poll.value == 0
+
+
 async def test_ascend_chat_streaming(cluster: Cluster, proxy_factory: ProxyFactory) -> None:
     proxy = await proxy_factory(**_settings(cluster))
     stream = await proxy.client().chat.completions.create(

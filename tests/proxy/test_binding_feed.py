@@ -29,7 +29,7 @@ class Wired:
         self.metrics = Metrics(list)
         backend = AiohttpBackend(session, connect_timeout_s=5, idle_timeout_s=30)
         self.source = BindingSource(backend, url, None, self.metrics)
-        self.feed = BindingFeed(session, url, None, PREFIX, keepalive_s=0.5)
+        self.feed = BindingFeed(session, url, None, (PREFIX,), keepalive_s=0.5)
         self.source.feed = self.feed
 
     def reads(self) -> tuple[float, float]:
