@@ -21,6 +21,7 @@ import random
 import signal
 import statistics
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +109,7 @@ class Measured:
     fault_at: float = math.nan  # time.monotonic() of the fault …
     back_at: float = math.nan  # … and of the service being back (outage scenarios)
     in_flight_writes: int = 0  # D killed: P's writes that failed (their late-landing hold)
+    bindings: list[dict[str, Any]] = field(default_factory=list)  # the scenario's own
 
 
 @pytest.fixture(scope="module")
@@ -285,16 +287,88 @@ async def test_chaos_hangups_leave_no_wrong_answer_and_free_everything(
     assert sum(1 for a in gone if a.first_token is not None) >= N_CLIENTS // 20, r.note
 
 
-@pytest.mark.xfail(
-    reason="issue 13 target not met on this 2-core machine: D idle 4.0-6.7 s after the last "
-    "hang-up (2.4-7.0 s before the lease); the figure includes requests still draining at that "
-    "load (docs/reliability.md)",
-    strict=False,
-)
+# ---- 1b. clients who leave before P started, alone on an idle deployment --------------------
+
+EARLY_CLIENTS = 16
+EARLY_HANG_UP_S = 3.0  # P is frozen until they left: D bound them all well before
+
+
+async def _bindings_since(ms_url: str, since_wall: float) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(base_url=ms_url, timeout=5) as ms:
+        r = await ms.get("/v1/bindings", params={"limit": 1000})
+    return [b for b in r.json()["bindings"] if b["created_at"] >= since_wall]
+
+
+@pytest.fixture(scope="module")
+async def aborted_early(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
+    """Streaming clients who hang up while every binding of theirs is still ``bound``: both
+    prefill engines are frozen (SIGSTOP) from before the requests until after the measurement,
+    so no P can take a lease. The time from the last hang-up until D is idle is then the time
+    D holds blocks P never touched (issue 13's "aborted before P started"), with nothing else
+    running on the deployment; the hang-ups scenario's figure also waits for requests that P
+    had taken and that were still draining."""
+    rng = random.Random(15)
+    prompts = [prompt_ids(rng.randrange(60, 120), seed=150_000 + i) for i in range(EARLY_CLIENTS)]
+    refs = await references(chaos.mono, chaos.model, prompts, max_tokens=HANGUP_MAX_TOKENS)
+    engines = chaos.engines
+    await wait_all_idle(engines)
+    prefills = [name for name in engines if name.startswith("prefill")]
+    decodes = {name: url for name, url in engines.items() if name.startswith("decode")}
+    pd = chaos.proxy_client()
+    since_wall = time.time()
+    for name in prefills:
+        chaos.signal(name, signal.SIGSTOP)
+    try:
+        answers = await asyncio.gather(
+            *(
+                ask(
+                    pd,
+                    chaos.model,
+                    Ask(p, r, HANGUP_MAX_TOKENS),
+                    bound_s=BOUND_S,
+                    hang_up_s=EARLY_HANG_UP_S,
+                )  # fmt: skip
+                for p, r in zip(prompts, refs, strict=True)
+            )
+        )
+        last = max(a.ended for a in answers)
+        free = await seconds_until_idle(decodes, last, IDLE_BOUND_S)
+        bindings = await _bindings_since(chaos.dep.metaserver, since_wall)
+    finally:
+        for name in prefills:
+            chaos.signal(name, signal.SIGCONT)
+    await wait_all_idle(engines)  # P drops the requests it gets late: their leases are gone
+    states = Counter(b["state"] for b in bindings)
+    taken = sum(1 for b in bindings if any(e["state"] == "prefill_started" for e in b["events"]))
+    note = (
+        f"both P frozen; {len(bindings)} bindings, ended {dict(states)}, {taken} taken by P; "
+        f"the clients hung up {EARLY_HANG_UP_S:.0f}s after sending"
+    )
+    row = Row("clients hang up before P started, alone", list(answers), free, note)
+    reliability.add(row)
+    m = Measured(row)
+    m.bindings = bindings
+    return m
+
+
+async def test_chaos_early_hangups_end_every_binding_before_p(aborted_early: Measured) -> None:
+    """The scenario is what it says: each client left with nothing, each binding ended
+    ``aborted`` with no ``prefill_started``, and D was idle again."""
+    _assert_sound(aborted_early)
+    r = aborted_early.row
+    assert r.count(Outcome.ABANDONED) == EARLY_CLIENTS, r.outcomes()
+    assert all(a.first_token is None for a in r.answers)
+    bindings = aborted_early.bindings
+    assert len(bindings) == EARLY_CLIENTS, r.note
+    assert {b["state"] for b in bindings} == {"aborted"}, r.note
+    for b in bindings:
+        assert "prefill_started" not in [e["state"] for e in b["events"]], b
+
+
 async def test_target_aborted_before_prefill_frees_decode_blocks_within_2s(
-    hangups: Measured,
+    aborted_early: Measured,
 ) -> None:
-    took = hangups.row.free_s("decode")
+    took = aborted_early.row.free_s("decode")
     assert took <= TARGET_ABORTED_D_FREE_S, (
         f"D's blocks free {took:.1f}s after the last hang-up (target {TARGET_ABORTED_D_FREE_S}s)"
     )
