@@ -105,9 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     if not args.instance_id:
         p.error("--instance-id (or $POD_NAME) is required")
-    client = MetaserverClient(
-        args.metaserver, token=os.environ.get(TOKEN_ENV) or None, retry=RetryPolicy(retries=2)
-    )
+    try:
+        client = MetaserverClient(
+            args.metaserver, token=os.environ.get(TOKEN_ENV) or None, retry=RetryPolicy(retries=2)
+        )
+    except ValueError as exc:  # not an http(s) URL
+        p.error(f"--metaserver: {exc}")
     with client:
         drain(
             client, args.instance_id, args.engine,

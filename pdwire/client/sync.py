@@ -201,8 +201,8 @@ class _Fanout:
 
 
 class BackgroundWriter:
-    """Bounded queue + ``lanes`` threads in front of a ``MetaserverClient`` (httpx's client is
-    thread-safe). ``submit`` never blocks."""
+    """Bounded queue + ``lanes`` threads in front of a ``MetaserverClient`` (one connection per
+    thread). ``submit`` never blocks."""
 
     def __init__(self, client: MetaserverClient, *, maxsize: int = 4096, lanes: int = 4) -> None:
         if lanes < 1:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from connector.drain import busy_requests, drain
+from connector.drain import busy_requests, drain, main
 from pdwire.client import MetaserverClient
 from pdwire.models import InstanceRole, InstanceSpec
 from tests.support.procs import free_port
@@ -109,3 +109,12 @@ def test_drain_of_an_unregistered_instance_or_a_dead_engine_still_ends(
     report = drain(registry, "ghost", dead, settle_s=0.1, timeout_s=5, poll_s=0.05)
     assert not report.marked and report.idle  # an engine that is gone has nothing in flight
     assert registry.get_instance("decode-7").draining is False
+
+
+def test_drain_cli_refuses_a_metaserver_url_it_cannot_use(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--metaserver", "metaserver:8300", "--instance-id", "decode-0"])
+    assert exc.value.code == 2
+    assert "--metaserver" in capsys.readouterr().err
