@@ -55,6 +55,7 @@ EXPORTS: dict[str, list[str]] = {
         "Backoff",
         "BackgroundWriter",
         "BadRequest",
+        "BindingWrite",
         "ConflictError",
         "MetaserverClient",
         "MetaserverClientError",
