@@ -14,6 +14,7 @@ first write after a lane was dropped can fail at once, on the dead connection).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,13 @@ PIECE = 16384
 RETRIES = ConnectorSettings.model_fields["write_retries"].default
 
 
+def _say(line: str) -> None:
+    """One line in one write(2): Mooncake's glog lines go to the same log from its own threads,
+    and a ``print`` (text, then newline) could be split by one (a CI run read
+    ``SECOND failed 5.00 1E1123 …``)."""
+    os.write(1, f"{line}\n".encode())
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["recv", "send"])
@@ -40,13 +48,13 @@ def main(argv: list[str]) -> int:
     buf = np.zeros(1 << 20, dtype=np.uint8)
     transport.register(buf.ctypes.data, buf.nbytes)
     if args.mode == "recv":
-        print(f"READY {transport.session} {buf.ctypes.data}", flush=True)
+        _say(f"READY {transport.session} {buf.ctypes.data}")
         time.sleep(3600)
         return 0
     src = [buf.ctypes.data + i * PIECE for i in range(4)]
     dst = [args.addr + i * PIECE for i in range(4)]
     transport.write(args.to, src[:1], dst[:1], [PIECE])
-    print("FIRST ok", flush=True)
+    _say("FIRST ok")
     for n, name in ((2, "SECOND"), (3, "THIRD")):
         while not Path(f"{args.go}.{n}").exists():
             time.sleep(0.02)
@@ -59,7 +67,7 @@ def main(argv: list[str]) -> int:
                 outcome = "ok"
             except TransferError:
                 pass
-        print(f"{name} {outcome} {time.monotonic() - t0:.2f} {attempts}", flush=True)
+        _say(f"{name} {outcome} {time.monotonic() - t0:.2f} {attempts}")
     return 0
 
 
