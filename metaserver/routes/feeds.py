@@ -41,7 +41,7 @@ async def binding_feed(
     if not 1 <= len(prefixes) <= MAX_PREFIXES:
         raise Unprocessable(f"prefix: give 1 to {MAX_PREFIXES}, not {len(prefixes)}")
     for p in prefixes:
-        if not _PREFIX.match(p):
+        if not _PREFIX.fullmatch(p):  # "$" alone would let a trailing newline through
             raise Unprocessable(f"prefix {p[:80]!r} does not match {PREFIX_PATTERN}")
     assert c.feeds is not None
     return StreamingResponse(c.feeds.stream(prefixes, keepalive), media_type=MEDIA_TYPE)
