@@ -16,13 +16,16 @@ import pytest
 
 from launch.supervisor import group_alive
 from tests.e2e.conftest import LOG_DIR
-from tests.support.procs import VENV_BIN, free_port
+from tests.support.procs import VENV_BIN, free_port_block
 
 pytestmark = pytest.mark.e2e
 
 
 def test_e2e_pd_launch_serves_then_stops_everything_on_ctrl_c(tiny_model: Path) -> None:
-    ports = [str(free_port()) for _ in range(4)]
+    # one block: pd-launch counts engine and side-channel ports up from their bases, and two
+    # independent free_port() bases can meet (a CI run: decode-0's HTTP port was taken)
+    base = free_port_block(16)
+    ports = [str(base), str(base + 1), str(base + 2), str(base + 8)]
     argv = [
         str(VENV_BIN / "pd-launch"), "--model", str(tiny_model), "--port", ports[0],
         "--metaserver-port", ports[1], "--engine-base-port", ports[2],
@@ -46,7 +49,10 @@ def test_e2e_pd_launch_serves_then_stops_everything_on_ctrl_c(tiny_model: Path) 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        assert up.wait(900), "pd-launch never became ready:\n" + "\n".join(lines[-30:])
+        deadline = time.monotonic() + 900
+        while not up.wait(0.5):  # a pd-launch that exited (a child failed) is not waited for
+            ended = proc.poll() is not None or time.monotonic() > deadline
+            assert not ended, "pd-launch never became ready:\n" + "\n".join(lines[-30:])
         text = "\n".join(lines)
         pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", text)]
         assert len(pids) == 4  # metaserver, prefill-0, decode-0, proxy
