@@ -24,19 +24,26 @@ class Ledger:
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self.transfers: dict[str, Transfer] = {}
+        # called (outside the lock) when a transfer this rank writes is opened: the
+        # keep-alives tell D at once, not up to ``keepalive_s`` later
+        self.on_open: Callable[[], None] | None = None
 
     # ---- forward thread -------------------------------------------------------------------
     def open(self, chunk: SendChunk) -> Transfer:
         """The request's transfer, opened at its first chunk."""
         with self._lock:
             tr = self.transfers.get(chunk.req_id)
-            if tr is None:
-                route = self._route(chunk)
-                tr = Transfer(chunk.req_id, chunk.transfer_id, chunk.dest, route)
-                self.transfers[chunk.req_id] = tr
-                if route is None:
-                    tr.ended = True  # a replica: another rank writes these heads
-            return tr
+            if tr is not None:
+                return tr
+            route = self._route(chunk)
+            tr = Transfer(chunk.req_id, chunk.transfer_id, chunk.dest, route)
+            self.transfers[chunk.req_id] = tr
+            if route is None:
+                tr.ended = True  # a replica: another rank writes these heads
+                return tr
+        if self.on_open is not None:
+            self.on_open()
+        return tr
 
     def get(self, req_id: str) -> Transfer | None:
         with self._lock:

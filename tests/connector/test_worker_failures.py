@@ -184,6 +184,39 @@ def test_sender_keepalive_names_open_transfers_to_each_d_rank() -> None:
     }
 
 
+def test_sender_keepalive_announces_a_new_transfer_at_once() -> None:
+    """D's silence clock starts at P's first keep-alive: a transfer opened between two beats
+    is named at once, not an interval later (a P frozen meanwhile would only be caught by
+    D's load deadline)."""
+    port = C.free_port_range(1)
+    got: list[tuple[float, wire.Alive]] = []
+    server = SideChannelServer(
+        "127.0.0.1",
+        port,
+        lambda hello: wire.Refused("no"),
+        lambda sig: None,
+        lambda alive: got.append((time.monotonic(), alive)),
+    )
+    ledger = Ledger(lambda chunk: tp.Route(0, 1, 0, 1))
+    d = C.destination(C.Instance("d-eng", 1, 8, False, 32, 16, 32), port)
+    ka = KeepAlive("p-eng/0", ledger, interval_s=30.0)
+    ka.start()
+    try:
+        time.sleep(0.2)  # the thread waits for its first interval
+        opened = time.monotonic()
+        ledger.open(SendChunk("r0", "t-r0", d, [], False))
+        deadline = opened + 5
+        while time.monotonic() < deadline and not got:
+            time.sleep(0.01)
+    finally:
+        ka.stop()
+        server.close()
+    assert got, "no keep-alive within 5 s of the transfer opening"
+    at, alive = got[0]
+    assert alive.transfer_ids == ["t-r0"] and at - opened < 1.0, (at - opened, alive)
+    assert ledger.on_open is None  # stopped: the ledger no longer pokes it
+
+
 def test_worker_handshake_with_nobody_listening_fails_and_releases_p() -> None:
     port = C.free_port_range(1)
     p = C.make_instance("p-eng", "kv_producer", 1)

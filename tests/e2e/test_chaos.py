@@ -45,7 +45,7 @@ from tests.e2e.chaos import (
 )
 from tests.e2e.client import client
 from tests.e2e.conftest import Monolithic
-from tests.e2e.engine_metrics import gauges, seconds_until_idle, wait_all_idle
+from tests.e2e.engine_metrics import connector_series, gauges, seconds_until_idle, wait_all_idle
 from tests.e2e.stack import Deployment, base_options, deployment, running
 from tests.e2e.test_equality import prompt_ids
 from tests.support.services import RedisSentinelGroup, RedisServer
@@ -560,6 +560,26 @@ async def _long_request(c: Chaos, seed: int) -> tuple[Ask, asyncio.Task[Answer]]
     return q, asyncio.create_task(ask(c.proxy_client(), c.model, q, bound_s=BOUND_S))
 
 
+async def _load_failures(c: Chaos) -> dict[str, float]:
+    """D's failed loads so far, by cause (``vllm:pdgate_load_failures_total``), every
+    decode engine summed."""
+    out: dict[str, float] = {}
+    for name, url in c.engines.items():
+        if not name.startswith("decode"):
+            continue
+        for key, value in (await connector_series(url)).items():
+            if key.startswith("vllm:pdgate_load_failures_total{"):
+                cause = key.split("{", 1)[1].rstrip("}")
+                out[cause] = out.get(cause, 0.0) + value
+    return out
+
+
+def _failed_since(before: dict[str, float], after: dict[str, float]) -> str:
+    """The causes of D's loads that failed between two ``_load_failures`` readings."""
+    new = {k: int(v - before.get(k, 0.0)) for k, v in after.items() if v > before.get(k, 0.0)}
+    return ", ".join(f"{k} x{n}" for k, n in sorted(new.items())) or "none"
+
+
 @dataclass
 class Baseline:
     """A fault-free request of ``LONG_PROMPT`` tokens (another prompt: the faulted ones find no
@@ -622,6 +642,7 @@ async def long_baseline(chaos: Chaos) -> Baseline:
 async def p_frozen(
     chaos: Chaos, reliability: ReliabilityTable, long_baseline: Baseline
 ) -> Measured:
+    failures = await _load_failures(chaos)  # (not between the push's middle and the fault)
     request, victim = await _long_request_mid_push(chaos, long_baseline, 51)
     engines = chaos.engines
     chaos.signal(victim, signal.SIGSTOP)
@@ -631,6 +652,7 @@ async def p_frozen(
     finally:
         chaos.signal(victim, signal.SIGCONT)
     answer = await request
+    failed = _failed_since(failures, await _load_failures(chaos))
     # D keeps the blocks the frozen P was writing out of use until its deadline plus the
     # late-landing hold, and gives them back at its next engine step: an idle vLLM does not
     # step, so one short request after the hold is what returns them (docs/connector.md)
@@ -652,7 +674,7 @@ async def p_frozen(
         m.answer_after_fault_s = answer.first_token - frozen_at
     row.note += (
         f"; first token {m.answer_after_fault_s:.1f}s after the freeze (fault-free: "
-        f"{long_baseline.first_token_s:.1f}s after the request)"
+        f"{long_baseline.first_token_s:.1f}s after the request); D's failed loads: {failed}"
     )
     return m
 
@@ -677,10 +699,12 @@ async def test_target_p_frozen_answer_streams_within_5s(p_frozen: Measured) -> N
 async def p_killed(
     chaos: Chaos, reliability: ReliabilityTable, long_baseline: Baseline
 ) -> Measured:
+    failures = await _load_failures(chaos)
     request, victim = await _long_request_mid_push(chaos, long_baseline, 61)
     chaos.signal(victim, signal.SIGKILL)
     killed_at = time.monotonic()
     answer = await request
+    failed = _failed_since(failures, await _load_failures(chaos))
     free = await seconds_until_idle(chaos.engines, killed_at, IDLE_BOUND_S)  # the survivors
     row = Row(f"P killed (SIGKILL) mid-prefill of {LONG_PROMPT} tokens", [answer], free)
     reliability.add(row)
@@ -689,7 +713,7 @@ async def p_killed(
         m.answer_after_fault_s = answer.first_token - killed_at
     row.note = (
         f"first token {m.answer_after_fault_s:.1f}s after the kill (fault-free: "
-        f"{long_baseline.first_token_s:.1f}s after the request)"
+        f"{long_baseline.first_token_s:.1f}s after the request); D's failed loads: {failed}"
     )
     return m
 
