@@ -144,20 +144,26 @@ async def chaos(
                 await pd.close()
 
 
-async def _bindings_in(ms_url: str, states: tuple[str, ...]) -> list[dict[str, Any]]:
+async def _bindings_in(
+    ms_url: str, states: tuple[str, ...], since_wall: float
+) -> list[dict[str, Any]]:
+    """The bindings in ``states`` created since ``since_wall`` (``time.time()``): a scenario's
+    own. An earlier scenario's outage can leave bindings in ``pushing`` for good (P's ``done``
+    event lost), and their pusher is not the engine pushing now."""
     out: list[dict[str, Any]] = []
     async with httpx.AsyncClient(base_url=ms_url, timeout=5) as ms:
         for state in states:
-            r = await ms.get("/v1/bindings", params={"state": state, "limit": 10})
-            out += r.json()["bindings"]
+            r = await ms.get("/v1/bindings", params={"state": state, "limit": 50})
+            out += [b for b in r.json()["bindings"] if b["created_at"] >= since_wall]
     return out
 
 
 async def _wait_pushing(
-    c: Chaos, requests: Sequence[asyncio.Task[Answer]], timeout_s: float = 60
+    c: Chaos, requests: Sequence[asyncio.Task[Answer]], since_wall: float, timeout_s: float = 60
 ) -> str:
-    """Wait until P pushes one of ``requests`` (a binding in ``pushing``); return the prefill
-    engine pushing it (that event's actor). One metaserver call per poll: an engine's
+    """Wait until P pushes one of ``requests``, sent since ``since_wall`` (a binding of theirs
+    in ``pushing``); return the prefill engine pushing it (that event's actor). One metaserver
+    call per poll: an engine's
     ``/metrics`` answers slowly while it computes (over a second on a busy 2-core machine),
     and a push could start and end between two such polls."""
     deadline = time.monotonic() + timeout_s
@@ -165,7 +171,7 @@ async def _wait_pushing(
         assert time.monotonic() < deadline, "the prefill never started"
         if all(r.done() for r in requests):
             raise AssertionError(f"the requests ended first: {[r.result() for r in requests]}")
-        for b in await _bindings_in(c.dep.metaserver, STREAM_STATES):
+        for b in await _bindings_in(c.dep.metaserver, STREAM_STATES, since_wall):
             pushers = [e["actor"] for e in b["events"] if e["state"] == "pushing"]
             if pushers and pushers[-1] in c.engines:
                 return str(pushers[-1])
@@ -590,20 +596,23 @@ class Baseline:
     first_token_s: float
     push_s: float
 
-    async def mid_push(self, c: Chaos, requests: Sequence[asyncio.Task[Answer]]) -> bool:
+    async def mid_push(
+        self, c: Chaos, requests: Sequence[asyncio.Task[Answer]], since_wall: float
+    ) -> bool:
         """Called when a push of ``requests`` shows as ``pushing``: wait until it is about half
         done (the faults of scenarios 5-7 strike there, not at its first write). False when
         no push is under way any more (the requests' first tokens may be out): ``push_s`` is
         then what the last push took (its ``pushing`` → ``done`` events), and the caller
-        tries again with new prompts. One scenario runs at a time: any push is theirs."""
+        tries again with new prompts. One scenario runs at a time: any push of a binding
+        created since ``since_wall`` (when ``requests`` were sent) is theirs."""
         await asyncio.sleep(MID_PUSH * self.push_s)
         if not all(r.done() for r in requests) and await _bindings_in(
-            c.dep.metaserver, STREAM_STATES
+            c.dep.metaserver, STREAM_STATES, since_wall
         ):
             return True
         took = [
             ev["done"] - ev["pushing"]
-            for b in await _bindings_in(c.dep.metaserver, ("done",))
+            for b in await _bindings_in(c.dep.metaserver, ("done",), since_wall)
             if {"pushing", "done"} <= (ev := {e["state"]: e["at"] for e in b["events"]}).keys()
         ]
         self.push_s = max(min(took, default=self.push_s / 2), 0.2)
@@ -620,18 +629,20 @@ async def _long_request_mid_push(
     """One request of ``LONG_PROMPT`` tokens, returned half-way through its push with the
     prefill engine pushing it; a new prompt (seed + 100) when the push ended sooner."""
     for attempt in range(MID_PUSH_TRIES):
+        since = time.time()
         _, request = await _long_request(c, seed + 100 * attempt)
         async with _cancelled_on_error([request]):
-            victim = await _wait_pushing(c, [request])
-            if await baseline.mid_push(c, [request]):
+            victim = await _wait_pushing(c, [request], since)
+            if await baseline.mid_push(c, [request], since):
                 return request, victim
     raise AssertionError(f"{MID_PUSH_TRIES} pushes ended before their middle")
 
 
 @pytest.fixture(scope="module")
 async def long_baseline(chaos: Chaos) -> Baseline:
+    since = time.time()
     _, request = await _long_request(chaos, 41)
-    await _wait_pushing(chaos, [request])
+    await _wait_pushing(chaos, [request], since)
     seen = time.monotonic()
     a = await request
     assert a.outcome == Outcome.CORRECT and a.first_token is not None, a
@@ -759,16 +770,18 @@ async def _stream_and_pushes_mid_push(
             deadline = time.monotonic() + 60
             decode = c.dep.url_of("decode-0")
             while not (await gauges(decode)).get("vllm:num_requests_running"):
-                assert time.monotonic() < deadline and not streaming.done(), "D never decoded"
+                assert time.monotonic() < deadline, "D never decoded"
+                assert not streaming.done(), f"the stream ended first: {streaming.result()}"
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.5)  # some tokens are out
+            since = time.time()
             pushing = [
                 asyncio.create_task(ask(pd, c.model, Ask(p, r, 8), bound_s=BOUND_S))
                 for p, r in zip(pushes, push_refs, strict=True)
             ]
             in_flight += pushing
-            await _wait_pushing(c, pushing)
-            if await baseline.mid_push(c, pushing):
+            await _wait_pushing(c, pushing, since)
+            if await baseline.mid_push(c, pushing, since):
                 return streaming, pushing
         streaming.cancel()
         await asyncio.gather(*in_flight, return_exceptions=True)
