@@ -103,9 +103,8 @@ class ProxySettings(LayeredSettings):
     prefill_grace_s: float = Field(
         0.5,
         ge=0,
-        description="decode-first, D answering before P: how long a whole answer, or a "
-        "stream's usage event, waits for P's answer (its push report and cached tokens) "
-        "before P's leg is dropped; a stream's first token never waits",
+        description="decode-first: once D streams, how long P's answer is still awaited "
+        "(its push report and cached tokens) before P's leg is dropped",
     )
     first_token_timeout_s: float = Field(300.0, gt=0, description="D's first streamed byte")
     request_timeout_s: float = Field(600.0, gt=0, description="whole non-streaming answer")

@@ -249,8 +249,8 @@ class Metrics:
         ).labels()
         self.prefill_dropped = counter(
             "pd_prefill_dropped_total",
-            "D answered before P and P's answer did not come in time (--prefill-grace; a "
-            "stream: by its end): P's leg cancelled, its report and cached-token count dropped",
+            "D answered and P did not within --prefill-grace: P's leg cancelled, its report "
+            "and cached-token count dropped",
             registry=r,
         ).labels()
         self.binding_waits = InFlight(

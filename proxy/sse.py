@@ -36,14 +36,12 @@ async def relay_stream(
     when D's stream ended cleanly with ``[DONE]``. ``on_done`` runs once ``[DONE]`` has been
     passed on: from then on the client has the whole answer (and may hang up)."""
     next_chunk = up.resp.next_chunk
-    fix = _UsageFixer(up) if merge and up.may_merge else None
+    fix = _UsageFixer(up.prefill_cached) if merge and up.prefill_cached is not None else None
     chunk = up.first
     tail = b""
     try:
         while chunk:
             tail = chunk[-32:] if len(chunk) >= 32 else (tail + chunk)[-32:]
-            if fix is not None and fix.usage_in(chunk):
-                await up.await_prefill()
             await send(_body(fix.feed(chunk) if fix else chunk))
             if on_done is not None and _DONE in tail and (fix is None or not fix.pending):
                 on_done()
@@ -64,18 +62,11 @@ async def relay_stream(
 
 
 class _UsageFixer:
-    """Rewrites the usage event with P's cached-token count, read when that event passes (P's
-    leg may still run when the stream starts: ``Upstream.prefill``)."""
+    __slots__ = ("cached", "pending")
 
-    __slots__ = ("pending", "up")
-
-    def __init__(self, up: Upstream) -> None:
-        self.up = up
+    def __init__(self, cached: int | None) -> None:
+        self.cached = cached
         self.pending = b""
-
-    def usage_in(self, chunk: bytes) -> bool:
-        """Whether ``chunk`` may complete an event that carries usage."""
-        return b'"usage"' in chunk or b'"usage"' in self.pending[-7:] + chunk[:7]
 
     def feed(self, chunk: bytes) -> bytes:
         buf = self.pending + chunk
@@ -99,7 +90,7 @@ class _UsageFixer:
             obj = decode(event[6:])
         except ValueError:
             return event
-        if isinstance(obj, dict) and merge_usage(obj.get("usage"), self.up.cached_now()):
+        if isinstance(obj, dict) and merge_usage(obj.get("usage"), self.cached):
             return b"data: " + encode(obj)
         return event
 

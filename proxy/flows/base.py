@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -71,26 +70,13 @@ class Attempt:
 class Upstream:
     """D's answer with its first bytes read (the whole body when not streaming)."""
 
-    __slots__ = (
-        "binding_ids",
-        "binding_tracked",
-        "first",
-        "prefill",
-        "prefill_cached",
-        "prefill_grace",
-        "resp",
-        "tid",
-    )
+    __slots__ = ("binding_ids", "binding_tracked", "first", "prefill_cached", "resp", "tid")
 
     def __init__(self, resp: Response, first: bytes, tid: str) -> None:
         self.resp = resp
         self.first = first
         self.tid = tid
         self.prefill_cached: int | None = None
-        # a stream that went out before P answered: P's leg, still running (its cached-token
-        # count joins the stream's usage if it comes first; cancelled when the stream ends)
-        self.prefill: asyncio.Task[PrefillAnswer] | None = None
-        self.prefill_grace = 0.0  # how long the usage event may wait for P's answer
         self.binding_tracked = False  # decode-first flows: the metaserver knows this tid
         self.binding_ids: tuple[str, ...] = ()  # the bindings' ids when not just ``tid``
 
@@ -98,42 +84,12 @@ class Upstream:
     def content_type(self) -> bytes:
         return self.resp.content_type
 
-    @property
-    def may_merge(self) -> bool:
-        """Whether P's cached-token count is, or may still become, known."""
-        return self.prefill_cached is not None or self.prefill is not None
-
-    def cached_now(self) -> int | None:
-        """P's cached-token count, if P's answer is in by now."""
-        p = self.prefill
-        if self.prefill_cached is None and p is not None and p.done() and not p.cancelled():
-            if p.exception() is None:
-                self.prefill_cached = prefill_cached(p.result())
-        return self.prefill_cached
-
-    async def await_prefill(self) -> None:
-        """Before the usage event goes out: give P's leg, if it still runs, up to
-        ``prefill_grace`` to answer (its failure or lateness leaves the usage as D's)."""
-        p = self.prefill
-        if p is None or p.done():
-            return
-        try:
-            await asyncio.wait_for(asyncio.shield(p), self.prefill_grace)
-        except Exception:  # TimeoutError, or P's leg failed (a client gone still cancels)
-            pass
-
     def close(self) -> None:
         """Drop the connection (an unfinished D request is aborted by vLLM)."""
-        self._end_prefill()
         self.resp.close()
 
     def release(self) -> None:
-        self._end_prefill()
         self.resp.release()
-
-    def _end_prefill(self) -> None:
-        if self.prefill is not None and not self.prefill.done():
-            self.prefill.cancel()  # D's answer is out: P's report can no longer join it
 
 
 class Flow(Protocol):

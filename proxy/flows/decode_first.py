@@ -5,10 +5,8 @@
 2. The proxy long-polls the binding, then sends P the prefill request carrying it (``decode``,
    the metaserver's JSON embedded as it came); P pushes KV into D's blocks and signals D.
    *Concurrent* mode sends P at once, without the binding: P's connector fetches it itself.
-3. D's leg runs in its own task; the binding wait and P's leg run in the request's task (a
-   stream's P leg in a task of its own, so that D's first token can go out while it runs on:
-   ``Upstream.prefill``). A D failure meanwhile interrupts them (cancel + ``uncancel``, no
-   ``wait`` sets);
+3. D's leg runs in its own task; the binding wait and P's leg run in the request's task. A D
+   failure meanwhile interrupts them (cancel + ``uncancel``, no extra tasks or ``wait`` sets);
    any failure drops the other leg (closing D's connection aborts its request, so nothing
    waits for KV that will never come) and marks the binding ``failed`` (P errored) or
    ``aborted`` (anything else), fire-and-forget.
@@ -80,7 +78,6 @@ class DecodeFirst:
         d_task = asyncio.get_running_loop().create_task(d_leg)
         watch = DecodeWatch(task, self._grace_s)
         d_task.add_done_callback(watch)
-        p_task: asyncio.Task[PrefillAnswer] | None = None  # P's leg, streams only
         try:
             if not self._concurrent:
                 watch.armed = True
@@ -91,25 +88,17 @@ class DecodeFirst:
                         raise
                     return await d_task  # D answered (or failed) without waiting for KV
                 watch.disarm()
-            # from now on D's failure interrupts P at once, and so does D's answer to a stream
-            # (its first token goes out now; P's leg runs on in its own task and its report
-            # joins the stream if it comes in time); a whole answer waits the grace for P's
-            # (a D that ended since the binding came has its callback pending: it runs armed,
-            # at P's leg's first await)
-            watch.any_end = a.req.stream
+            # from now on D's failure interrupts P at once, D's answer after the grace (a D
+            # that ended since the binding came has its callback pending: it runs armed, at
+            # P's leg's first await)
+            watch.any_end = False
             watch.armed = True
             try:
-                if a.req.stream:
-                    p_task = asyncio.get_running_loop().create_task(self._prefill(a, url, binding))
-                    answer: PrefillAnswer = await asyncio.shield(p_task)
-                else:
-                    answer = await self._prefill(a, url, binding)
+                answer: PrefillAnswer = await self._prefill(a, url, binding)
             except asyncio.CancelledError:
                 if not watch.absorb():
                     raise
                 if answered(d_task):
-                    if p_task is not None:
-                        return self._prefill_pending(a, d_task.result(), p_task)
                     return self._without_prefill(a, d_task.result())
                 await d_task  # raises D's error
                 raise
@@ -119,8 +108,6 @@ class DecodeFirst:
                 up = await d_task
         except BaseException as exc:
             watch.disarm()
-            if p_task is not None:
-                p_task.cancel()  # (a no-op once it ended)
             drop(d_task)
             failed = isinstance(exc, LegError) and exc.leg == "prefill"
             state = BindingState.FAILED if failed else BindingState.ABORTED
@@ -151,25 +138,6 @@ class DecodeFirst:
         self._legs.metrics.prefill_dropped.inc()
         up.binding_tracked = True
         return up
-
-    def _prefill_pending(
-        self, a: Attempt, up: Upstream, p_task: asyncio.Task[PrefillAnswer]
-    ) -> Upstream:
-        """D's stream starts before P answered (a P that hangs, or only slow): it goes out now;
-        P's leg runs on until the stream ends (``Upstream.prefill``), and the usage event
-        waits up to the grace for P's cached-token count."""
-        up.prefill = p_task
-        up.prefill_grace = self._grace_s
-        up.binding_tracked = True
-        p_task.add_done_callback(lambda t: self._prefill_ended(a.tid, t))
-        return up
-
-    def _prefill_ended(self, tid: str, p_task: asyncio.Task[PrefillAnswer]) -> None:
-        if p_task.cancelled():
-            log.warning("%s: D's stream ended before P answered; P's leg dropped", tid)
-            self._legs.metrics.prefill_dropped.inc()
-        elif (exc := p_task.exception()) is not None:  # the answer is D's own either way
-            log.warning("%s: P's leg failed after D's stream started: %s", tid, exc)
 
     async def _decode_alone(self, a: Attempt, d_task: asyncio.Task[Upstream], why: str) -> Upstream:
         drop(d_task)

@@ -85,20 +85,16 @@ async def test_decode_first_disconnect_after_decode_answered_during_prefill(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     backend = MockBackend(
-        {
-            "decode": Reply.sse(["a", never()]),
-            "get": Reply.json(BINDING),
-            "prefill": PUSHED.after(never()),
-        }
+        {"decode": Reply.sse(["a"]), "get": Reply.json(BINDING), "prefill": PUSHED.after(never())}
     )
     px = InMemoryProxy(backend)
     ex = px.request(stream=True)
     await backend.called("prefill", waiting=True)
     d = await backend.called("decode")
-    await ex.parts(1)  # D's stream goes out while P's leg still runs
+    await wait_until(lambda: d.outcome == Outcome.OPEN)
     ex.disconnect()
     await ex.done()
-    assert ex.status == 200 and not ex.ended  # nothing more after the hang-up
+    assert ex.messages == []
     assert legs(backend) == [
         ("decode", Outcome.CLOSED),
         ("get", Outcome.ANSWERED),
