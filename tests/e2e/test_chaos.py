@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import pytest
 from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.chaos import (
     Answer,
@@ -37,6 +38,7 @@ from tests.e2e.chaos import (
     Outcome,
     ReliabilityTable,
     Row,
+    StallWatch,
     ask,
     hang_up_delays,
     references,
@@ -45,7 +47,13 @@ from tests.e2e.chaos import (
 )
 from tests.e2e.client import client
 from tests.e2e.conftest import Monolithic
-from tests.e2e.engine_metrics import connector_series, gauges, seconds_until_idle, wait_all_idle
+from tests.e2e.engine_metrics import (
+    connector_series,
+    gauges,
+    metrics_text,
+    seconds_until_idle,
+    wait_all_idle,
+)
 from tests.e2e.stack import Deployment, base_options, deployment, running
 from tests.e2e.test_equality import prompt_ids
 from tests.support.services import RedisSentinelGroup, RedisServer
@@ -196,7 +204,8 @@ def _assert_sound(m: Measured) -> None:
     idle again (nothing stranded for good)."""
     r = m.row
     summary = f"{r.scenario}: {dict(r.outcomes())}, errors {dict(r.errors())}"
-    assert r.count(Outcome.WRONG) == 0, summary
+    wrong = [a.detail for a in r.answers if a.outcome == Outcome.WRONG]
+    assert not wrong, f"{summary}; the wrong ones: {wrong[:5]}"
     assert r.count(Outcome.HUNG) == 0, summary
     assert r.count(Outcome.BROKEN) == 0, summary
     stranded = {n: s for n, s in r.kv_free_s.items() if math.isinf(s)}
@@ -387,14 +396,42 @@ STREAM_S = 9.0
 FAULT_AT_S = 2.0
 STREAM_MAX_TOKENS = 8
 OUTAGE_ERRORS = (502, 503, 504)  # what a request caught by the outage may get instead
+STALL_S = 2.0  # this process not running that long: the scenario measured the machine
 
 
 async def _under_stream(
-    c: Chaos, reliability: ReliabilityTable, name: str, seed: int, fault: Callable[[], Any]
+    c: Chaos,
+    reliability: ReliabilityTable,
+    name: str,
+    seed: int,
+    fault: Callable[[], Any],
+    *,
+    repeatable: bool = True,
 ) -> Measured:
     """A steady stream of short requests; ``fault`` (a coroutine function) runs ``FAULT_AT_S``
     into it and returns when the service is back (its return: the moment it was back). The
-    row goes into the table."""
+    row goes into the table. A run through which this process stalled ``STALL_S`` or more
+    (``StallWatch``) is run once more, with new prompts, when the fault can strike again
+    (``repeatable``), and the row says so."""
+    stalled = ""
+    for attempt in range(2):
+        with StallWatch() as watch:
+            m = await _stream_once(c, name, seed + 1000 * attempt, fault)
+        if watch.worst_s < STALL_S or attempt == 1 or not repeatable:
+            m.row.note += stalled + (
+                f"; this run stalled {watch.worst_s:.1f}s" if watch.worst_s >= STALL_S else ""
+            )
+            reliability.add(m.row)
+            return m
+        stalled = (
+            f"; run again: the machine stalled {watch.worst_s:.1f}s in the first run "
+            f"({dict(m.row.outcomes())})"
+        )
+        print(f"[chaos] {name}{stalled}")
+    raise AssertionError("unreachable")
+
+
+async def _stream_once(c: Chaos, name: str, seed: int, fault: Callable[[], Any]) -> Measured:
     n = int(STREAM_RATE_HZ * STREAM_S) + 1
     rng = random.Random(seed)
     prompts = [prompt_ids(rng.randrange(30, 200), seed=seed * 1000 + i) for i in range(n)]
@@ -418,7 +455,6 @@ async def _under_stream(
     last = max(a.ended for a in answers)
     free = await seconds_until_idle(c.engines, last, IDLE_BOUND_S)
     row = Row(name, answers, free, f"back {back_at - fault_at:.1f}s after the fault")
-    reliability.add(row)
     return Measured(row, fault_at=fault_at, back_at=back_at)
 
 
@@ -533,7 +569,8 @@ async def sentinel_failover(
 
     name = "Sentinel failover of the metaserver's Redis under load"
     try:
-        return await _under_stream(chaos, reliability, name, 23, fault)
+        # (once failed over, the group has no second replica to promote: no second run)
+        return await _under_stream(chaos, reliability, name, 23, fault, repeatable=False)
     except BaseException:  # the later scenarios still get a working store
         await _move_metaserver(chaos, chaos.redis.url)
         raise
@@ -577,6 +614,16 @@ async def _load_failures(c: Chaos) -> dict[str, float]:
             if key.startswith("vllm:pdgate_load_failures_total{"):
                 cause = key.split("{", 1)[1].rstrip("}")
                 out[cause] = out.get(cause, 0.0) + value
+    return out
+
+
+async def _proxy_retries(c: Chaos) -> float:
+    """The proxy's ``pd_retries_total``, every reason summed."""
+    out = 0.0
+    for family in text_string_to_metric_families(await metrics_text(c.dep.proxy)):
+        for sample in family.samples:
+            if sample.name == "pd_retries_total":
+                out += sample.value
     return out
 
 
@@ -649,6 +696,24 @@ async def long_baseline(chaos: Chaos) -> Baseline:
     return Baseline(a.first_token - a.started, a.first_token - seen)
 
 
+QUARANTINE_NOTE = (
+    f"D's quarantined blocks back at its first step after deadline + {LATE_LANDING_S:.0f}s hold"
+)
+
+
+async def _probe_after_hold(c: Chaos, fault_at: float, seed: int) -> None:
+    """D keeps the blocks a silent P was writing out of use until its load deadline plus the
+    late-landing hold (a frozen P, or the bytes a killed P left in the transport, may still
+    land), and gives them back at its next engine step. An idle vLLM does not step, so one
+    short request after the hold is what returns them (docs/connector.md)."""
+    await asyncio.sleep(max(0.0, fault_at + KV_LOAD_TIMEOUT_S + LATE_LANDING_S - time.monotonic()))
+    probe_prompt = prompt_ids(16, seed=seed)
+    (probe_ref,) = await references(c.mono, c.model, [probe_prompt], max_tokens=1)
+    probe = await ask(c.proxy_client(), c.model, Ask(probe_prompt, probe_ref, 1),
+                      bound_s=BOUND_S)  # fmt: skip
+    assert probe.outcome == Outcome.CORRECT, probe
+
+
 @pytest.fixture(scope="module")
 async def p_frozen(
     chaos: Chaos, reliability: ReliabilityTable, long_baseline: Baseline
@@ -656,28 +721,18 @@ async def p_frozen(
     failures = await _load_failures(chaos)  # (not between the push's middle and the fault)
     request, victim = await _long_request_mid_push(chaos, long_baseline, 51)
     engines = chaos.engines
-    chaos.signal(victim, signal.SIGSTOP)
-    frozen_at = time.monotonic()
-    try:
-        await asyncio.sleep(KV_LOAD_TIMEOUT_S + 2)  # past D's load deadline
-    finally:
-        chaos.signal(victim, signal.SIGCONT)
-    answer = await request
+    with StallWatch() as watch:
+        chaos.signal(victim, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        try:
+            await asyncio.sleep(KV_LOAD_TIMEOUT_S + 2)  # past D's load deadline
+        finally:
+            chaos.signal(victim, signal.SIGCONT)
+        answer = await request
     failed = _failed_since(failures, await _load_failures(chaos))
-    # D keeps the blocks the frozen P was writing out of use until its deadline plus the
-    # late-landing hold, and gives them back at its next engine step: an idle vLLM does not
-    # step, so one short request after the hold is what returns them (docs/connector.md)
-    await asyncio.sleep(max(0.0, frozen_at + KV_LOAD_TIMEOUT_S + LATE_LANDING_S - time.monotonic()))
-    probe_prompt = prompt_ids(16, seed=52)
-    (probe_ref,) = await references(chaos.mono, chaos.model, [probe_prompt], max_tokens=1)
-    probe = await ask(chaos.proxy_client(), chaos.model, Ask(probe_prompt, probe_ref, 1),
-                      bound_s=BOUND_S)  # fmt: skip
-    assert probe.outcome == Outcome.CORRECT, probe
+    await _probe_after_hold(chaos, frozen_at, 52)
     free = await seconds_until_idle(engines, frozen_at, IDLE_BOUND_S)
-    note = (
-        f"P resumed {KV_LOAD_TIMEOUT_S + 2:.0f}s after the freeze; D's quarantined blocks "
-        f"back at its first step after deadline + {LATE_LANDING_S:.0f}s hold"
-    )
+    note = f"P resumed {KV_LOAD_TIMEOUT_S + 2:.0f}s after the freeze; {QUARANTINE_NOTE}"
     row = Row("P frozen (SIGSTOP) mid-push, resumed after D's deadline", [answer], free, note)
     reliability.add(row)
     m = Measured(row)
@@ -686,8 +741,16 @@ async def p_frozen(
     row.note += (
         f"; first token {m.answer_after_fault_s:.1f}s after the freeze (fault-free: "
         f"{long_baseline.first_token_s:.1f}s after the request); D's failed loads: {failed}"
+        f"{_stalled(watch)}"
     )
     return m
+
+
+def _stalled(watch: StallWatch) -> str:
+    """A note for a measurement this process stalled through (``STALL_S`` or more)."""
+    return (
+        f"; this process stalled {watch.worst_s:.1f}s meanwhile" if watch.worst_s >= STALL_S else ""
+    )
 
 
 async def test_chaos_p_frozen_client_gets_the_right_answer(p_frozen: Measured) -> None:
@@ -712,19 +775,30 @@ async def p_killed(
 ) -> Measured:
     failures = await _load_failures(chaos)
     request, victim = await _long_request_mid_push(chaos, long_baseline, 61)
-    chaos.signal(victim, signal.SIGKILL)
-    killed_at = time.monotonic()
-    answer = await request
+    retries_before = await _proxy_retries(chaos)
+    with StallWatch() as watch:
+        chaos.signal(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        answer = await request
     failed = _failed_since(failures, await _load_failures(chaos))
-    free = await seconds_until_idle(chaos.engines, killed_at, IDLE_BOUND_S)  # the survivors
+    retried = int(await _proxy_retries(chaos) - retries_before)
+    engines = chaos.engines  # the survivors
+    free = await seconds_until_idle(engines, killed_at, KV_LOAD_TIMEOUT_S + LATE_LANDING_S)
+    held = {n: engines[n] for n, s in free.items() if math.isinf(s)}
+    quarantined = ""
+    if held:  # a load D failed for P's silence: its blocks go back at a step after the hold
+        await _probe_after_hold(chaos, killed_at, 62)
+        free |= await seconds_until_idle(held, killed_at, IDLE_BOUND_S)
+        quarantined = f"{QUARANTINE_NOTE}; "
     row = Row(f"P killed (SIGKILL) mid-prefill of {LONG_PROMPT} tokens", [answer], free)
     reliability.add(row)
     m = Measured(row)
     if answer.first_token is not None:
         m.answer_after_fault_s = answer.first_token - killed_at
     row.note = (
-        f"first token {m.answer_after_fault_s:.1f}s after the kill (fault-free: "
-        f"{long_baseline.first_token_s:.1f}s after the request); D's failed loads: {failed}"
+        f"{quarantined}first token {m.answer_after_fault_s:.1f}s after the kill (fault-free: "
+        f"{long_baseline.first_token_s:.1f}s after the request); D's failed loads: {failed}; "
+        f"proxy retries x{retried}{_stalled(watch)}"
     )
     return m
 
@@ -738,8 +812,8 @@ async def test_chaos_p_killed_client_gets_the_right_answer(p_killed: Measured) -
 
 @pytest.mark.xfail(
     reason="issue 13 target not met: the proxy retries on the other P, which prefills from "
-    "scratch (first token 7.9-10.0 s after the kill, a fault-free request 5.8-7.1 s; "
-    "docs/reliability.md)",
+    "scratch (first token 6.1-10.0 s after the kill; docs/reliability.md). Keeping D's leg "
+    "instead answered in 2.2-3.3 s but wrong in 2 of 6 runs (reverted)",
     strict=False,
 )
 async def test_target_p_killed_answer_streams_within_5s(p_killed: Measured) -> None:
@@ -822,7 +896,8 @@ async def d_killed(
 async def test_chaos_d_killed_clients_get_clean_errors(d_killed: Measured) -> None:
     """The stream that was under way ends with an SSE error event after a correct prefix; the
     requests whose prefill was being pushed get a clean 502/503 (their only D is gone); one
-    that got its whole answer before the kill (three share two P) is right."""
+    that got its whole answer before the kill (three share two P) is right, and one whose
+    answer was streaming at the kill ends like the long stream."""
     _assert_sound(d_killed)
     stream, *pushed = d_killed.row.answers
     assert stream.outcome == Outcome.CLEAN_ERROR and stream.status is None, stream
@@ -830,10 +905,13 @@ async def test_chaos_d_killed_clients_get_clean_errors(d_killed: Measured) -> No
     cut = [a for a in pushed if a.ended >= d_killed.fault_at]
     assert cut, f"every pushed request ended before D was killed: {pushed}"
     for a in pushed:
-        if a.ended >= d_killed.fault_at:
-            assert a.outcome == Outcome.CLEAN_ERROR and a.status in (502, 503), a
-        else:
+        if a.ended < d_killed.fault_at:
             assert a.outcome == Outcome.CORRECT, a
+        elif a.first_token is not None and a.first_token < d_killed.fault_at:
+            # its push ended and D was streaming its 8 tokens at the kill: as the long stream
+            assert a.outcome == Outcome.CLEAN_ERROR and a.status is None and a.tokens > 0, a
+        else:
+            assert a.outcome == Outcome.CLEAN_ERROR and a.status in (502, 503), a
 
 
 @pytest.mark.xfail(
