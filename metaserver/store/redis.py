@@ -118,9 +118,7 @@ class RedisStore(Store):
 
     async def close(self) -> None:
         if self._listener is not None:
-            self._listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._listener
+            await _cancel_until_done(self._listener)
         await self._r.aclose()
         await close_pool(self._pool)
 
@@ -449,3 +447,20 @@ def _redact(url: str) -> str:
         return url
     scheme, _, rest = url.partition("://")
     return f"{scheme}://***@{rest.rpartition('@')[2]}"
+
+
+_RECANCEL_S = 0.1
+
+
+async def _cancel_until_done(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` and wait for it to end, cancelling again while it runs on. On Python
+    3.11 ``asyncio.wait_for`` loses a cancel that lands as the call it waits on completes
+    (CPython gh-86296, fixed in 3.12); redis-py sends commands through it, so a listener
+    cancelled while it subscribed went on to read its subscription for good, and ``close``
+    waited for it for ever (seen as a hung test teardown, about one close in ten when the
+    store closed within milliseconds of starting)."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait((task,), timeout=_RECANCEL_S)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
