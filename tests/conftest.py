@@ -11,6 +11,8 @@ import pytest
 from tests.support.procs import REPO
 from tests.support.services import MetaserverProcess, RedisSentinelGroup, RedisServer
 
+pytest_plugins = ["tests.support.hangs"]
+
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
