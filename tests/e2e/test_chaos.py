@@ -437,6 +437,7 @@ async def _stream_once(c: Chaos, name: str, seed: int, fault: Callable[[], Any])
     prompts = [prompt_ids(rng.randrange(30, 200), seed=seed * 1000 + i) for i in range(n)]
     refs = await references(c.mono, c.model, prompts, max_tokens=STREAM_MAX_TOKENS)
     await wait_all_idle(c.engines)
+    failures = await _load_failures(c)
     pd = c.proxy_client()
 
     async def send(i: int) -> Answer:
@@ -453,8 +454,18 @@ async def _stream_once(c: Chaos, name: str, seed: int, fault: Callable[[], Any])
         steady_stream(send, rate_hz=STREAM_RATE_HZ, duration_s=STREAM_S), inject()
     )
     last = max(a.ended for a in answers)
-    free = await seconds_until_idle(c.engines, last, IDLE_BOUND_S)
-    row = Row(name, answers, free, f"back {back_at - fault_at:.1f}s after the fault")
+    # a load D failed during the outage for P's silence (P lost its binding and stopped) keeps
+    # its blocks quarantined past the last answer's deadline plus the hold
+    free = await seconds_until_idle(c.engines, last, KV_LOAD_TIMEOUT_S + LATE_LANDING_S)
+    held = {n: c.engines[n] for n, s in free.items() if math.isinf(s)}
+    note = f"back {back_at - fault_at:.1f}s after the fault"
+    if held:
+        failed = _failed_since(failures, await _load_failures(c))
+        if "prefill_silent" in failed:  # only then: anything else held is stranded
+            await _probe_after_hold(c, last, seed + 500)
+            note += f"; D's failed loads: {failed}; {QUARANTINE_NOTE}"
+        free |= await seconds_until_idle(held, last, IDLE_BOUND_S)
+    row = Row(name, answers, free, note)
     return Measured(row, fault_at=fault_at, back_at=back_at)
 
 
