@@ -454,8 +454,8 @@ async def _stream_once(c: Chaos, name: str, seed: int, fault: Callable[[], Any])
         steady_stream(send, rate_hz=STREAM_RATE_HZ, duration_s=STREAM_S), inject()
     )
     last = max(a.ended for a in answers)
-    # a load D failed during the outage for P's silence (P lost its binding and stopped) keeps
-    # its blocks quarantined past the last answer's deadline plus the hold
+    # a load D failed during the outage for P's silence (seen; why P fell silent is not known)
+    # keeps its blocks quarantined until its deadline plus the hold, back at D's next step
     free = await seconds_until_idle(c.engines, last, KV_LOAD_TIMEOUT_S + LATE_LANDING_S)
     held = {n: c.engines[n] for n, s in free.items() if math.isinf(s)}
     note = f"back {back_at - fault_at:.1f}s after the fault"
