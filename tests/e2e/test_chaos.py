@@ -455,16 +455,14 @@ async def _stream_once(c: Chaos, name: str, seed: int, fault: Callable[[], Any])
     )
     last = max(a.ended for a in answers)
     # a load D failed during the outage for P's silence (seen; why P fell silent is not known)
-    # keeps its blocks quarantined until its deadline plus the hold, back at D's next step
-    free = await seconds_until_idle(c.engines, last, KV_LOAD_TIMEOUT_S + LATE_LANDING_S)
-    held = {n: c.engines[n] for n, s in free.items() if math.isinf(s)}
+    # keeps its blocks quarantined; only then is a probe due: anything else held is stranded
+    failed = _failed_since(failures, await _load_failures(c))
+    free, probed = await _idle_after_hold(
+        c, c.engines, last, seed + 500, probe="prefill_silent" in failed
+    )
     note = f"back {back_at - fault_at:.1f}s after the fault"
-    if held:
-        failed = _failed_since(failures, await _load_failures(c))
-        if "prefill_silent" in failed:  # only then: anything else held is stranded
-            await _probe_after_hold(c, last, seed + 500)
-            note += f"; D's failed loads: {failed}; {QUARANTINE_NOTE}"
-        free |= await seconds_until_idle(held, last, IDLE_BOUND_S)
+    if probed:
+        note += f"; D's failed loads: {failed}; {QUARANTINE_NOTE}"
     row = Row(name, answers, free, note)
     return Measured(row, fault_at=fault_at, back_at=back_at)
 
@@ -725,6 +723,21 @@ async def _probe_after_hold(c: Chaos, fault_at: float, seed: int) -> None:
     assert probe.outcome == Outcome.CORRECT, probe
 
 
+async def _idle_after_hold(
+    c: Chaos, engines: dict[str, str], since: float, seed: int, *, probe: bool
+) -> tuple[dict[str, float], bool]:
+    """Each engine's seconds from ``since`` until idle (inf: not within ``IDLE_BOUND_S``). An
+    engine still busy at D's load deadline plus the late-landing hold gets the one short
+    request of ``_probe_after_hold`` first when ``probe``; the second value: it was sent."""
+    free = await seconds_until_idle(engines, since, KV_LOAD_TIMEOUT_S + LATE_LANDING_S)
+    held = {n: engines[n] for n, s in free.items() if math.isinf(s)}
+    if held and probe:
+        await _probe_after_hold(c, since, seed)
+    if held:
+        free |= await seconds_until_idle(held, since, IDLE_BOUND_S)
+    return free, bool(held) and probe
+
+
 @pytest.fixture(scope="module")
 async def p_frozen(
     chaos: Chaos, reliability: ReliabilityTable, long_baseline: Baseline
@@ -793,14 +806,9 @@ async def p_killed(
         answer = await request
     failed = _failed_since(failures, await _load_failures(chaos))
     retried = int(await _proxy_retries(chaos) - retries_before)
-    engines = chaos.engines  # the survivors
-    free = await seconds_until_idle(engines, killed_at, KV_LOAD_TIMEOUT_S + LATE_LANDING_S)
-    held = {n: engines[n] for n, s in free.items() if math.isinf(s)}
-    quarantined = ""
-    if held:  # a load D failed for P's silence: its blocks go back at a step after the hold
-        await _probe_after_hold(chaos, killed_at, 62)
-        free |= await seconds_until_idle(held, killed_at, IDLE_BOUND_S)
-        quarantined = f"{QUARANTINE_NOTE}; "
+    # (the survivors) a load D failed for P's silence: its blocks go back after the hold
+    free, probed = await _idle_after_hold(chaos, chaos.engines, killed_at, 62, probe=True)
+    quarantined = f"{QUARANTINE_NOTE}; " if probed else ""
     row = Row(f"P killed (SIGKILL) mid-prefill of {LONG_PROMPT} tokens", [answer], free)
     reliability.add(row)
     m = Measured(row)
