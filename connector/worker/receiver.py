@@ -200,8 +200,15 @@ class RecvTracker:
             return None
         if entry is not None and entry.by_sender:
             sigs = entry.by_sender.values()
-            if any(not s.ok for s in sigs):
+            failed = [s for s in sigs if not s.ok]
+            if failed:
                 recv.cause = "prefill_failed"
+                log.warning(
+                    "transfer %s (%s): P reported its push failed (%s); failing the load",
+                    recv.transfer_id,
+                    recv.req_id,
+                    "; ".join(f"{s.sender}: {s.error or 'no reason given'}" for s in failed),
+                )
                 return False
             if len(entry.by_sender) >= max(s.expected for s in sigs):
                 return self._intact(recv, sigs, now)

@@ -120,6 +120,19 @@ def test_receiver_fails_a_load_whose_p_went_silent_and_asks_to_quarantine_it() -
     assert t.poll() == ({"r2"}, {"r2"}) and t.take_silent() == set()
 
 
+def test_receiver_names_the_p_rank_and_reason_of_a_failed_push(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    t = RecvTracker(30.0, FakeClock())
+    t.expect("r1", "t1")
+    t.on_signal(_sig("t1", "p/0", expected=2))
+    t.on_signal(_sig("t1", "p/1", ok=False, expected=2))
+    with caplog.at_level(logging.WARNING, logger="pdgate.connector"):
+        assert t.poll() == ({"r1"}, {"r1"})
+    said = [r.getMessage() for r in caplog.records if "failing the load" in r.getMessage()]
+    assert said == ["transfer t1 (r1): P reported its push failed (p/1: boom); failing the load"]
+
+
 def test_receiver_keepalive_before_the_request_is_known_counts() -> None:
     clock = FakeClock()
     t = RecvTracker(30.0, clock, silence_s=3.0)
