@@ -72,6 +72,10 @@ class Deployment:
         child = next(c for c in self.plan.children if c.name == name)
         return child.health_url.removesuffix("/health").removesuffix("/ready")
 
+    def log_of(self, name: str) -> str:
+        """What child ``name`` has written to its log so far."""
+        return (self.supervisor.log_dir / f"{name}.log").read_text(errors="replace")
+
 
 def start(children: list[Child], log_dir: Path) -> Supervisor:
     sup = Supervisor(children, log_dir, out=lambda line: print(f"[e2e] {line}", flush=True))

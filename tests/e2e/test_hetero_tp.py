@@ -115,8 +115,7 @@ CASES = [
 
 
 def log_count(dep: Deployment, pattern: re.Pattern[str], *names: str) -> int:
-    logs = ((dep.supervisor.log_dir / f"{name}.log").read_text(errors="replace") for name in names)
-    return sum(len(pattern.findall(log)) for log in logs)
+    return sum(len(pattern.findall(dep.log_of(name))) for name in names)
 
 
 def why_no_push(dep: Deployment) -> str:
@@ -127,10 +126,8 @@ def why_no_push(dep: Deployment) -> str:
     )
     lines = []
     for name in ("prefill-0", "decode-0", "proxy"):
-        log = (dep.supervisor.log_dir / f"{name}.log").read_text(errors="replace")
-        lines += [
-            f"{name}: {line.strip()[:300]}" for line in log.splitlines() if pattern.search(line)
-        ]
+        log = dep.log_of(name).splitlines()
+        lines += [f"{name}: {line.strip()[:300]}" for line in log if pattern.search(line)]
     return "\n".join(lines[-8:]) or "no such line in P's, D's or the proxy's log"
 
 

@@ -48,14 +48,10 @@ def corrupted(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[Depl
         yield d
 
 
-def log_of(dep: Deployment, name: str) -> str:
-    return (dep.supervisor.log_dir / f"{name}.log").read_text(errors="replace")
-
-
 async def wait_for_log(dep: Deployment, name: str, text: str, timeout_s: float = 10.0) -> str:
     deadline = time.monotonic() + timeout_s
     while True:
-        log = log_of(dep, name)
+        log = dep.log_of(name)
         if text in log or time.monotonic() > deadline:
             return log
         await asyncio.sleep(0.2)
@@ -79,8 +75,8 @@ async def test_e2e_corrupted_push_breaks_equality(corrupted: Deployment, engines
     binding = await latest_binding(corrupted)
     assert binding["state"] == "done"  # the push itself succeeded: D decoded from wrong KV
     assert binding["num_prompt_tokens"] == PROMPT_TOKENS
-    assert HOOK_ON in log_of(corrupted, "prefill-0")
-    assert MISMATCH not in log_of(corrupted, "decode-0")  # without verify_kv nobody notices
+    assert HOOK_ON in corrupted.log_of("prefill-0")
+    assert MISMATCH not in corrupted.log_of("decode-0")  # without verify_kv nobody notices
 
 
 @pytest.mark.parametrize("corrupted", [True], indirect=True, ids=["verify-on"])
@@ -93,7 +89,7 @@ async def test_e2e_verify_kv_catches_corrupted_push(
     assert_same(got, ref)  # D recomputed instead of decoding from the corrupted KV
     binding = await latest_binding(corrupted)
     assert binding["state"] == "done" and binding["num_prompt_tokens"] == PROMPT_TOKENS
-    assert HOOK_ON in log_of(corrupted, "prefill-0")
+    assert HOOK_ON in corrupted.log_of("prefill-0")
     d_log = await wait_for_log(corrupted, "decode-0", MISMATCH)
     mismatches = [line for line in d_log.splitlines() if MISMATCH in line]
     assert len(mismatches) == 1, mismatches  # one transfer, caught once
