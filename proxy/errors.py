@@ -11,6 +11,7 @@ ProxyError                    500 internal_error
 └── UpstreamError             502 upstream_error (retryable: connect error, 5xx, broken body)
     ├── UpstreamTimeout       504 (a leg ran past its timeout)
     ├── BindingTimeout        504 (D never wrote the binding)
+    ├── MetaserverUnavailable 502 (no answer or a 5xx while reading a binding)
     └── UpstreamRejected      the backend's own 4xx, passed through; never retried
 """
 
@@ -83,6 +84,11 @@ class UpstreamTimeout(UpstreamError):
 
 class BindingTimeout(UpstreamTimeout):
     kind = "binding_timeout"
+
+
+class MetaserverUnavailable(UpstreamError):
+    """Reading D's binding failed: the metaserver did not answer in time, refused the
+    connection or answered 5xx. Decode-first then lets D compute the prompt itself."""
 
 
 class UpstreamRejected(UpstreamError):

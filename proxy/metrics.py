@@ -247,6 +247,12 @@ class Metrics:
             "prompt itself",
             registry=r,
         ).labels()
+        self.binding_unreadable = counter(
+            "pd_binding_unreadable_total",
+            "decode-first: the metaserver did not answer, refused or failed while D's binding "
+            "was awaited: D computed the prompt itself",
+            registry=r,
+        ).labels()
         self.prefill_dropped = counter(
             "pd_prefill_dropped_total",
             "D answered and P did not within --prefill-grace: P's leg cancelled, its report "

@@ -1,7 +1,11 @@
 """D's binding on the data path: from the process's binding feed while it is live
 (``proxy.flows.feed``), else the long-poll ``GET /v1/bindings/{id}?wait=S`` on the data-path
 HTTP client. The metaserver's JSON is kept as raw bytes (``msgspec.Raw``) and embedded in P's
-request as it came — no model parse and dump per request."""
+request as it came — no model parse and dump per request.
+
+A long-poll waits at most ``POLL_S`` per call, and a call not answered ``ANSWER_MARGIN_S`` after
+its wait (or refused, or answered 5xx) ends the wait with ``MetaserverUnavailable``: a frozen
+metaserver is known within seconds, not after the whole binding wait."""
 
 from __future__ import annotations
 
@@ -11,9 +15,12 @@ import msgspec
 
 from pdwire.client import auth_headers, binding_url
 from proxy.backend import Backend
-from proxy.errors import UpstreamError
+from proxy.errors import MetaserverUnavailable, UpstreamError
 from proxy.flows.feed import BindingFeed
 from proxy.metrics import Metrics
+
+POLL_S = 2.0  # the longest wait one long-poll asks for
+ANSWER_MARGIN_S = 5.0  # a long-poll not answered this long after its wait: metaserver unavailable
 
 
 class BindingMissing(Exception):
@@ -31,23 +38,40 @@ class BindingSource:
         self._metrics = metrics
 
     async def wait(self, transfer_id: str, wait_s: float) -> msgspec.Raw:
-        """D's binding as JSON bytes; ``BindingMissing`` if it never appeared; ``UpstreamError``
-        when the metaserver fails."""
+        """D's binding as JSON bytes; ``BindingMissing`` if it never appeared;
+        ``MetaserverUnavailable`` when the metaserver does not answer, refuses or fails (5xx);
+        ``UpstreamError`` for any other answer."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
         feed = self.feed
         if feed is not None and feed.live and transfer_id.startswith(feed.prefixes):
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + wait_s
             raw = await feed.wait(transfer_id, wait_s)
             if raw is not None:
                 self._metrics.binding_reads_feed.inc()
                 return raw
             # the feed went down, or the time ran out: the long-poll reads what is there
-            wait_s = max(deadline - loop.time(), 0.05)
         self._metrics.binding_reads_long_poll.inc()
+        while True:
+            piece = min(max(deadline - loop.time(), 0.05), POLL_S)
+            asked_at = loop.time()
+            status, body = await self._poll(transfer_id, piece)
+            if status == 200 and body[:1] == b"{":
+                return msgspec.Raw(body)
+            if status == 404:
+                now = loop.time()
+                # another piece only while time is left and the metaserver did wait this one
+                # (one that answers at once would otherwise be asked in a tight loop)
+                if now >= deadline - 0.05 or now - asked_at < piece / 2:
+                    raise BindingMissing(transfer_id)
+                continue
+            what = f"metaserver answered {status}: {body[:300].decode(errors='replace')}"
+            if status >= 500:
+                raise MetaserverUnavailable(what)
+            raise UpstreamError(what)
+
+    async def _poll(self, transfer_id: str, wait_s: float) -> tuple[int, bytes]:
         url = binding_url(self.base_url, transfer_id, wait_s)
-        status, body = await self._backend.get(url, self._headers, wait_s + 5.0)
-        if status == 200 and body[:1] == b"{":
-            return msgspec.Raw(body)
-        if status == 404:
-            raise BindingMissing(transfer_id)
-        raise UpstreamError(f"metaserver answered {status}: {body[:300].decode(errors='replace')}")
+        try:
+            return await self._backend.get(url, self._headers, wait_s + ANSWER_MARGIN_S)
+        except UpstreamError as exc:
+            raise MetaserverUnavailable(exc.message) from exc

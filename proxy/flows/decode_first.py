@@ -14,6 +14,9 @@
    registry does not vouch for, a block size or TP pairing it cannot serve, D's deadline
    already gone): D would wait its whole load deadline for KV that will never come, so the
    proxy drops D's leg and sends D the plain request instead; D computes the prompt itself.
+   So does a binding that cannot be read: the metaserver not answering, refusing or failing
+   (``MetaserverUnavailable``) would fail every attempt alike, and D needs no metaserver to
+   compute the prompt.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import msgspec
 from pdwire.models import BindingState
 from pdwire.params import decode_leg, prefill_leg
 from proxy.backend import LegError
-from proxy.errors import BindingTimeout, UpstreamError
+from proxy.errors import BindingTimeout, MetaserverUnavailable, UpstreamError
 from proxy.events import EventSink
 from proxy.flows.base import (
     Attempt,
@@ -108,6 +111,8 @@ class DecodeFirst:
                 up = await d_task
         except BaseException as exc:
             watch.disarm()
+            if isinstance(exc, MetaserverUnavailable) and not d_task.done():
+                return await self._decode_alone(a, d_task, exc.message, unreadable=True)
             drop(d_task)
             failed = isinstance(exc, LegError) and exc.leg == "prefill"
             state = BindingState.FAILED if failed else BindingState.ABORTED
@@ -139,11 +144,21 @@ class DecodeFirst:
         up.binding_tracked = True
         return up
 
-    async def _decode_alone(self, a: Attempt, d_task: asyncio.Task[Upstream], why: str) -> Upstream:
+    async def _decode_alone(
+        self, a: Attempt, d_task: asyncio.Task[Upstream], why: str, *, unreadable: bool = False
+    ) -> Upstream:
+        """P pushed nothing (``why``: P's reason), or the binding could not be read
+        (``unreadable``): D's leg is dropped and D gets the plain request."""
         drop(d_task)
-        log.warning("%s: P pushed nothing (%s); D computes the prompt itself", a.tid, why)
-        self._legs.metrics.no_push.inc()
-        self._events.post(a.tid, BindingState.FAILED, f"P pushed nothing: {why}")
+        if unreadable:
+            log.warning("%s: binding unreadable (%s); D computes the prompt itself", a.tid, why)
+            self._legs.metrics.binding_unreadable.inc()
+            why = f"binding unreadable: {why}"
+        else:
+            log.warning("%s: P pushed nothing (%s); D computes the prompt itself", a.tid, why)
+            self._legs.metrics.no_push.inc()
+            why = f"P pushed nothing: {why}"
+        self._events.post(a.tid, BindingState.FAILED, why)
         body = a.req.for_decode(None)
         span = a.leg_span("decode", a.decode.url)
         if span is None:
@@ -177,6 +192,8 @@ class DecodeFirst:
         except BindingMissing as exc:
             err = BindingTimeout(f"no binding for {a.tid} within {self._wait_s}s")
             raise LegError(err, a.decode.url, "binding") from exc
+        except MetaserverUnavailable:
+            raise  # ``open`` lets D compute the prompt itself
         except UpstreamError as exc:
             err2 = UpstreamError(f"metaserver: {exc.message}")
             raise LegError(err2, self._bindings.base_url, "binding") from exc

@@ -39,7 +39,7 @@ class BindingFeed:
         base_url: str,
         token: str | None,
         prefixes: tuple[str, ...],
-        keepalive_s: float = 5.0,
+        keepalive_s: float = 1.0,
     ) -> None:
         self.prefixes = prefixes  # ``str.startswith`` takes the tuple
         self.live = False

@@ -11,7 +11,10 @@ import pytest
 from pdwire.models import BindingState
 from pdwire.params import decode_leg, push_report
 from proxy.config import Flow
-from proxy.mock import MockBackend, Outcome, RecordedEvent, Reply
+from proxy.errors import UpstreamTimeout
+from proxy.flows import bindings
+from proxy.flows.bindings import ANSWER_MARGIN_S, POLL_S
+from proxy.mock import Call, MockBackend, Outcome, RecordedEvent, Reply
 from tests.proxy.inmemory import (
     BINDING,
     D_URL,
@@ -65,7 +68,7 @@ async def test_decode_first_nonstream_sends_binding_to_prefill() -> None:
     assert p.json()["max_tokens"] == 1 and p.json()["stream"] is False
     s = px.settings
     assert (d.timeout_s, p.timeout_s) == (s.request_timeout_s, s.prefill_timeout_s)
-    assert get.timeout_s == s.binding_wait_s + 5.0
+    assert get.timeout_s == min(s.binding_wait_s, POLL_S) + ANSWER_MARGIN_S  # one piece
     assert legs(backend) == [
         ("decode", Outcome.RELEASED),
         ("get", Outcome.ANSWERED),
@@ -279,7 +282,7 @@ async def test_decode_first_no_push_sends_decode_the_plain_request(
         RecordedEvent(tid, FAILED, "proxy", "P pushed nothing: decoder not vouched")
     ]
     assert px.metric("pd_prefill_no_push_total") == 1.0
-    assert f"{tid}: P pushed nothing (decoder not vouched)" in caplog.text
+    assert f"{tid}: P pushed nothing (decoder not vouched); D computes" in caplog.text
 
 
 async def test_decode_first_no_push_after_decode_answered_keeps_answer() -> None:
@@ -425,13 +428,75 @@ async def test_decode_first_counts_binding_waits_and_transfers_in_flight() -> No
     await px.settle()
 
 
-async def test_decode_first_failed_binding_wait_leaves_nothing_in_flight() -> None:
+@pytest.mark.parametrize(
+    ("metaserver", "why"),
+    [
+        (Reply.fail(), "connection refused"),
+        (Reply(before=[UpstreamTimeout("no answer in 10.0s")]), "no answer in 10.0s"),
+        (Reply(503, [b"store down"]), "metaserver answered 503: store down"),
+    ],
+    ids=["refused", "frozen", "5xx"],
+)
+async def test_decode_first_unreadable_binding_sends_decode_the_plain_request(
+    metaserver: Reply, why: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    def decode(call: Call) -> Reply:
+        # the request with a KV transfer waits for KV that never comes; the plain one answers
+        # (by body, not by order: a refused read can fail before D's first call is answered)
+        return SSE.after(never()) if "kv_transfer_params" in call.json() else SSE
+
+    backend = MockBackend({"decode": decode, "get": metaserver, "prefill": PUSHED})
+    px = InMemoryProxy(backend)
+    ex = await px.send(stream=True)
+    assert ex.status == 200 and sse_text(ex.body) == "Hello world"
+    first, second = backend.calls_of("decode")
+    tid = first.request_id
+    assert first.outcome == Outcome.CANCELLED and second.outcome == Outcome.RELEASED
+    assert "kv_transfer_params" not in second.json() and second.request_id == tid
+    assert backend.calls_of("prefill") == []
+    assert px.metric("pd_binding_waits") == 0
+    assert px.metric("pd_transfers_inflight") == 0
+    await px.settle()
+    assert px.events == [RecordedEvent(tid, FAILED, "proxy", f"binding unreadable: {why}")]
+    assert px.metric("pd_binding_unreadable_total") == 1.0
+    assert px.metric("pd_prefill_no_push_total") == 0.0
+    assert f"{tid}: binding unreadable ({why}); D computes the prompt itself" in caplog.text
+
+
+async def test_decode_first_metaserver_refusing_the_read_is_an_error() -> None:
+    """A 4xx on the binding read (a wrong token, say) is a deployment error, not an outage:
+    the client gets it, and D is not silently sent every prompt."""
     backend = MockBackend(
-        {"decode": Reply.completion("hi").after(never()), "get": Reply.fail(), "prefill": PUSHED}
+        {"decode": SSE.after(never()), "get": Reply(401, [b"bad token"]), "prefill": PUSHED}
     )
     px = InMemoryProxy(backend)
     ex = await px.send()
-    assert ex.status is not None and ex.status >= 500
-    assert px.metric("pd_binding_waits") == 0
-    assert px.metric("pd_transfers_inflight") == 0
+    assert (
+        ex.status == 502 and "metaserver answered 401: bad token" in ex.json()["error"]["message"]
+    )
+    assert len(backend.calls_of("decode")) == 1 and backend.calls_of("prefill") == []
+    await px.settle()
+    assert px.metric("pd_binding_unreadable_total") == 0.0
+
+
+async def test_decode_first_long_poll_asks_again_after_each_piece(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The binding wait is read in pieces of at most ``POLL_S``, each with its own answer
+    deadline: a 404 after a waited piece asks again while time is left."""
+    monkeypatch.setattr(bindings, "POLL_S", 0.1)
+    backend = MockBackend(
+        {
+            "decode": SSE.after(0.5),  # D streams once P has pushed (well after both reads)
+            "get": [Reply.json({}, status=404).after(0.1), Reply.json(BINDING)],
+            "prefill": PUSHED,
+        }
+    )
+    px = InMemoryProxy(backend, binding_wait_s=5.0)
+    ex = await px.send(stream=True)
+    assert ex.status == 200
+    first, second = backend.calls_of("get")
+    assert "wait=0.1" in first.url and first.timeout_s == 0.1 + ANSWER_MARGIN_S
+    assert "wait=0.1" in second.url
+    assert len(backend.calls_of("prefill")) == 1
     await px.settle()

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import httpx
 import openai
 import pytest
 
+from proxy.flows.bindings import ANSWER_MARGIN_S
 from tests.proxy.conftest import Cluster, ProxyFactory, wait_until
-from tests.proxy.test_flows import PROMPT, binding_state
+from tests.proxy.test_flows import EXPECTED_16, PROMPT, binding_state
 from tests.support.procs import free_port
 
 
@@ -134,6 +137,33 @@ async def test_binding_never_written_times_out_and_aborts_decode(
     assert "binding" in str(info.value)
     assert cluster.prefill[0].requests() == []
     await wait_until(lambda: cluster.decode[0].stats()["cancelled"] == 1)
+
+
+async def test_frozen_metaserver_lets_decode_compute_the_prompt(
+    cluster: Cluster, proxy_factory: ProxyFactory
+) -> None:
+    """A metaserver that stops answering (SIGSTOP: a stalled host or process) holds no request
+    for the outage: the binding read gives up ``ANSWER_MARGIN_S`` after its wait, and D gets
+    the plain request. The metaserver stays frozen until the answer is in."""
+    proxy = await proxy_factory(binding_wait_s=1.0, retries=0)
+    metrics = proxy.http()
+    pid = cluster.metaserver.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        # without the fallback this waits for the frozen metaserver: the client times out
+        r = await proxy.client(timeout=1.0 + ANSWER_MARGIN_S + 10).completions.create(
+            model="fake-model", prompt=PROMPT
+        )
+        assert r.choices[0].text == EXPECTED_16
+        text = (await metrics.get("/metrics")).text
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert "pd_binding_unreadable_total 1.0" in text
+    assert "pd_prefill_no_push_total 0.0" in text
+    first, second = cluster.decode[0].requests()
+    assert first["body"]["kv_transfer_params"]["do_remote_prefill"] is True
+    assert "kv_transfer_params" not in second["body"]  # the plain request: D computes
+    assert cluster.prefill[0].requests() == []
 
 
 @pytest.mark.parametrize("server", ["pd-proxy", "plain-uvicorn"])
