@@ -166,7 +166,9 @@ class Dispatcher:
             d.circuit.record(True)
             self._d_policy.on_routed(d, info)
             self._count_ok(d)
-            if p is not None:
+            if p is not None and up.prefill_error is not None:
+                self._charge(up.prefill_error, d, p)  # D answered alone; P's leg failed
+            elif p is not None:
                 self._p_policy.on_routed(p, info)
                 self._count_ok(p)
             return up, d, chosen

@@ -247,12 +247,15 @@ class Metrics:
             "prompt itself",
             registry=r,
         ).labels()
-        self.binding_unreadable = counter(
-            "pd_binding_unreadable_total",
-            "decode-first: the metaserver did not answer, refused or failed while D's binding "
-            "was awaited: D computed the prompt itself",
+        self.without_prefill = counter(
+            "pd_decode_without_prefill_total",
+            "decode-first: D was sent the plain request and computed the prompt itself, by "
+            "reason: no_push (P pushed nothing), binding_unreadable (the metaserver did not "
+            "answer, refused or failed while D's binding was awaited), prefill_failed (P's leg "
+            "broke after P took the binding)",
+            ["reason"],
             registry=r,
-        ).labels()
+        )
         self.prefill_dropped = counter(
             "pd_prefill_dropped_total",
             "D answered and P did not within --prefill-grace: P's leg cancelled, its report "

@@ -70,7 +70,15 @@ class Attempt:
 class Upstream:
     """D's answer with its first bytes read (the whole body when not streaming)."""
 
-    __slots__ = ("binding_ids", "binding_tracked", "first", "prefill_cached", "resp", "tid")
+    __slots__ = (
+        "binding_ids",
+        "binding_tracked",
+        "first",
+        "prefill_cached",
+        "prefill_error",
+        "resp",
+        "tid",
+    )
 
     def __init__(self, resp: Response, first: bytes, tid: str) -> None:
         self.resp = resp
@@ -79,6 +87,8 @@ class Upstream:
         self.prefill_cached: int | None = None
         self.binding_tracked = False  # decode-first flows: the metaserver knows this tid
         self.binding_ids: tuple[str, ...] = ()  # the bindings' ids when not just ``tid``
+        # P's leg failed and D answered alone: the dispatcher charges P for it
+        self.prefill_error: LegError | None = None
 
     @property
     def content_type(self) -> bytes:

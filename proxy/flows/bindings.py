@@ -14,13 +14,25 @@ import asyncio
 import msgspec
 
 from pdwire.client import auth_headers, binding_url
+from pdwire.models import BindingState
 from proxy.backend import Backend
 from proxy.errors import MetaserverUnavailable, UpstreamError
 from proxy.flows.feed import BindingFeed
 from proxy.metrics import Metrics
 
+TAKEN_READ_S = 2.0  # reading whether P took a binding, after P's leg failed
 POLL_S = 2.0  # the longest wait one long-poll asks for
 ANSWER_MARGIN_S = 5.0  # a long-poll not answered this long after its wait: metaserver unavailable
+
+
+class _Event(msgspec.Struct):
+    state: BindingState
+
+
+class _Events(msgspec.Struct):
+    """The part of a binding ``taken`` reads."""
+
+    events: list[_Event] = []
 
 
 class BindingMissing(Exception):
@@ -68,6 +80,19 @@ class BindingSource:
             if status >= 500:
                 raise MetaserverUnavailable(what)
             raise UpstreamError(what)
+
+    async def taken(self, transfer_id: str, timeout_s: float = TAKEN_READ_S) -> bool:
+        """Whether P took the binding (a ``prefill_started`` event is on record): one read,
+        and False when it cannot be made in ``timeout_s``."""
+        url = binding_url(self.base_url, transfer_id)
+        try:
+            status, body = await self._backend.get(url, self._headers, timeout_s)
+            if status != 200:
+                return False
+            events = msgspec.json.decode(body, type=_Events).events
+        except (UpstreamError, msgspec.DecodeError):
+            return False
+        return any(e.state == BindingState.PREFILL_STARTED for e in events)
 
     async def _poll(self, transfer_id: str, wait_s: float) -> tuple[int, bytes]:
         url = binding_url(self.base_url, transfer_id, wait_s)

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections.abc import Coroutine
@@ -49,6 +50,21 @@ if TYPE_CHECKING:
     from proxy.tracing import RequestSpan
 
 log = logging.getLogger("pdgate.proxy.flows")
+
+
+class Without(enum.Enum):
+    """Why D computes the prompt itself (the label of ``pd_decode_without_prefill_total``)."""
+
+    NO_PUSH = "no_push"  # P answered that it pushed nothing
+    UNREADABLE = "binding_unreadable"  # the metaserver could not give D's binding
+    P_FAILED = "prefill_failed"  # P's leg broke after P took the binding
+
+
+_WITHOUT = {
+    Without.NO_PUSH: "P pushed nothing",
+    Without.UNREADABLE: "binding unreadable",
+    Without.P_FAILED: "P failed after taking the binding",
+}
 
 
 class DecodeFirst:
@@ -112,14 +128,24 @@ class DecodeFirst:
         except BaseException as exc:
             watch.disarm()
             if isinstance(exc, MetaserverUnavailable) and not d_task.done():
-                return await self._decode_alone(a, d_task, exc.message, unreadable=True)
+                return await self._decode_alone(a, d_task, exc.message, Without.UNREADABLE)
+            if (
+                isinstance(exc, LegError)
+                and exc.leg == "prefill"
+                and exc.retryable
+                and not d_task.done()
+                and await self._bindings.taken(a.tid)
+            ):
+                up = await self._decode_alone(a, d_task, exc.message, Without.P_FAILED)
+                up.prefill_error = exc  # the dispatcher charges P as for a failed attempt
+                return up
             drop(d_task)
             failed = isinstance(exc, LegError) and exc.leg == "prefill"
             state = BindingState.FAILED if failed else BindingState.ABORTED
             self._events.post(a.tid, state, str(exc) or type(exc).__name__)
             raise
         if why is not None and not answered(d_task):
-            return await self._decode_alone(a, d_task, why)
+            return await self._decode_alone(a, d_task, why, Without.NO_PUSH)
         up.prefill_cached = prefill_cached(answer)
         up.binding_tracked = True
         return up
@@ -145,19 +171,17 @@ class DecodeFirst:
         return up
 
     async def _decode_alone(
-        self, a: Attempt, d_task: asyncio.Task[Upstream], why: str, *, unreadable: bool = False
+        self, a: Attempt, d_task: asyncio.Task[Upstream], why: str, without: Without
     ) -> Upstream:
-        """P pushed nothing (``why``: P's reason), or the binding could not be read
-        (``unreadable``): D's leg is dropped and D gets the plain request."""
+        """D's leg is dropped and D gets the plain request: P pushed nothing, the binding
+        could not be read, or P failed after it took the binding (``why`` says how)."""
         drop(d_task)
-        if unreadable:
-            log.warning("%s: binding unreadable (%s); D computes the prompt itself", a.tid, why)
-            self._legs.metrics.binding_unreadable.inc()
-            why = f"binding unreadable: {why}"
-        else:
-            log.warning("%s: P pushed nothing (%s); D computes the prompt itself", a.tid, why)
+        what = _WITHOUT[without]
+        log.warning("%s: %s (%s); D computes the prompt itself", a.tid, what, why)
+        self._legs.metrics.without_prefill.labels(reason=without.value).inc()
+        if without is Without.NO_PUSH:
             self._legs.metrics.no_push.inc()
-            why = f"P pushed nothing: {why}"
+        why = f"{what}: {why}"
         self._events.post(a.tid, BindingState.FAILED, why)
         body = a.req.for_decode(None)
         span = a.leg_span("decode", a.decode.url)

@@ -823,8 +823,8 @@ async def p_killed(
 
 
 async def test_chaos_p_killed_client_gets_the_right_answer(p_killed: Measured) -> None:
-    """The proxy sees P's connection break before D's first byte: it retries on the other P
-    (a new transfer), and the answer is right."""
+    """The proxy sees P's connection break before D's first byte and reads that P had taken
+    the binding: D gets the plain request and computes the prompt, and the answer is right."""
     _assert_sound(p_killed)
     assert p_killed.row.count(Outcome.CORRECT) == 1, p_killed.row.answers
 

@@ -1,8 +1,10 @@
-"""The only prefill instance killed while it pushes: the client gets a clean 502 naming the
-prefill leg within seconds (the proxy sees P's connection break before D's first byte, retries,
-and finds no live P), D is left with nothing running or held, and the binding is closed.
+"""The only prefill instance killed while it pushes: the client still gets the monolithic
+engine's answer within seconds. The proxy sees P's connection break before D's first byte,
+reads that P had taken the binding, drops D's first request and sends D the plain one: D
+computes the prompt itself (a retry would find no live P). D is left with nothing running or
+held, and the binding is closed.
 
-(With a second P the retry succeeds: tests/e2e/test_chaos.py.)"""
+(With a second P the same happens: tests/e2e/test_chaos.py.)"""
 
 from __future__ import annotations
 
@@ -14,13 +16,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from openai import APIStatusError
 
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import LOG_DIR, Monolithic
 from tests.e2e.engine_metrics import wait_idle
 from tests.e2e.stack import Deployment, base_options, deployment, running
-from tests.e2e.test_equality import prompt_ids
+from tests.e2e.test_equality import assert_same, prompt_ids
 
 pytestmark = pytest.mark.e2e
 KV_LOAD_TIMEOUT_S = 8.0
@@ -54,17 +55,17 @@ async def test_e2e_prefill_killed_mid_push(fragile: Deployment, monolithic: Mono
         p = fragile.supervisor.procs["prefill-0"]
         fragile.supervisor._signal(p, signal.SIGKILL)
         killed_at = time.monotonic()
-        with pytest.raises(APIStatusError) as err:
-            await asyncio.wait_for(request, KV_LOAD_TIMEOUT_S + 60)
-        # P's connection broke before D's first byte: no retry finds a live P
-        assert err.value.status_code in (502, 503), err.value
-        assert "prefill" in err.value.message, err.value.message
-        assert time.monotonic() - killed_at < 10, "the error took longer than the retries"
+        got = await asyncio.wait_for(request, KV_LOAD_TIMEOUT_S + 60)
+        answered_after = time.monotonic() - killed_at
+        ref = await complete(client(monolithic.url), model, prompt, max_tokens=8)
+        # before the proxy let D compute, this was a 502: the retry found no live P
+        assert_same(got, ref)
+        print(f"\nanswer {answered_after:.1f}s after P was killed")
         # D holds the aborted load's blocks until its load deadline at the latest
         await wait_idle(d_url, KV_LOAD_TIMEOUT_S + 10, kv_level=0.0)
         final = (await ms.get(f"/v1/bindings/{bindings[0]['transfer_id']}")).json()
         # the proxy saw P's leg fail and marks it failed, or D's own abort of its dropped
-        # request landed first (protocol 3: D ends the binding of an aborted load)
+        # first request landed first (protocol 3: D ends the binding of an aborted load)
         assert final["state"] in ("failed", "aborted"), final
         last = final["events"][-1]
         assert (last["state"], last["actor"]) in (("failed", "proxy"), ("aborted", "decode-0")), (

@@ -13,7 +13,7 @@ from pdwire.params import decode_leg, push_report
 from proxy.config import Flow
 from proxy.errors import UpstreamTimeout
 from proxy.flows import bindings
-from proxy.flows.bindings import ANSWER_MARGIN_S, POLL_S
+from proxy.flows.bindings import ANSWER_MARGIN_S, POLL_S, TAKEN_READ_S
 from proxy.mock import Call, MockBackend, Outcome, RecordedEvent, Reply
 from tests.proxy.inmemory import (
     BINDING,
@@ -317,7 +317,8 @@ async def test_decode_first_prefill_error_marks_binding_failed() -> None:
     assert ex.status == 502 and ex.json()["error"]["message"].startswith(f"prefill {P_URL}: ")
     assert legs(backend) == [
         ("decode", Outcome.CANCELLED),
-        ("get", Outcome.ANSWERED),
+        ("get", Outcome.ANSWERED),  # the binding
+        ("get", Outcome.ANSWERED),  # did P take it? No (no events): P refused, D is dropped
         ("prefill", Outcome.FAILED),
     ]
     await px.settle()
@@ -325,6 +326,66 @@ async def test_decode_first_prefill_error_marks_binding_failed() -> None:
     assert tid == backend.calls_of("decode")[0].request_id
     assert state == FAILED and "overloaded" in str(error)
     assert px.p.circuit.consecutive == 1 and px.d.circuit.consecutive == 0
+
+
+TAKEN = {**BINDING, "events": [{"state": "prefill_started", "actor": "p0", "at": 1.0}]}
+
+
+def binding_then_taken(call: Call) -> Reply:
+    """The long-poll finds D's binding; the read after P's leg failed finds P took it."""
+    return Reply.json(BINDING if "wait=" in call.url else TAKEN)
+
+
+def plain_decode_answers(call: Call) -> Reply:
+    """D's request with a KV transfer waits for KV that never comes; the plain one answers."""
+    return SSE.after(never()) if "kv_transfer_params" in call.json() else SSE
+
+
+async def test_decode_first_prefill_failing_after_taking_the_binding_lets_decode_compute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """P's leg breaks (P killed) after P took the binding: D's first request waits for KV a
+    dead P will not finish, and a retry's P would prefill from scratch. D gets the plain
+    request; P is charged as for a failed attempt."""
+    backend = MockBackend(
+        {
+            "decode": plain_decode_answers,
+            "get": binding_then_taken,
+            "prefill": Reply.fail("server disconnected"),
+        }
+    )
+    px = InMemoryProxy(backend)
+    ex = await px.send(stream=True)
+    assert ex.status == 200 and sse_text(ex.body) == "Hello world"
+    first, second = backend.calls_of("decode")
+    tid = first.request_id
+    assert first.outcome == Outcome.CANCELLED and "kv_transfer_params" not in second.json()
+    _, read = backend.calls_of("get")
+    assert read.url == f"{MS_URL}/v1/bindings/{tid}" and read.timeout_s == TAKEN_READ_S
+    await px.settle()
+    why = f"prefill {P_URL}: server disconnected"
+    assert px.events == [
+        RecordedEvent(tid, FAILED, "proxy", f"P failed after taking the binding: {why}")
+    ]
+    assert px.metric("pd_decode_without_prefill_total", reason="prefill_failed") == 1.0
+    assert px.p.circuit.consecutive == 1 and px.d.circuit.consecutive == 0
+    assert f"{tid}: P failed after taking the binding ({why}); D computes" in caplog.text
+
+
+async def test_decode_first_prefill_rejecting_the_request_is_passed_through() -> None:
+    """A 4xx from P is the request's fault: the client gets it, whatever the binding says."""
+    backend = MockBackend(
+        {
+            "decode": plain_decode_answers,
+            "get": binding_then_taken,
+            "prefill": Reply(400, [b'{"error": {"message": "bad prompt"}}']),
+        }
+    )
+    px = InMemoryProxy(backend)
+    ex = await px.send()
+    assert ex.status == 400 and len(backend.calls_of("decode")) == 1
+    await px.settle()
+    assert px.metric("pd_decode_without_prefill_total", reason="prefill_failed") is None
 
 
 async def test_decode_first_missing_binding_is_504_and_aborts() -> None:
@@ -440,12 +501,9 @@ async def test_decode_first_counts_binding_waits_and_transfers_in_flight() -> No
 async def test_decode_first_unreadable_binding_sends_decode_the_plain_request(
     metaserver: Reply, why: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def decode(call: Call) -> Reply:
-        # the request with a KV transfer waits for KV that never comes; the plain one answers
-        # (by body, not by order: a refused read can fail before D's first call is answered)
-        return SSE.after(never()) if "kv_transfer_params" in call.json() else SSE
-
-    backend = MockBackend({"decode": decode, "get": metaserver, "prefill": PUSHED})
+    # D's answers by body, not by order: a refused read can fail before D's first call is
+    # answered
+    backend = MockBackend({"decode": plain_decode_answers, "get": metaserver, "prefill": PUSHED})
     px = InMemoryProxy(backend)
     ex = await px.send(stream=True)
     assert ex.status == 200 and sse_text(ex.body) == "Hello world"
@@ -458,7 +516,7 @@ async def test_decode_first_unreadable_binding_sends_decode_the_plain_request(
     assert px.metric("pd_transfers_inflight") == 0
     await px.settle()
     assert px.events == [RecordedEvent(tid, FAILED, "proxy", f"binding unreadable: {why}")]
-    assert px.metric("pd_binding_unreadable_total") == 1.0
+    assert px.metric("pd_decode_without_prefill_total", reason="binding_unreadable") == 1.0
     assert px.metric("pd_prefill_no_push_total") == 0.0
     assert f"{tid}: binding unreadable ({why}); D computes the prompt itself" in caplog.text
 
@@ -476,7 +534,7 @@ async def test_decode_first_metaserver_refusing_the_read_is_an_error() -> None:
     )
     assert len(backend.calls_of("decode")) == 1 and backend.calls_of("prefill") == []
     await px.settle()
-    assert px.metric("pd_binding_unreadable_total") == 0.0
+    assert px.metric("pd_decode_without_prefill_total", reason="binding_unreadable") is None
 
 
 async def test_decode_first_long_poll_asks_again_after_each_piece(

@@ -158,7 +158,7 @@ async def test_frozen_metaserver_lets_decode_compute_the_prompt(
         text = (await metrics.get("/metrics")).text
     finally:
         os.kill(pid, signal.SIGCONT)
-    assert "pd_binding_unreadable_total 1.0" in text
+    assert 'pd_decode_without_prefill_total{reason="binding_unreadable"} 1.0' in text
     assert "pd_prefill_no_push_total 0.0" in text
     first, second = cluster.decode[0].requests()
     assert first["body"]["kv_transfer_params"]["do_remote_prefill"] is True
