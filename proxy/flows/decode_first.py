@@ -16,7 +16,8 @@
    proxy drops D's leg and sends D the plain request instead; D computes the prompt itself.
    So does a binding that cannot be read: the metaserver not answering, refusing or failing
    (``MetaserverUnavailable``) would fail every attempt alike, and D needs no metaserver to
-   compute the prompt.
+   compute the prompt. And so does P's leg breaking after P took the binding (P killed
+   mid-push, read back from the binding): a retry's P would prefill the whole prompt again.
 """
 
 from __future__ import annotations
@@ -129,13 +130,8 @@ class DecodeFirst:
             watch.disarm()
             if isinstance(exc, MetaserverUnavailable) and not d_task.done():
                 return await self._decode_alone(a, d_task, exc.message, Without.UNREADABLE)
-            if (
-                isinstance(exc, LegError)
-                and exc.leg == "prefill"
-                and exc.retryable
-                and not d_task.done()
-                and await self._bindings.taken(a.tid)
-            ):
+            if await self._p_failed_after_taking(a, d_task, exc):
+                assert isinstance(exc, LegError)
                 up = await self._decode_alone(a, d_task, exc.message, Without.P_FAILED)
                 up.prefill_error = exc  # the dispatcher charges P as for a failed attempt
                 return up
@@ -149,6 +145,26 @@ class DecodeFirst:
         up.prefill_cached = prefill_cached(answer)
         up.binding_tracked = True
         return up
+
+    async def _p_failed_after_taking(
+        self, a: Attempt, d_task: asyncio.Task[Upstream], exc: BaseException
+    ) -> bool:
+        """P's leg broke (not a 4xx) while D still waits, and P had taken the binding: P died
+        or failed mid-prefill or mid-push. One read of the binding; if this request is
+        cancelled meanwhile, D's leg is dropped and the binding marked failed here."""
+        if not (
+            isinstance(exc, LegError)
+            and exc.leg == "prefill"
+            and exc.retryable
+            and not d_task.done()
+        ):
+            return False
+        try:
+            return await self._bindings.taken(a.tid)
+        except BaseException:
+            drop(d_task)
+            self._events.post(a.tid, BindingState.FAILED, str(exc))
+            raise
 
     def _prefill(
         self, a: Attempt, url: str, binding: msgspec.Raw | None

@@ -12,7 +12,7 @@ import pytest
 
 from pdwire.models import BindingState
 from proxy.config import Flow
-from proxy.mock import MockBackend, Outcome, RecordedEvent, Reply
+from proxy.mock import Call, MockBackend, Outcome, RecordedEvent, Reply
 from tests.proxy.inmemory import BINDING, PUSHED, InMemoryProxy, legs, never, wait_until
 
 HOOK = pytest.mark.parametrize("hook", [True, False], ids=["server-hook", "receive"])
@@ -51,6 +51,42 @@ async def test_decode_first_disconnect_during_binding_wait(
     assert px.events == [
         RecordedEvent(d.request_id, BindingState.ABORTED, "proxy", "CancelledError")
     ]
+
+
+@HOOK
+async def test_decode_first_disconnect_while_reading_whether_p_took_the_binding(
+    hook: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """P's leg broke and the proxy reads the binding to see whether P had taken it; the
+    client hangs up during that read: D's leg is dropped and the binding marked failed."""
+
+    def get(call: Call) -> Reply:
+        return Reply.json(BINDING) if "wait=" in call.url else Reply.json(BINDING).after(never())
+
+    backend = MockBackend(
+        {
+            "decode": Reply.sse(["a"]).after(never()),
+            "get": get,
+            "prefill": Reply.fail("server disconnected"),
+        }
+    )
+    px = InMemoryProxy(backend)
+    ex = px.request(stream=True, hook=hook)
+    await backend.called("get", count=2, waiting=True)
+    d = await backend.called("decode", waiting=True)
+    ex.disconnect()
+    await ex.done()
+    assert ex.messages == []
+    assert legs(backend) == [
+        ("decode", Outcome.CANCELLED),
+        ("get", Outcome.ANSWERED),
+        ("get", Outcome.CANCELLED),
+        ("prefill", Outcome.FAILED),
+    ]
+    await gone(px, caplog)
+    ((tid, state, _, error),) = px.events
+    assert (tid, state) == (d.request_id, BindingState.FAILED)
+    assert "server disconnected" in str(error)
 
 
 @HOOK
