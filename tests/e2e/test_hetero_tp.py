@@ -2,8 +2,8 @@
 the tiny model's two KV heads) pushes into D with tensor parallelism 1 (both heads). Greedy output
 through P/D must equal the monolithic reference, D must take the whole prompt from the transfer
 (nothing recomputed), and each P rank must push exactly its own head shard. A prompt that got
-no push because the machine stalled or a peer timed out (D then computes it, by design) is
-sent once more with another prompt."""
+no push because the machine stalled, a peer timed out or a Mooncake tcp write stalled (D then
+computes it, by design) is sent again with another prompt, up to twice."""
 
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ TIMED_OUT = re.compile(
 )
 TIMED_OUT_IN = ("prefill-0", "decode-0", "proxy")
 P_TP = 2
+SEEDS = (5000, 7000, 9000)  # a prompt per run of a case: the first, and up to two more
 FLOAT32_BYTES = 4
 
 
@@ -195,26 +196,27 @@ async def through_pd(hetero: Deployment, engines: Engines, length: int, seed: in
 async def test_e2e_hetero_tp_completion_equals_monolithic(
     hetero: Deployment, engines: Engines, tiny_model: Path, name: str, length: int
 ) -> None:
-    run = await through_pd(hetero, engines, length, seed=5000 + length)
-    if run.pushed == 0 and (run.timeouts or run.stalled_s >= STALL_S):
-        # This 2-core VM stops every process now and then for 10-50 s (a real-time-priority
-        # sampler stops too), and with eight engines on it a peer can miss a 5 s deadline
-        # while this process stalls under 1 s (a CI run: P's handshake with D timed out, 0.8 s
-        # stall). P's claim of the binding or its handshake, or the proxy's read of the
-        # binding, then timed out, so P pushed nothing and D computed the prompt (the proxy's
-        # fallback: proxy/flows/decode_first.py), answer still exact: the designed outcome of a
-        # peer that does not answer, not what this test checks. Once more with another
-        # prompt; that run must pass every check below.
-        print(
-            f"\nP pushed nothing (stall {run.stalled_s:.1f}s, {run.timeouts} timeout(s)); again:"
-            f"\n{why_no_push(hetero)}"
-        )
-        run = await through_pd(hetero, engines, length, seed=7000 + length)
+    # This 2-core VM stops every process now and then for 10-50 s (a real-time-priority
+    # sampler stops too), and with eight engines on it a peer can miss a 5 s deadline while
+    # this process stalls under 1 s (a CI run: P's handshake with D timed out, 0.8 s stall).
+    # P's claim of the binding or its handshake, or the proxy's read of the binding, then
+    # timed out, or a Mooncake tcp write and its retry stalled (known, open: docs/connector.md,
+    # "Stalled tcp writes"), so P pushed nothing and D computed the prompt, answer still
+    # exact: the designed outcome of a peer that does not answer, not what this test checks.
+    # Such a prompt is sent again, with another prompt, up to twice (a CI run had a stalled
+    # write, then a claim timeout in the one retry); the last run must pass every check below.
+    for attempt, seed in enumerate(SEEDS):
+        run = await through_pd(hetero, engines, length, seed=seed + length)
+        if run.pushed or not (run.timeouts or run.hangs or run.stalled_s >= STALL_S):
+            break
+        if attempt < len(SEEDS) - 1:
+            print(
+                f"\nP pushed nothing (stall {run.stalled_s:.1f}s, {run.timeouts} timeout(s), "
+                f"{run.hangs} stalled write(s)); again:\n{why_no_push(hetero)}"
+            )
     if run.pushed == 0 and run.hangs:
-        # Known, open (docs/connector.md, "Stalled tcp writes"): a Mooncake tcp write from a P
-        # rank stalled, hit write_timeout_s, and its retry stalled too; P failed the transfer,
-        # D held the blocks for the settle time, recomputed, and the answer above is still
-        # exact. Only that signature is tolerated here.
+        # the last run too: a stalled Mooncake write; P failed the transfer, D held the blocks
+        # for the settle time, recomputed, and the answer above is still exact
         pytest.xfail("a Mooncake tcp write and its retry timed out; D recomputed")
     # D took the whole prompt from P's push: no recompute after a failed or partial load
     assert run.pushed == length, why_no_push(hetero)
