@@ -845,7 +845,8 @@ async def _stream_and_pushes_mid_push(
     c: Chaos, baseline: Baseline, stream: Ask
 ) -> tuple[asyncio.Task[Answer], list[asyncio.Task[Answer]]]:
     """A stream that D is decoding, and three prompts of ``LONG_PROMPT`` tokens half-way
-    through their push; all of it again with new prompts when the pushes ended sooner."""
+    through their push; all of it again with new prompts when the pushes ended sooner, or
+    when the stream ended before D was seen decoding it."""
     pd = c.proxy_client()
     for attempt in range(MID_PUSH_TRIES):
         pushes = [prompt_ids(LONG_PROMPT, seed=72 + 100 * attempt + i) for i in range(3)]
@@ -858,8 +859,15 @@ async def _stream_and_pushes_mid_push(
             decode = c.dep.url_of("decode-0")
             while not (await gauges(decode)).get("vllm:num_requests_running"):
                 assert time.monotonic() < deadline, "D never decoded"
-                assert not streaming.done(), f"the stream ended first: {streaming.result()}"
+                if streaming.done():
+                    break
                 await asyncio.sleep(0.05)
+            if streaming.done():
+                # the whole stream came between two reads of D's metrics (a CI run: P stalled
+                # 7 s, D computed the prompt itself and decoded the 1,000 tokens in 0.8 s,
+                # while one read takes over a second here): once more
+                assert streaming.result().outcome == Outcome.CORRECT, streaming.result()
+                continue
             await asyncio.sleep(0.5)  # some tokens are out
             since = time.time()
             pushing = [
@@ -872,7 +880,9 @@ async def _stream_and_pushes_mid_push(
                 return streaming, pushing
         streaming.cancel()
         await asyncio.gather(*in_flight, return_exceptions=True)
-    raise AssertionError(f"{MID_PUSH_TRIES} rounds of pushes ended before their middle")
+    raise AssertionError(
+        f"{MID_PUSH_TRIES} rounds ended before their pushes' middle or before D was seen decoding"
+    )
 
 
 @pytest.fixture(scope="module")
