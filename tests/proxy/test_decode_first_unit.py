@@ -258,6 +258,17 @@ async def test_decode_first_prefill_answering_within_the_grace_is_merged() -> No
     await px.settle()
 
 
+def sent_plain(backend: MockBackend) -> str:
+    """D's first request (with the KV transfer) was dropped and D got the plain one, under the
+    same id: the transfer id."""
+    first, second = backend.calls_of("decode")
+    tid = first.request_id
+    assert first.outcome == Outcome.CANCELLED and second.outcome == Outcome.RELEASED
+    assert first.json()["kv_transfer_params"] == decode_leg(tid, MS_URL)
+    assert "kv_transfer_params" not in second.json() and second.request_id == tid
+    return tid
+
+
 async def test_decode_first_no_push_sends_decode_the_plain_request(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -272,11 +283,7 @@ async def test_decode_first_no_push_sends_decode_the_plain_request(
     px = InMemoryProxy(backend)
     ex = await px.send(stream=True)
     assert ex.status == 200 and sse_text(ex.body) == "Hello world"
-    first, second = backend.calls_of("decode")
-    tid = first.request_id
-    assert first.outcome == Outcome.CANCELLED and second.outcome == Outcome.RELEASED
-    assert first.json()["kv_transfer_params"] == decode_leg(tid, MS_URL)
-    assert "kv_transfer_params" not in second.json() and second.request_id == tid
+    tid = sent_plain(backend)
     await px.settle()
     assert px.events == [
         RecordedEvent(tid, FAILED, "proxy", "P pushed nothing: decoder not vouched")
@@ -357,9 +364,7 @@ async def test_decode_first_prefill_failing_after_taking_the_binding_lets_decode
     px = InMemoryProxy(backend)
     ex = await px.send(stream=True)
     assert ex.status == 200 and sse_text(ex.body) == "Hello world"
-    first, second = backend.calls_of("decode")
-    tid = first.request_id
-    assert first.outcome == Outcome.CANCELLED and "kv_transfer_params" not in second.json()
+    tid = sent_plain(backend)
     _, read = backend.calls_of("get")
     assert read.url == f"{MS_URL}/v1/bindings/{tid}" and read.timeout_s == TAKEN_READ_S
     await px.settle()
@@ -507,10 +512,7 @@ async def test_decode_first_unreadable_binding_sends_decode_the_plain_request(
     px = InMemoryProxy(backend)
     ex = await px.send(stream=True)
     assert ex.status == 200 and sse_text(ex.body) == "Hello world"
-    first, second = backend.calls_of("decode")
-    tid = first.request_id
-    assert first.outcome == Outcome.CANCELLED and second.outcome == Outcome.RELEASED
-    assert "kv_transfer_params" not in second.json() and second.request_id == tid
+    tid = sent_plain(backend)
     assert backend.calls_of("prefill") == []
     assert px.metric("pd_binding_waits") == 0
     assert px.metric("pd_transfers_inflight") == 0
