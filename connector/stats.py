@@ -78,6 +78,12 @@ SERIES: tuple[Series, ...] = (
         side="P worker",
     ),
     Series(
+        "write_retries_skipped",
+        Kind.COUNTER,
+        "Failed writes not retried because their D is gone (its side channel refuses connections).",
+        side="P worker",
+    ),
+    Series(
         "write_failures",
         Kind.COUNTER,
         "Batched writes that failed after every retry (their transfers fail).",
@@ -115,7 +121,8 @@ SERIES: tuple[Series, ...] = (
         "late_landing_holds",
         Kind.COUNTER,
         "Transfers whose blocks were held because a failed write may still land: P holds its "
-        "source blocks, D its destination blocks, for the transport's late-landing time.",
+        "source blocks (when a retry then succeeded), D its destination blocks, for the "
+        "transport's late-landing time.",
         label="side",
         values=("prefill", "decode"),
         side="P and D worker",

@@ -55,14 +55,19 @@ class Ledger:
 
     def settled(self, req_id: str) -> bool:
         """Whether P's blocks of ``req_id`` may be released: every push from them has ended,
-        and no abandoned write can still read them (``settle_s`` after the end)."""
+        and, when a retry succeeded after a failed write, that abandoned write can no longer
+        read them (``settle_s`` after the end): D decodes from the blocks it writes. A failed
+        transfer's blocks are released at its end: D never reads its destination blocks
+        and keeps them out of use while a late piece may still land, whatever the bytes."""
         with self._lock:
             tr = self.transfers.get(req_id)
             if tr is None:
                 return True
             if tr.queued or not tr.ended:
                 return False
-            return not tr.settle_s or time.perf_counter() >= tr.ended_at + tr.settle_s
+            if tr.error or not tr.settle_s:
+                return True
+            return time.perf_counter() >= tr.ended_at + tr.settle_s
 
     def quiet(self, req_id: str) -> bool:
         with self._lock:

@@ -109,7 +109,7 @@ class Recorder:
     def _count_end(self, tr: Transfer, error: str) -> None:
         stats = self._stats
         stats.add("transfers", label="failed" if error else "ok")
-        if tr.settle_s > 0:
+        if tr.settle_s > 0 and not error:  # the ledger's hold (a failed transfer has none)
             stats.add("late_landing_holds", label="prefill")
         if not error and tr.write_spans:
             o = tr.overlap()

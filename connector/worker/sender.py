@@ -23,13 +23,14 @@ from connector.metadata import SendChunk
 from connector.stats import StatsCollector
 from connector.transport import Transport
 from connector.worker import digest
-from connector.worker.batch import check_pairable
+from connector.worker.batch import Write, check_pairable
 from connector.worker.handshake import HandshakeCache, Peer
 from connector.worker.keepalive import KeepAlive
 from connector.worker.ledger import Ledger
 from connector.worker.loop import SenderLoop
 from connector.worker.memory import KVMemory
 from connector.worker.record import Recorder
+from connector.worker.side_channel import refuses
 from connector.worker.signing import Signer
 from connector.worker.transfer import EndTask, LayerTask, Outcome, Task, Transfer
 from connector.worker.writer import RetryingWriter
@@ -66,6 +67,13 @@ class SenderCallbacks:
     on_first_write: Outcome | None = None  # the transfer's first write landed
 
 
+def _gone(w: Write) -> str:
+    """Why the D rank ``w`` goes to is gone: its side channel refuses connections."""
+    tr = w.parts[0].task.transfer
+    host, port = tr.dest.host, tr.d_port
+    return f"D's side channel at {host}:{port} refuses connections" if refuses(host, port) else ""
+
+
 class Sender:
     def __init__(
         self,
@@ -91,7 +99,7 @@ class Sender:
             check=self._pairable,
             stats=self.stats,
         )
-        self._writer = RetryingWriter(transport, options.write_retries, self.stats)
+        self._writer = RetryingWriter(transport, options.write_retries, self.stats, _gone)
         signer = Signer(checksums, options.recheck_sources) if options.verify else None
         recorder = Recorder(
             options.me,
@@ -147,8 +155,7 @@ class Sender:
         self._loop.put(task)
 
     def settled(self, req_id: str) -> bool:
-        """Whether P's blocks of ``req_id`` may be released: every push from them has ended,
-        and no abandoned write can still read them (``settle_s`` after the end)."""
+        """Whether P's blocks of ``req_id`` may be released (``Ledger.settled``)."""
         return self._ledger.settled(req_id)
 
     def quiet(self, req_id: str) -> bool:

@@ -8,6 +8,7 @@ per D rank (fire-and-forget; ZeroMQ queues while connecting).
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -118,6 +119,19 @@ def handshake(host: str, port: int, hello: wire.Hello, timeout_s: float) -> wire
     if not isinstance(msg, wire.Welcome):
         raise HandshakeError(f"{host}:{port} answered the handshake with {type(msg).__name__}")
     return msg
+
+
+def refuses(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """Whether nothing listens on D rank's side channel at ``host:port``: the connection is
+    refused, so that D process is gone (a D that restarts comes back with a new engine id and
+    new KV memory). A timeout or any other error says nothing: ``False``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
 
 
 class SignalClient:

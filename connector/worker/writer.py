@@ -2,6 +2,8 @@
 
 A failed attempt may still land later (``Transport.late_landing_s``), so its transfers tell D
 to hold their blocks that long before decoding from them or freeing them (``settle_s``).
+No retry goes to a D that is gone (``gone`` names why: its side channel refuses
+connections); a write to it can only wait for its deadline again, holding the sender thread.
 
 ``IN_FLIGHT`` names the write being issued, for transport wrappers that act on what a write
 carries (which transfer and layer each piece belongs to) rather than on bare addresses; the
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import time
+from collections.abc import Callable
 
 from connector.errors import TransferError
 from connector.stats import StatsCollector
@@ -28,11 +31,17 @@ IN_FLIGHT: contextvars.ContextVar[Write | None] = contextvars.ContextVar(
 
 class RetryingWriter:
     def __init__(
-        self, transport: Transport, retries: int, stats: StatsCollector | None = None
+        self,
+        transport: Transport,
+        retries: int,
+        stats: StatsCollector | None = None,
+        gone: Callable[[Write], str] | None = None,
     ) -> None:
+        """``gone(w)``: why ``w``'s D can no longer be written ("" when not known)."""
         self._transport = transport
         self._retries = retries
         self._stats = stats or StatsCollector()
+        self._gone = gone
         self.writes = 0  # writes that succeeded
 
     def write(self, w: Write) -> None:
@@ -57,13 +66,27 @@ class RetryingWriter:
                     tr.settle_s = max(tr.settle_s, late)
                 if attempt == self._retries:
                     raise
+                took = time.perf_counter() - t0
+                gone = self._gone(w) if self._gone is not None else ""
+                if gone:
+                    self._stats.add("write_retries_skipped")
+                    log.warning(
+                        "write of %d pieces (%d bytes) to %s failed after %.1fs (%s); no retry: %s",
+                        len(w.src),
+                        sum(w.lengths),
+                        w.session,
+                        took,
+                        exc,
+                        gone,
+                    )
+                    raise
                 self._stats.add("write_retries")
                 log.warning(
                     "write of %d pieces (%d bytes) to %s failed after %.1fs (%s); retry %d of %d",
                     len(w.src),
                     sum(w.lengths),
                     w.session,
-                    time.perf_counter() - t0,
+                    took,
                     exc,
                     attempt + 1,
                     self._retries,
