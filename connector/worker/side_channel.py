@@ -97,7 +97,11 @@ class SideChannelServer:
 
 
 def handshake(host: str, port: int, hello: wire.Hello, timeout_s: float) -> wire.Welcome:
-    """Ask D rank at ``host:port`` for its KV description (blocking; run it off-thread)."""
+    """Ask D rank at ``host:port`` for its KV description (blocking; run it off-thread). A
+    port that refuses connections fails at once: ZeroMQ would keep reconnecting quietly
+    until ``timeout_s``."""
+    if refuses(host, port, timeout_s):
+        raise HandshakeError(f"{host}:{port} refuses connections (no D side channel there)")
     zmq = _zmq()
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)

@@ -230,7 +230,12 @@ def test_sender_keepalive_announces_a_new_transfer_at_once() -> None:
     assert ledger.on_open is None  # stopped: the ledger no longer pokes it
 
 
-def test_worker_handshake_with_nobody_listening_fails_and_releases_p() -> None:
+def test_worker_handshake_with_nobody_listening_fails_and_releases_p(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A refused connection (a D that is gone) fails the handshake at once, not at its
+    timeout (2 s here): ZeroMQ alone would keep reconnecting until then."""
+    caplog.set_level(logging.WARNING, logger="pdgate")
     port = C.free_port_range(1)
     p = C.make_instance("p-eng", "kv_producer", 1)
     try:
@@ -240,6 +245,11 @@ def test_worker_handshake_with_nobody_listening_fails_and_releases_p() -> None:
         C.poll(p, {"preq"}, lambda acc: "preq" in acc[0][0])
         sender = p.workers[0].sender
         assert sender is not None and sender.writes == 0
+        failed = [r.getMessage() for r in caplog.records if "handshake with" in r.getMessage()]
+        assert failed == [
+            f"handshake with 127.0.0.1:{port} failed: 127.0.0.1:{port} refuses connections "
+            "(no D side channel there)"
+        ]
     finally:
         C.close(p)
 
