@@ -75,10 +75,11 @@ LONG_PROMPT = 1600  # tokens: ~29 chunks of 56, a prefill long enough to interru
 # "pushing": P's first write landed (since protocol 3 "prefill_started" only means P took the
 # lease, before it allocates anything: a fault then is "before the push", not "mid-push")
 STREAM_STATES = ("pushing",)
-# a write that failed (D gone) may still land this long (Mooncake tcp: the write deadline plus
-# the longest lane deadline plus 2 s, with the connector's default write_timeout_s of 10 s):
-# P holds the source blocks of such a transfer that long, and the issue's D-killed target
-# allows it ("plus the late-landing hold only where a write was in flight")
+# a write that failed may still land this long (Mooncake tcp: the write deadline plus the
+# longest lane deadline plus 2 s, with the connector's default write_timeout_s of 10 s): D
+# holds the blocks of such a transfer that long, and the issue's D-killed target allows it
+# ("plus the late-landing hold only where a write was in flight"); P no longer holds a failed
+# transfer's blocks, so with D killed its wait is at most the write deadline
 LATE_LANDING_S = 10.0 + 10.0 + 2.0
 
 
@@ -914,8 +915,7 @@ async def d_killed(
             failed_writes += fh.read().count(b"mooncake write to")
     row = Row("D killed (SIGKILL) mid-stream and mid-push", list(answers), free,
               f"1 stream with {answers[0].tokens} tokens out, 3 prompts being pushed; "
-              f"{failed_writes} failed write(s) logged by P (each holds its source blocks "
-              f"{LATE_LANDING_S:.0f}s)")  # fmt: skip
+              f"{failed_writes} failed write(s) logged by P")  # fmt: skip
     reliability.add(row)
     return Measured(row, fault_at=killed_at, in_flight_writes=failed_writes)
 
@@ -941,12 +941,6 @@ async def test_chaos_d_killed_clients_get_clean_errors(d_killed: Measured) -> No
             assert a.outcome == Outcome.CLEAN_ERROR and a.status in (502, 503), a
 
 
-@pytest.mark.xfail(
-    reason="issue 13 target missed when a write is in flight at the kill: Mooncake's TCP "
-    "transport notices the dead peer only at its 10 s progress deadline, P retries once, then "
-    "holds 22 s: 35.6 s measured (22.3 s when the writes fail at once; docs/reliability.md)",
-    strict=False,
-)
 async def test_target_d_killed_prefill_blocks_free_within_5s(d_killed: Measured) -> None:
     took = d_killed.row.free_s("prefill")
     hold = LATE_LANDING_S if d_killed.in_flight_writes else 0.0
