@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -100,8 +101,10 @@ def handshake(host: str, port: int, hello: wire.Hello, timeout_s: float) -> wire
     """Ask D rank at ``host:port`` for its KV description (blocking; run it off-thread). A
     port that refuses connections fails at once: ZeroMQ would keep reconnecting quietly
     until ``timeout_s``."""
-    if refuses(host, port, timeout_s):
+    started = time.monotonic()
+    if refuses(host, port, min(1.0, timeout_s)):
         raise HandshakeError(f"{host}:{port} refuses connections (no D side channel there)")
+    left_s = max(0.0, timeout_s - (time.monotonic() - started))
     zmq = _zmq()
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
@@ -109,7 +112,7 @@ def handshake(host: str, port: int, hello: wire.Hello, timeout_s: float) -> wire
     try:
         sock.connect(f"tcp://{_host(host)}:{port}")
         sock.send(wire.encode(hello))
-        if not sock.poll(int(timeout_s * 1000)):
+        if not sock.poll(int(left_s * 1000)):
             raise HandshakeError(f"no handshake answer from {host}:{port} in {timeout_s}s")
         raw = sock.recv()
     finally:
