@@ -3,8 +3,7 @@ the tiny model's two KV heads) pushes into D with tensor parallelism 1 (both hea
 through P/D must equal the monolithic reference, D must take the whole prompt from the transfer
 (nothing recomputed), and each P rank must push exactly its own head shard. A prompt that got
 no push because the machine stalled, a peer timed out or a Mooncake tcp write stalled (D then
-computes it, by design), or that got no answer while an engine stopped past its registration
-TTL, is sent again with another prompt, up to twice."""
+computes it, by design) is sent again with another prompt, up to twice."""
 
 from __future__ import annotations
 
@@ -52,12 +51,6 @@ TIMED_OUT = re.compile(
     )
 )
 TIMED_OUT_IN = ("prefill-0", "decode-0", "proxy")
-# an engine's registration heartbeat that came later than the registry's TTL, with no failed
-# heartbeat logged before it (connector/scheduler/registrar.py): the heartbeat thread did not
-# run, so the engine process itself was stopped that long (a frozen metaserver makes the
-# heartbeats fail, logged, and its fallback is what this test must see working)
-BEAT = re.compile(r"heartbeat of \S+ (failed|landed ([\d.]+)s after the previous one)")
-ENGINES = ("prefill-0", "decode-0")
 P_TP = 2
 SEEDS = (5000, 7000, 9000)  # a prompt per run of a case: the first, and up to two more
 FLOAT32_BYTES = 4
@@ -154,31 +147,15 @@ def last_warnings(dep: Deployment) -> str:
     return "\n".join(lines) or "no warning or error in any log"
 
 
-def engine_stopped_s(dep: Deployment, since: dict[str, int]) -> float:
-    """The longest time P or D did not run since their logs were ``since`` characters long:
-    a heartbeat gap over the registration TTL without a failed heartbeat before it."""
-    worst = 0.0
-    for name in ENGINES:
-        failed = False
-        for m in BEAT.finditer(dep.log_of(name)[since[name] :]):
-            if m.group(1) == "failed":
-                failed = True
-            elif not failed:
-                worst = max(worst, float(m.group(2)))
-    return worst
-
-
 @dataclass
 class Run:
-    """One prompt through P/D, answer already compared with the monolithic engine's, or
-    ``unanswered`` (why) when P/D did not answer in time while an engine was stopped."""
+    """One prompt through P/D, answer already compared with the monolithic engine's."""
 
     pushed: float  # prompt tokens D took from the transfer
     computed: float  # prompt tokens D computed itself
     hangs: int  # Mooncake tcp hangs P logged meanwhile
     timeouts: int  # peers P or D gave up on meanwhile because they did not answer in time
-    stalled_s: float  # the longest time this process, or an engine, did not run meanwhile
-    unanswered: str = ""
+    stalled_s: float  # the longest time this process did not run meanwhile
 
 
 async def through_pd(hetero: Deployment, engines: Engines, length: int, seed: int) -> Run:
@@ -187,7 +164,6 @@ async def through_pd(hetero: Deployment, engines: Engines, length: int, seed: in
     before = await prompt_tokens_by_source(d_url)
     hangs = log_count(hetero, MOONCAKE_HANG, "prefill-0")
     timeouts = log_count(hetero, TIMED_OUT, *TIMED_OUT_IN)
-    logged = {name: len(hetero.log_of(name)) for name in ENGINES}
     with StallWatch() as watch:
         asking = "the monolithic engine"
         try:
@@ -197,18 +173,13 @@ async def through_pd(hetero: Deployment, engines: Engines, length: int, seed: in
             asking = "the P/D deployment"
             got = await complete(client(hetero.proxy), engines.model, prompt, stream=length > 100)
         except openai.APITimeoutError:
-            # say who did not answer, and what the deployment's parts logged last
-            why = (
+            # a CI run ended here with nothing else to go by: say who did not answer, and what
+            # the deployment's parts logged last
+            pytest.fail(
                 f"{asking} did not answer a {length}-token prompt in time (this process's "
-                f"longest stall: {watch.worst_s:.1f}s)\n{last_warnings(hetero)}"
+                f"longest stall: {watch.worst_s:.1f}s)\n{last_warnings(hetero)}",
+                pytrace=False,
             )
-            stopped = engine_stopped_s(hetero, logged)
-            if asking != "the P/D deployment" or not stopped:
-                pytest.fail(why, pytrace=False)
-            # P or D stopped past its registration TTL meanwhile (a CI run: D's heartbeat
-            # landed 128 s late with no failed one before it, D's API server missed the
-            # proxy's health probes for 2 minutes, while this process stalled 4 s)
-            return Run(0, 0, 0, 0, stopped, unanswered=why)
     assert len(ref.token_ids) == 16
     assert_same(got, ref)
     after = await prompt_tokens_by_source(d_url)
@@ -241,10 +212,8 @@ async def test_e2e_hetero_tp_completion_equals_monolithic(
         if attempt < len(SEEDS) - 1:
             print(
                 f"\nP pushed nothing (stall {run.stalled_s:.1f}s, {run.timeouts} timeout(s), "
-                f"{run.hangs} stalled write(s)); again:\n{run.unanswered or why_no_push(hetero)}"
+                f"{run.hangs} stalled write(s)); again:\n{why_no_push(hetero)}"
             )
-    if run.unanswered:
-        pytest.fail(run.unanswered, pytrace=False)
     if run.pushed == 0 and run.hangs:
         # the last run too: a stalled Mooncake write; P failed the transfer, D held the blocks
         # for the settle time, recomputed, and the answer above is still exact
