@@ -7,10 +7,14 @@ computes it, by design) is sent again with another prompt, up to twice."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
 import re
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -137,6 +141,29 @@ def why_no_push(dep: Deployment) -> str:
     return "\n".join(lines[-8:]) or "no such line in P's, D's or the proxy's log"
 
 
+STACKS_AFTER_S = 60.0  # a P/D answer this late: dump the deployment's stacks while it waits
+
+
+def dump_stacks(dep: Deployment) -> str:
+    """Every Python thread's stack in each of ``dep``'s processes and their subprocesses
+    (``py-spy dump``), written next to their logs; returns where. CI runs have seen D and the
+    metaserver hold a request for minutes and resume the moment it was cancelled."""
+    exe = shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if exe is None:
+        return "py-spy not installed: no stacks"
+    out = dep.supervisor.log_dir / "stacks.txt"
+    with out.open("a") as fh:
+        for name, proc in dep.supervisor.procs.items():
+            fh.write(f"==== {name} (pid {proc.pid})\n")
+            fh.flush()
+            subprocess.run(
+                [exe, "dump", "--pid", str(proc.pid), "--subprocesses"],
+                stdout=fh, stderr=subprocess.STDOUT, timeout=60, check=False,
+            )  # fmt: skip
+    text = out.read_text(errors="replace")
+    return f"stacks of every process, {STACKS_AFTER_S:.0f}s into the request ({out}):\n{text}"
+
+
 def last_warnings(dep: Deployment) -> str:
     """The last warnings and errors each part of ``dep`` logged."""
     lines = []
@@ -164,6 +191,7 @@ async def through_pd(hetero: Deployment, engines: Engines, length: int, seed: in
     before = await prompt_tokens_by_source(d_url)
     hangs = log_count(hetero, MOONCAKE_HANG, "prefill-0")
     timeouts = log_count(hetero, TIMED_OUT, *TIMED_OUT_IN)
+    stacks = ""
     with StallWatch() as watch:
         asking = "the monolithic engine"
         try:
@@ -171,13 +199,18 @@ async def through_pd(hetero: Deployment, engines: Engines, length: int, seed: in
                 client(engines.mono_url), engines.model, prompt, stream=length > 100
             )
             asking = "the P/D deployment"
-            got = await complete(client(hetero.proxy), engines.model, prompt, stream=length > 100)
+            answer = asyncio.ensure_future(
+                complete(client(hetero.proxy), engines.model, prompt, stream=length > 100)
+            )
+            if not (await asyncio.wait([answer], timeout=STACKS_AFTER_S))[0]:
+                stacks = await asyncio.to_thread(dump_stacks, hetero)
+            got = await answer
         except openai.APITimeoutError:
-            # a CI run ended here with nothing else to go by: say who did not answer, and what
-            # the deployment's parts logged last
+            # a CI run ended here with nothing else to go by: say who did not answer, what
+            # the deployment's parts logged last, and where their stacks are
             pytest.fail(
                 f"{asking} did not answer a {length}-token prompt in time (this process's "
-                f"longest stall: {watch.worst_s:.1f}s)\n{last_warnings(hetero)}",
+                f"longest stall: {watch.worst_s:.1f}s)\n{last_warnings(hetero)}\n{stacks}",
                 pytrace=False,
             )
     assert len(ref.token_ids) == 16
