@@ -146,8 +146,9 @@ STACKS_AFTER_S = 60.0  # a P/D answer this late: dump the deployment's stacks wh
 
 def dump_stacks(dep: Deployment) -> str:
     """Every Python thread's stack in each of ``dep``'s processes and their subprocesses
-    (``py-spy dump``), written next to their logs; returns where. CI runs have seen D and the
-    metaserver hold a request for minutes and resume the moment it was cancelled."""
+    (``py-spy dump``), written next to their logs; returns that file's name and text. CI
+    runs have seen D and the metaserver hold a request for minutes and resume the moment it
+    was cancelled."""
     exe = shutil.which("py-spy", path=os.path.dirname(sys.executable))
     if exe is None:
         return "py-spy not installed: no stacks"
@@ -156,10 +157,13 @@ def dump_stacks(dep: Deployment) -> str:
         for name, proc in dep.supervisor.procs.items():
             fh.write(f"==== {name} (pid {proc.pid})\n")
             fh.flush()
-            subprocess.run(
-                [exe, "dump", "--pid", str(proc.pid), "--subprocesses"],
-                stdout=fh, stderr=subprocess.STDOUT, timeout=60, check=False,
-            )  # fmt: skip
+            try:
+                subprocess.run(
+                    [exe, "dump", "--pid", str(proc.pid), "--subprocesses"],
+                    stdout=fh, stderr=subprocess.STDOUT, timeout=60, check=False,
+                )  # fmt: skip
+            except subprocess.TimeoutExpired:
+                fh.write("py-spy dump did not end in 60 s\n")
     text = out.read_text(errors="replace")
     return f"stacks of every process, {STACKS_AFTER_S:.0f}s into the request ({out}):\n{text}"
 
