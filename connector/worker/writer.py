@@ -66,28 +66,17 @@ class RetryingWriter:
                     tr.settle_s = max(tr.settle_s, late)
                 if attempt == self._retries:
                     raise
-                took = time.perf_counter() - t0
+                took = time.perf_counter() - t0  # before asking whether D is gone
                 gone = self._gone(w) if self._gone is not None else ""
-                if gone:
-                    self._stats.add("write_retries_skipped")
-                    log.warning(
-                        "write of %d pieces (%d bytes) to %s failed after %.1fs (%s); no retry: %s",
-                        len(w.src),
-                        sum(w.lengths),
-                        w.session,
-                        took,
-                        exc,
-                        gone,
-                    )
-                    raise
-                self._stats.add("write_retries")
+                self._stats.add("write_retries_skipped" if gone else "write_retries")
                 log.warning(
-                    "write of %d pieces (%d bytes) to %s failed after %.1fs (%s); retry %d of %d",
+                    "write of %d pieces (%d bytes) to %s failed after %.1fs (%s); %s",
                     len(w.src),
                     sum(w.lengths),
                     w.session,
                     took,
                     exc,
-                    attempt + 1,
-                    self._retries,
+                    f"no retry: {gone}" if gone else f"retry {attempt + 1} of {self._retries}",
                 )
+                if gone:
+                    raise
