@@ -87,9 +87,12 @@ class Recorder:
 
     def end(self, end: EndTask) -> None:
         tr = end.transfer
-        log.debug("transfer %s ends (%s)", tr.transfer_id, tr.error or end.fail or "ok")
+        # P's own request failing (end.fail) fails the transfer like a failed write: for the
+        # signal, the binding event, the ledger's release and the counters alike
+        tr.error = tr.error or end.fail
+        log.debug("transfer %s ends (%s)", tr.transfer_id, tr.error or "ok")
         assert tr.route is not None and self._signals is not None
-        error = tr.error or end.fail
+        error = tr.error
         if tr.trace is not None:
             tr.trace.error = error
         digests = self._signer.digests(tr) if self._signer is not None and not error else []
@@ -99,7 +102,7 @@ class Recorder:
         if not self._signals.send(tr.dest.host, tr.d_port, sig):
             tr.error = tr.error or "signal not sent"
         tr.ended_at = time.perf_counter()
-        self._count_end(tr, error or tr.error)
+        self._count_end(tr, tr.error)
         self._ledger.ended(tr)  # counted first: P may free the blocks (and stop stepping) now
         if error:
             log.warning("transfer %s (%s) failed: %s", tr.transfer_id, tr.req_id, error)

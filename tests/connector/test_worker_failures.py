@@ -18,8 +18,10 @@ from connector.worker.keepalive import KeepAlive
 from connector.worker.ledger import Ledger
 from connector.worker.receiver import RecvTracker
 from connector.worker.side_channel import SideChannelServer, handshake
+from pdwire.models import BindingState
 from pdwire.version import PROTOCOL_VERSION
 from tests.connector import cluster as C
+from tests.connector.test_worker_overlap import _Events
 
 
 class FakeClock:
@@ -288,6 +290,29 @@ def test_worker_names_the_blocks_of_a_failed_load_without_d_prefix_hit() -> None
         got = C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
         assert got[0][2] == {"dreq"}
         assert d.workers[0].blocks_of({"dreq"}) == {4, 5}
+    finally:
+        C.close(p, d)
+
+
+def test_worker_prefill_failing_mid_push_posts_failed_not_done() -> None:
+    """P's request failing at its last chunk fails the transfer: D is told so, and the binding
+    event says ``failed`` with the reason (it said ``done`` while D was told it failed)."""
+    port = C.free_port_range(1)
+    d = C.make_instance("d-eng", "kv_consumer", 1, port=port)
+    p = C.make_instance("p-eng", "kv_producer", 1)
+    events = _Events()
+    p.workers[0]._events = events  # type: ignore[assignment]
+    try:
+        C.fill_prefill(p)
+        C.expect(d, "dreq", "tpre", [4, 5])
+        C.push(p, "preq", "tpre", C.destination(d, port), [[(0, 4), (1, 5)]], fail_last="boom")
+        C.poll(p, {"preq"}, lambda acc: "preq" in acc[0][0])
+        got = C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
+        assert got[0][2] == {"dreq"}
+        assert [(tid, state) for tid, state, _ in events.posted][-1:] == [
+            ("tpre", BindingState.FAILED)
+        ]
+        assert events.posted[-1][2].error == "boom"
     finally:
         C.close(p, d)
 
