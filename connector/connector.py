@@ -188,8 +188,8 @@ class PdgateConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self.worker is None:
             return None
-        silent = self.worker.silent_loads()
-        return PdgateWorkerMetadata(silent) if silent else None
+        silent, ready = self.worker.silent_loads(), self.worker.ready_loads()
+        return PdgateWorkerMetadata(silent, ready) if silent or ready else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM before 0.32: the blocks of loads that failed (it recomputes from the first);

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -90,7 +91,13 @@ class PdgateWorkerMetadata(KVConnectorWorkerMetadata):
     # req ids whose load failed because P went silent: P may be frozen and write later, so the
     # scheduler keeps their blocks out of use until the load's deadline
     silent: frozenset[str] = frozenset()
+    # req id -> wall-clock time its load's KV was all there on this rank; the load is ready
+    # once every rank has it, so ranks combine by the latest
+    ready: Mapping[str, float] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, PdgateWorkerMetadata)
-        return PdgateWorkerMetadata(self.silent | other.silent)
+        ready = dict(self.ready)
+        for req_id, at in other.ready.items():
+            ready[req_id] = max(at, ready.get(req_id, at))
+        return PdgateWorkerMetadata(self.silent | other.silent, ready)

@@ -166,6 +166,15 @@ SERIES: tuple[Series, ...] = (
         side="D scheduler",
     ),
     Series(
+        "kv_ready_wait_seconds",
+        Kind.HISTOGRAM,
+        "Per load that ended intact: from its KV being all there on D's worker (P's last done "
+        "signal) to the request's first scheduled step (the worker's next poll, the engine's "
+        "step in progress).",
+        buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+        side="D scheduler",
+    ),
+    Series(
         "binding_writes",
         Kind.COUNTER,
         "D's binding PUTs by result: ok, rejected (4xx), error (unreachable, 5xx), dropped "

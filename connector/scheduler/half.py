@@ -13,6 +13,7 @@ from connector.metadata import PdgateMetadata, PdgateWorkerMetadata, skew_margin
 from connector.scheduler.decode import DecodeSide, Identity
 from connector.scheduler.lookups import Lookups
 from connector.scheduler.prefill import PrefillSide
+from connector.scheduler.ready import ReadyWait
 from connector.scheduler.registrar import Registrar
 from connector.stats import StatsCollector
 from connector.tracing import build_tracer
@@ -113,6 +114,7 @@ class ConnectorScheduler:
             if role is not InstanceRole.PREFILL
             else None
         )
+        self.ready = ReadyWait(self.stats) if self.decode is not None else None
         self.prefill = (
             PrefillSide(
                 self.lookups,
@@ -159,6 +161,8 @@ class ConnectorScheduler:
         meta = PdgateMetadata()
         if self.decode is not None:
             self.decode.fill(meta)
+        if self.ready:  # loads ended intact, their requests not yet scheduled
+            self.ready.scheduled(r.req_id for r in out.scheduled_new_reqs)
         if self.prefill is not None:
             self.prefill.fill(meta, out)
         return meta
@@ -168,6 +172,8 @@ class ConnectorScheduler:
     ) -> tuple[bool, dict[str, Any] | None]:
         if self.decode is not None:
             self.decode.finished(request)
+        if self.ready is not None:
+            self.ready.forget(request.request_id)
         if self.prefill is None:
             return False, None
         delay_free, report = self.prefill.finished(request)
@@ -183,6 +189,8 @@ class ConnectorScheduler:
         meta = out.kv_connector_worker_meta
         if self.decode is not None and isinstance(meta, PdgateWorkerMetadata) and meta.silent:
             self.decode.quarantine(meta.silent)
+        if self.ready is not None and isinstance(meta, PdgateWorkerMetadata) and meta.ready:
+            self.ready.ready(meta.ready)
         if self.decode is not None and out.finished_recving:
             self.decode.loaded(out.finished_recving)
         for req_id in out.finished_sending or ():

@@ -336,6 +336,10 @@ class ConnectorWorker:
         """Loads failed (this step) because P went silent (see ``RecvTracker.take_silent``)."""
         return frozenset(self.tracker.take_silent())
 
+    def ready_loads(self) -> dict[str, float]:
+        """Loads that ended intact since the last call, with when their KV was all there."""
+        return self.tracker.take_ready()
+
     def _count_landed(self, req_id: str) -> None:
         """A load ended intact: its blocks hold P's KV now."""
         blocks = len(self._recv_blocks.get(req_id, ()))

@@ -46,6 +46,7 @@ class _Signals:
     by_sender: dict[str, wire.Signal] = field(default_factory=dict)
     settle_until: float = 0.0  # a P rank's failed write may land until then: hold the blocks
     alive_at: float | None = None  # P's last keep-alive for this transfer
+    last_wall: float = 0.0  # wall clock of the latest done signal (``RecvTracker.take_ready``)
 
 
 class RecvTracker:
@@ -57,8 +58,10 @@ class RecvTracker:
         landing_wait_s: float = 10.0,
         silence_s: float = 0.0,
         stats: StatsCollector | None = None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.stats = stats or StatsCollector()
+        self._wall = wall
         self._timeout = timeout_s
         self._silence = silence_s
         self._landing_wait = landing_wait_s
@@ -77,6 +80,7 @@ class RecvTracker:
         self.late_landings = 0  # of those: matched only after their done signals
         self.silent = 0  # loads failed because P stopped sending keep-alives
         self._quarantine: set[str] = set()  # failed while P may still write: see ``take_silent``
+        self._ready: dict[str, float] = {}  # see ``take_ready``
         # ``verify_kv``: checks a complete transfer's digests ("" = the KV landed intact)
         self.verify: Callable[[wire.Signal], str] | None = None
         # a load completed intact (counts its bytes); runs under the tracker's lock
@@ -125,6 +129,7 @@ class RecvTracker:
                 self.ignored_signals += 1  # duplicate
                 return
             entry.by_sender[sig.sender] = sig
+            entry.last_wall = self._wall()
             if sig.settle_s > 0:
                 entry.settle_until = max(entry.settle_until, self._clock() + sig.settle_s)
 
@@ -147,6 +152,15 @@ class RecvTracker:
             silent, self._quarantine = self._quarantine, set()
         return silent
 
+    def take_ready(self) -> dict[str, float]:
+        """Loads that ended intact since the last call (aborted ones left out), each with the
+        wall-clock time its KV was all there: its last done signal's arrival, or the poll that
+        found it landed when it had to wait for late bytes or a settle hold. The scheduler half
+        times from there to the request's first step (``kv_ready_wait_seconds``)."""
+        with self._lock:
+            ready, self._ready = self._ready, {}
+        return ready
+
     def pending(self) -> int:
         with self._lock:
             return len(self._recvs)
@@ -164,6 +178,8 @@ class RecvTracker:
                 finished.add(req_id)
                 if verdict:
                     self.stats.add("loads")
+                    if not recv.aborted:
+                        self._ready[req_id] = self._ready_at(recv)
                     if self.on_landed is not None:
                         self.on_landed(req_id)
                 elif not recv.aborted:
@@ -281,6 +297,12 @@ class RecvTracker:
             )
         self.verified += checked
         return True
+
+    def _ready_at(self, recv: _Recv) -> float:
+        entry = self._signals.get(recv.transfer_id)
+        if entry is None or recv.signalled_at is not None or recv.settling:
+            return self._wall()
+        return entry.last_wall
 
     def _retire(self, recv: _Recv) -> None:
         del self._recvs[recv.req_id]

@@ -46,6 +46,7 @@ from tests.bench.ttft_client import (  # noqa: E402
     Cell,
     StreamError,
     attach_bindings,
+    histogram_totals,
     median,
     percentile,
     prompt,
@@ -59,6 +60,7 @@ TARGET_MIN_TOKENS = 2000
 MAX_MODEL_LEN = 4096
 MODELS: dict[str, Callable[[Path], Path]] = {"tiny": make_tiny_model, "small": make_small_model}
 Cells = dict[tuple[str, int], Cell]  # (target or flow, prompt size) -> cell
+READY_WAIT = "vllm:pdgate_kv_ready_wait_seconds"
 
 
 def say(line: str) -> None:
@@ -96,8 +98,11 @@ class Bench:
     def _supervisor(self, children: list, sub: str) -> Supervisor:
         return Supervisor(children, self.log_dir / sub, out=lambda line: say(f"  {line}"))
 
-    def measure(self, url: str, target: str, flow: str | None, cells: Cells) -> None:
-        """Every prompt size for one target: warm-ups, then the timed runs."""
+    def measure(
+        self, url: str, target: str, flow: str | None, cells: Cells, d_metrics: str | None = None
+    ) -> None:
+        """Every prompt size for one target: warm-ups, then the timed runs (and, with D's
+        ``/metrics`` URL, the mean of D's KV-ready-to-first-step wait over those runs)."""
         a = self.args
         with httpx.Client(timeout=a.request_timeout) as http:
             for i, size in enumerate(a.sizes):
@@ -107,11 +112,16 @@ class Bench:
                         s = ttft(http, url, self.name, prompt(size, next(self.seeds)),
                                  max_tokens=a.max_tokens, flow=flow)  # fmt: skip
                         say(f"{target} {size} tok warm-up {w + 1}: {s.ttft_s * 1000:.1f} ms")
+                    before = histogram_totals(http, d_metrics, READY_WAIT) if d_metrics else None
                     for r in range(a.runs):
                         s = ttft(http, url, self.name, prompt(size, next(self.seeds)),
                                  max_tokens=a.max_tokens, flow=flow)  # fmt: skip
                         cell.samples.append(s)
                         say(f"{target} {size} tok run {r + 1}/{a.runs}: {s.ttft_s * 1000:.1f} ms")
+                    if d_metrics and before is not None:
+                        total, count = histogram_totals(http, d_metrics, READY_WAIT)
+                        if count > before[1]:
+                            cell.ready_wait_s = (total - before[0]) / (count - before[1])
                 except (StreamError, httpx.HTTPError, ValueError) as exc:
                     cell.error = f"{type(exc).__name__}: {exc}"
                     say(f"{target} {size} tok FAILED: {cell.error}")
@@ -145,6 +155,7 @@ class Bench:
         )
         plan = build_plan(opts)
         children = pin_plan(plan.children) if self.args.pinned else plan.children
+        d_metrics = plan.decode_urls[0] + "/metrics"  # one D: its wait is the flow's
         sup = self._supervisor(children, "pd")
         say(f"starting the 1P1D deployment ({self.name}): metaserver, P, D, proxy …")
         try:
@@ -154,7 +165,7 @@ class Bench:
                 if dead := sup.dead():
                     cells[(flow, self.args.sizes[0])] = Cell(error=f"{dead} died")
                     continue
-                self.measure(plan.proxy_url, flow, flow, cells)
+                self.measure(plan.proxy_url, flow, flow, cells, d_metrics)
                 time.sleep(0.5)  # the done events are posted in the background
                 flow_cells = [cells[(flow, s)] for s in self.args.sizes if (flow, s) in cells]
                 n = attach_bindings(plan.metaserver_url, flow_cells)
@@ -221,14 +232,16 @@ def table(model: str, args: argparse.Namespace, cells: Cells) -> str:
         "",
         "Where P/D's time goes (ms, medians; binding events timed when the metaserver "
         "received them, P's compute end on P's clock):",
-        "| tokens | flow | " + " | ".join(PHASES) + " |",
-        "|---|---|" + "---:|" * len(PHASES),
+        "| tokens | flow | " + " | ".join(PHASES) + " | of which D: KV ready → 1st step (mean) |",
+        "|---|---|" + "---:|" * (len(PHASES) + 1),
     ]
     for flow in args.flows:
         for size in args.sizes:
             ph = cells.get((flow, size), Cell()).phases
             if ph:
                 cols = [f"{median([p[i] for p in ph]) * 1000:.1f}" for i in range(len(PHASES))]
+                wait = cells[(flow, size)].ready_wait_s
+                cols.append("–" if wait is None else f"{wait * 1000:.1f}")
                 lines.append(f"| {size} | {flow} | " + " | ".join(cols) + " |")
     return "\n".join(lines)
 
@@ -294,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                 "overlap": c.overlap,
                 "phases": c.phases,
                 "raw": c.raw,
+                "ready_wait_s": c.ready_wait_s,
             }  # fmt: skip
             for (t, n), c in cells.items()
         }

@@ -35,6 +35,9 @@ class Cell:
     overlap: list[dict[str, float]] = field(default_factory=list)  # one per matched binding
     phases: list[list[float]] = field(default_factory=list)  # seconds per PHASES entry
     raw: list[dict[str, Any]] = field(default_factory=list)  # matched binding, its times
+    # mean of D's kv_ready_wait_seconds over the timed runs (P's done signal on D -> D's first
+    # step of the request), from D's /metrics; None where not measured
+    ready_wait_s: float | None = None
 
     def ttfts(self) -> list[float]:
         return [s.ttft_s for s in self.samples]
@@ -45,6 +48,17 @@ def prompt(n: int, seed: int) -> list[int]:
     prefix-cache hit helps anybody."""
     rng = random.Random(seed)
     return [rng.randint(3, 1000) for _ in range(n)]
+
+
+def histogram_totals(http: httpx.Client, metrics_url: str, name: str) -> tuple[float, float]:
+    """(sum, count) of a histogram on a Prometheus text page, over all its label sets."""
+    text = http.get(metrics_url).raise_for_status().text
+    total = {"_sum": 0.0, "_count": 0.0}
+    for line in text.splitlines():
+        for suffix in total:
+            if line.startswith((name + suffix + "{", name + suffix + " ")):
+                total[suffix] += float(line.rsplit(" ", 1)[1])
+    return total["_sum"], total["_count"]
 
 
 def percentile(xs: list[float], q: float) -> float:

@@ -127,6 +127,7 @@ def runner_output(
     recving: set[str] | None = None,
     failed: set[str] | None = None,
     silent: set[str] | None = None,
+    ready: dict[str, float] | None = None,
     token: int = 7,
     s: Scheduler | None = None,
     stats: dict[str, Any] | None = None,
@@ -134,10 +135,13 @@ def runner_output(
     """What the workers report. A failed load goes out the way the running vLLM hears of it:
     ``failed_recving`` (0.32), or the blocks the load was to fill (before 0.32, as the
     connector's ``get_block_ids_with_load_errors``: those after D's own prefix hit).
-    ``stats``: the workers' connector stats of this step (their merged delta dict)."""
+    ``stats``: the workers' connector stats of this step (their merged delta dict); ``ready``:
+    when the loads in ``recving`` had all their KV (wall clock)."""
     req_ids = list(out.num_scheduled_tokens)
     kv = None
-    worker_meta = PdgateWorkerMetadata(frozenset(silent)) if silent else None
+    worker_meta = (
+        PdgateWorkerMetadata(frozenset(silent or ()), ready or {}) if silent or ready else None
+    )
     if sending or recving or failed or stats or silent:
         if "failed_recving" in KVConnectorOutput.__dataclass_fields__:
             kv = KVConnectorOutput(

@@ -291,6 +291,34 @@ def test_decode_request_loads_then_decodes_and_is_not_claimed_twice(
     H.assert_empty(s)
 
 
+def test_decode_times_a_loaded_request_from_its_kv_ready_to_its_first_step(
+    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+) -> None:
+    s = make_decoder(metaserver.url)
+    conn = H.connector_of(s)
+    assert conn.scheduler is not None
+    ok = H.request(H.prompt(40), _recv_params("tid-ready"), max_tokens=2)
+    gone = H.request(H.prompt(40, seed=1), _recv_params("tid-ready-gone"), max_tokens=2)
+    s.add_request(ok)
+    s.add_request(gone)
+    H.step(s)
+    H.connector_stats()
+    conn.scheduler.stats.take()
+    ready_at = time.time() - 0.05  # the worker saw the KV complete 50 ms before reporting
+    H.step(s, recving={ok.request_id, gone.request_id},
+           ready={ok.request_id: ready_at, gone.request_id: ready_at})  # fmt: skip
+    s.finish_requests(gone.request_id, RequestStatus.FINISHED_ABORTED)  # before its first step
+    out, _ = H.step(s, stats={"loads": 0})  # (vLLM 0.23 ships the scheduler's stats with these)
+    assert out.num_scheduled_tokens == {ok.request_id: 1}
+    waits = stats.merge(H.connector_stats(), conn.scheduler.stats.take() or {})
+    (wait,) = waits["kv_ready_wait_seconds"]  # one wait: the aborted request was never scheduled
+    assert 0.05 <= wait < 5
+    assert not conn.scheduler.ready  # nothing left pending
+    for _ in range(4):
+        H.step(s)
+    H.assert_empty(s)
+
+
 def test_decode_failed_load_is_recomputed_locally(
     metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
 ) -> None:

@@ -91,6 +91,36 @@ def test_receiver_aborted_request_waits_for_p_or_deadline_then_releases_without_
     assert t.poll() == ({"r2"}, set())
 
 
+def test_receiver_reports_when_each_intact_load_was_ready() -> None:
+    wall = FakeClock()
+    t = RecvTracker(30.0, FakeClock(), wall=wall)
+    for req, tid in (("r1", "t1"), ("r2", "t2"), ("r3", "t3")):
+        t.expect(req, tid)
+    t.on_signal(_sig("t1", "p/0", expected=2))
+    wall.now += 0.5
+    t.on_signal(_sig("t1", "p/1", expected=2))  # the last rank's signal makes it ready
+    t.on_signal(_sig("t2", "p/0", ok=False))  # failed: never ready
+    t.aborted({"r3"})
+    t.on_signal(_sig("t3", "p/0"))  # landed, but nobody waits for it any more
+    wall.now += 2.0  # the poll comes later: the wait is timed from the signal
+    assert t.poll() == ({"r1", "r2", "r3"}, {"r2"})
+    assert t.take_ready() == {"r1": 1000.5}
+    assert t.take_ready() == {}  # handed over once
+
+
+def test_receiver_load_that_landed_after_its_signal_is_ready_when_found_intact() -> None:
+    wall = FakeClock()
+    t = RecvTracker(30.0, FakeClock(), wall=wall)
+    landed = iter(["piece 0 does not match", ""])
+    t.verify = lambda sig: next(landed)
+    t.expect("r1", "t1")
+    t.on_signal(wire.Signal("t1", "p/0", True, 1, digests=[(0, 4096, 64, 1)]))
+    assert t.poll() == (set(), set()) and t.take_ready() == {}  # bytes still on their way
+    wall.now += 0.25
+    assert t.poll() == ({"r1"}, set())
+    assert t.take_ready() == {"r1": 1000.25}
+
+
 def test_receiver_releases_an_aborted_load_p_never_took_at_once() -> None:
     t = RecvTracker(30.0, FakeClock())
     t.expect("r1", "t1")

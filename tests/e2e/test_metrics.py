@@ -96,6 +96,9 @@ async def test_e2e_connector_metrics_agree_with_the_bytes_pushed(
     for cause in stats.FAILURE_CAUSES:
         assert _delta(d1, d0, f"vllm:pdgate_load_failures_total{{{cause}}}") == 0
     assert _delta(d1, d0, "vllm:pdgate_recomputes_total") == 0
+    # each loaded request was timed from its KV being all there to its first step on D
+    assert _delta(d1, d0, "vllm:pdgate_kv_ready_wait_seconds_count") == len(lengths)
+    assert 0 < _delta(d1, d0, "vllm:pdgate_kv_ready_wait_seconds_sum") < 5 * len(lengths)
     assert _delta(p1, p0, "vllm:pdgate_push_pieces_total") >= blocks
     # one push time and one exposed time per transfer; exposed is part of the push
     assert _delta(p1, p0, "vllm:pdgate_push_seconds_count") == len(lengths)
