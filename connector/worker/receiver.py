@@ -180,6 +180,8 @@ class RecvTracker:
                     self.stats.add("loads")
                     if not recv.aborted:
                         self._ready[req_id] = self._ready_at(recv)
+                        if len(self._ready) > self._retired_max:  # nobody takes them
+                            del self._ready[next(iter(self._ready))]
                     if self.on_landed is not None:
                         self.on_landed(req_id)
                 elif not recv.aborted:

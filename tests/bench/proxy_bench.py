@@ -30,6 +30,12 @@ direct-D uses the first D). ``--tracing`` adds ``pdgate@traced`` and
 ``pdgate-decode-first@traced``: the same with ``--otlp-traces-endpoint`` set, every request
 sampled, spans exported over OTLP/HTTP to a receiver process (``tests/support/otlp.py``) that
 decodes them.
+
+``--rate R`` paces the load generator to R req/s for every target (default: as fast as the
+connections go). Without it a faster target batches more requests per event-loop turn, which
+lowers its CPU per request; at one rate the CPU figures compare the work per request. The CPU
+per request is the process group's user + system time over the whole window (warm-up
+included) divided by the requests sent in it.
 """
 
 from __future__ import annotations
@@ -56,7 +62,11 @@ PROMPT = "Benchmark prompt about prefill and decode disaggregation. " * 4
 
 
 # ---- load generator (runs in its own process) -----------------------------------------------
-async def _loadgen(url: str, conns: int, seconds: float, warmup: float, stream: bool) -> None:
+async def _loadgen(
+    url: str, conns: int, seconds: float, warmup: float, stream: bool, rate: float | None
+) -> None:
+    """``rate``: each connection sends on its own schedule so that together they offer this
+    many req/s (a connection whose answer comes late sends its next request at once)."""
     import aiohttp
 
     body = json.dumps(
@@ -64,7 +74,7 @@ async def _loadgen(url: str, conns: int, seconds: float, warmup: float, stream: 
     ).encode()
     headers = {"content-type": "application/json"}
     lat: list[float] = []
-    errors = 0
+    errors = sent = 0
     t_start = time.perf_counter()
     t_measure = t_start + warmup
     t_end = t_measure + seconds
@@ -72,12 +82,18 @@ async def _loadgen(url: str, conns: int, seconds: float, warmup: float, stream: 
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
-        async def worker() -> None:
-            nonlocal errors
+        async def worker(k: int) -> None:
+            nonlocal errors, sent
+            next_at = t_start + k / rate if rate else 0.0
             while True:
+                if rate:
+                    if (wait := next_at - time.perf_counter()) > 0:
+                        await asyncio.sleep(wait)
+                    next_at += conns / rate
                 t0 = time.perf_counter()
                 if t0 >= t_end:
                     return
+                sent += 1
                 try:
                     async with session.post(url, data=body, headers=headers) as resp:
                         if stream:
@@ -95,7 +111,7 @@ async def _loadgen(url: str, conns: int, seconds: float, warmup: float, stream: 
                     else:
                         errors += 1
 
-        await asyncio.gather(*(worker() for _ in range(conns)))
+        await asyncio.gather(*(worker(k) for k in range(conns)))
     lat.sort()
 
     def pct(p: float) -> float:
@@ -103,7 +119,13 @@ async def _loadgen(url: str, conns: int, seconds: float, warmup: float, stream: 
 
     print(
         json.dumps(
-            {"rps": len(lat) / seconds, "p50": pct(0.50), "p99": pct(0.99), "errors": errors}
+            {
+                "rps": len(lat) / seconds,
+                "p50": pct(0.50),
+                "p99": pct(0.99),
+                "errors": errors,
+                "sent": sent,  # warm-up included: what the CPU totals are divided by
+            }
         )
     )
 
@@ -111,6 +133,8 @@ async def _loadgen(url: str, conns: int, seconds: float, warmup: float, stream: 
 def run_loadgen(url: str, args: argparse.Namespace, stream: bool) -> dict[str, Any]:
     argv = [sys.executable, __file__, "--loadgen", url, "--connections", str(args.connections)]
     argv += ["--seconds", str(args.seconds), "--warmup", str(args.warmup)]
+    if args.rate:
+        argv += ["--rate", str(args.rate)]
     if stream:
         argv.append("--stream")
     out = subprocess.run(argv, capture_output=True, text=True, timeout=args.seconds + 120)
@@ -257,6 +281,12 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument(
+        "--rate",
+        type=float,
+        help="offer every target this many req/s (paced) instead of as many as the connections "
+        "get through: CPU per request compared at the same load",
+    )
     ap.add_argument("--workers", type=int, default=1, help="pdgate worker processes")
     ap.add_argument("--fakes", type=int, default=1, help="fake P and fake D instances (each)")
     ap.add_argument("--only", default="", help="comma-separated subset of targets")
@@ -290,7 +320,9 @@ def main() -> None:
         except ImportError:
             pass
         asyncio.run(
-            _loadgen(args.loadgen, args.connections, args.seconds, args.warmup, args.stream)
+            _loadgen(
+                args.loadgen, args.connections, args.seconds, args.warmup, args.stream, args.rate
+            )
         )
         return
 
@@ -395,7 +427,7 @@ def main() -> None:
                 cpu0 = cpu_seconds(proc.pid) if proc else 0.0
                 side0 = {k: sum(cpu_seconds(x.pid) for x in v) for k, v in others.items()}
                 res = run_loadgen(url + "/v1/completions", args, stream)
-                total = res["rps"] * (args.seconds + args.warmup)  # ≈ requests served
+                total = res["sent"]  # every request the CPU window saw
                 cpu = (cpu_seconds(proc.pid) - cpu0) if proc else float("nan")
                 res["cpu_us"] = cpu / total * 1e6 if total else float("nan")
                 res["side_cpu_us"] = {
@@ -418,13 +450,15 @@ def main() -> None:
                 stack.stop(proc)
     finally:
         stack.stop_all()
-    report(rows)
+    report(rows, paced=bool(args.rate))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     print(f"# logs: {logs}")
 
 
-def report(rows: list[dict[str, Any]]) -> None:
+def report(rows: list[dict[str, Any]], paced: bool = False) -> None:
+    """The table, then each target's verdict; paced (``--rate``): only the CPU ones, as every
+    target served the same req/s."""
     print(
         "\n| target | mode | req/s | p50 ms | p99 ms | router CPU µs/req | errors |"
         "\n|---|---|---:|---:|---:|---:|---:|"
@@ -452,7 +486,7 @@ def report(rows: list[dict[str, Any]]) -> None:
         rivals = [
             r for r in rows if r["target"] in ("sglang-router", "vllm-router") and r["mode"] == mode
         ]
-        if ours and rivals:
+        if ours and rivals and not paced:
             best = max(rivals, key=lambda r: r["rps"])
             ratio = ours["rps"] / best["rps"] if best["rps"] else float("inf")
             p99_ok = ours["p99"] <= min(r["p99"] for r in rivals)
@@ -478,13 +512,37 @@ def report(rows: list[dict[str, Any]]) -> None:
                 f"{ours['errors']} vs {theirs['errors']} "
                 f"(target >= 10x, p99 <= 0.1x, no errors) -> {'ok' if ok else 'below target'}"
             )
+        cpu_targets(rows, mode)
     for r in rows:
-        if r["target"] == "pdgate-decode-first":
+        if r["target"] == "pdgate-decode-first" and not paced:
             verdict = "ok" if r["rps"] >= 2000 and r["p99"] <= 50 else "below target"
             print(
                 f"decode-first {r['mode']}: {r['rps']:.0f} req/s, p99 {r['p99']:.1f} ms "
                 f"(target >= 2000 req/s, p99 <= 50 ms) -> {verdict}"
             )
+
+
+def cpu_targets(rows: list[dict[str, Any]], mode: str) -> None:
+    """Issue 16's CPU targets: decode-first's proxy CPU per request <= 1.2x prefill-first's,
+    prefill-first's <= 2/3 of the best Rust router's (fairest with ``--rate``: the same load
+    for every target, so no target's CPU figure is helped by bigger batches per loop turn)."""
+    at = {r["target"]: r for r in rows if r["mode"] == mode}
+    pf, df = at.get("pdgate"), at.get("pdgate-decode-first")
+    if pf and df:
+        ratio = df["cpu_us"] / pf["cpu_us"]
+        print(
+            f"{mode}: decode-first / prefill-first proxy CPU = {df['cpu_us']:.0f} / "
+            f"{pf['cpu_us']:.0f} us/req = {ratio:.2f} (target <= 1.2), req/s "
+            f"{df['rps']:.0f} / {pf['rps']:.0f} = {df['rps'] / pf['rps']:.2f}"
+        )
+    rivals = [at[n] for n in ("sglang-router", "vllm-router") if n in at]
+    if pf and rivals:
+        best = min(rivals, key=lambda r: r["cpu_us"])
+        print(
+            f"{mode}: prefill-first / best Rust router ({best['target']}) proxy CPU = "
+            f"{pf['cpu_us']:.0f} / {best['cpu_us']:.0f} us/req = "
+            f"{pf['cpu_us'] / best['cpu_us']:.2f} (target <= 0.67)"
+        )
 
 
 if __name__ == "__main__":
