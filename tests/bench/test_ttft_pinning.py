@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from launch.plan import LaunchOptions, build_plan
+from tests.bench import corecpu
 from tests.bench.ttft_bench import pin_plan, pinned
 from tests.e2e.stack import monolithic_child
 
@@ -27,3 +31,45 @@ def test_ttft_pinned_plan_puts_p_on_core_0_and_the_rest_on_core_1() -> None:
     for name, c in placed.items():  # the command itself is unchanged after taskset
         original = next(o for o in plan.children if o.name == name)
         assert c.argv[3:] == original.argv
+
+
+BURN = """
+import sys, threading, time
+def burn(s):
+    end = time.thread_time() + s
+    while time.thread_time() < end:
+        pass
+print("ready", flush=True)
+sys.stdin.readline()
+side = threading.Thread(target=burn, args=(0.1,))
+side.start()
+burn(0.4)
+side.join()
+print("done", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_ttft_core_cpu_splits_the_busiest_thread_from_the_others_on_the_core() -> None:
+    core = str(len(os.sched_getaffinity(0)) - 1)
+    with subprocess.Popen(
+        ["taskset", "-c", core, sys.executable, "-c", BURN],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            before = corecpu.snapshot(core)
+            assert proc.pid in before.processes  # found by its affinity
+            assert os.getpid() not in before.processes  # this process may use any core
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "done"
+            used = corecpu.spent(before, corecpu.snapshot(core))
+        finally:
+            proc.kill()
+    assert 0.35 <= used.forward_s < 1.0
+    # the side thread has ended by then: it counts through its process's total
+    assert 0.05 <= used.others_s < used.forward_s

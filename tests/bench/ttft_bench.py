@@ -41,6 +41,7 @@ import httpx  # noqa: E402
 from launch.plan import Child, build_plan  # noqa: E402
 from launch.supervisor import ChildFailed, Supervisor  # noqa: E402
 from launch.tiny_model import make_small_model, make_tiny_model  # noqa: E402
+from tests.bench import corecpu  # noqa: E402
 from tests.bench.ttft_client import (  # noqa: E402
     PHASES,
     Cell,
@@ -113,11 +114,15 @@ class Bench:
                                  max_tokens=a.max_tokens, flow=flow)  # fmt: skip
                         say(f"{target} {size} tok warm-up {w + 1}: {s.ttft_s * 1000:.1f} ms")
                     before = histogram_totals(http, d_metrics, READY_WAIT) if d_metrics else None
+                    core0 = corecpu.snapshot(PINNED_CORE) if a.pinned else None
                     for r in range(a.runs):
                         s = ttft(http, url, self.name, prompt(size, next(self.seeds)),
                                  max_tokens=a.max_tokens, flow=flow)  # fmt: skip
                         cell.samples.append(s)
                         say(f"{target} {size} tok run {r + 1}/{a.runs}: {s.ttft_s * 1000:.1f} ms")
+                    if core0 is not None:
+                        used = corecpu.spent(core0, corecpu.snapshot(PINNED_CORE))
+                        cell.core_cpu = (used.forward_s / a.runs, used.others_s / a.runs)
                     if d_metrics and before is not None:
                         total, count = histogram_totals(http, d_metrics, READY_WAIT)
                         if count > before[1]:
@@ -243,7 +248,28 @@ def table(model: str, args: argparse.Namespace, cells: Cells) -> str:
                 wait = cells[(flow, size)].ready_wait_s
                 cols.append("–" if wait is None else f"{wait * 1000:.1f}")
                 lines.append(f"| {size} | {flow} | " + " | ".join(cols) + " |")
+    if args.pinned:
+        lines += ["", *core_table(args, cells)]
     return "\n".join(lines)
+
+
+def core_table(args: argparse.Namespace, cells: Cells) -> list[str]:
+    """CPU per timed request on the pinned core: the forward thread, and every other thread
+    there (for P: the connector's). Same forward CPU with a longer TTFT means the machine
+    changed between the phases, not pdgate."""
+    targets = [MONO, *args.flows]
+    lines = [
+        f"CPU on core {PINNED_CORE} per request (ms, timed runs): forward thread / other threads",
+        "| tokens | " + " | ".join(targets) + " |",
+        "|---|" + "---:|" * len(targets),
+    ]
+    for size in args.sizes:
+        cols = []
+        for t in targets:
+            used = cells.get((t, size), Cell()).core_cpu
+            cols.append("–" if used is None else f"{used[0] * 1000:.0f} / {used[1] * 1000:.0f}")
+        lines.append(f"| {size} | " + " | ".join(cols) + " |")
+    return lines
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -308,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                 "phases": c.phases,
                 "raw": c.raw,
                 "ready_wait_s": c.ready_wait_s,
+                "core_cpu": c.core_cpu,
             }  # fmt: skip
             for (t, n), c in cells.items()
         }
