@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -9,7 +10,8 @@ from pathlib import Path
 
 from launch.plan import LaunchOptions, build_plan
 from tests.bench import corecpu
-from tests.bench.ttft_bench import pin_plan, pinned
+from tests.bench.ttft_bench import MONO, pin_plan, pinned, table
+from tests.bench.ttft_client import Cell, Sample
 from tests.e2e.stack import monolithic_child
 
 
@@ -73,3 +75,23 @@ def test_ttft_core_cpu_splits_the_busiest_thread_from_the_others_on_the_core() -
     assert 0.35 <= used.forward_s < 1.0
     # the side thread has ended by then: it counts through its process's total
     assert 0.05 <= used.others_s < used.forward_s
+
+
+def test_ttft_pinned_table_shows_core_cpu_and_d_ready_wait_per_cell() -> None:
+    args = argparse.Namespace(flows=["concurrent", "decode-first"], sizes=[1024], runs=1,
+                              pinned=True)  # fmt: skip
+    sample = Sample(1024, 1.0, 1.1, 0.0, 1.1)
+    cells = {
+        (MONO, 1024): Cell(samples=[sample], core_cpu=corecpu.CoreCpu(0.9, 0.012)),
+        ("concurrent", 1024): Cell(
+            samples=[sample],
+            phases=[[0.005, 0.003, 0.95, 0.02]],
+            ready_wait_s=0.0026,
+            core_cpu=corecpu.CoreCpu(0.91, 0.04),
+        ),
+    }
+    text = table("tiny", args, cells)
+    assert "| 1024 | concurrent | 5.0 | 3.0 | 950.0 | 20.0 | 2.6 |" in text
+    assert "| 1024 | 900 / 12 | 910 / 40 | – |" in text  # decode-first did not run
+    unpinned = table("tiny", argparse.Namespace(**{**vars(args), "pinned": False}), cells)
+    assert "CPU on core" not in unpinned

@@ -19,12 +19,19 @@ A flow that fails is shown as n/a with its error; the exit code is 0 unless the 
 has its own accelerator: the monolithic engine runs on core 0 alone (``taskset`` and vLLM's
 ``VLLM_CPU_OMP_THREADS_BIND``), then P runs on core 0 with D, the metaserver and the proxy on
 core 1. Without it every process floats over both cores (the monolithic engine then has two,
-P effectively one).
+P effectively one). Pinned, the bench also prints the CPU per timed request on core 0 (the
+forward thread, and every other thread there: ``corecpu.py``), so a ratio that moved with the
+machine between the two phases shows as the same forward CPU behind a longer TTFT.
+
+The phase table ends with D's ``kv_ready_wait_seconds`` (mean over each cell's timed runs, read
+from D's ``/metrics``): P's done signal at D's worker → the request's first step on D, the
+connector's part of "P end to 1st token".
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -122,7 +129,9 @@ class Bench:
                         say(f"{target} {size} tok run {r + 1}/{a.runs}: {s.ttft_s * 1000:.1f} ms")
                     if core0 is not None:
                         used = corecpu.spent(core0, corecpu.snapshot(PINNED_CORE))
-                        cell.core_cpu = (used.forward_s / a.runs, used.others_s / a.runs)
+                        cell.core_cpu = corecpu.CoreCpu(
+                            used.forward_s / a.runs, used.others_s / a.runs
+                        )
                     if d_metrics and before is not None:
                         total, count = histogram_totals(http, d_metrics, READY_WAIT)
                         if count > before[1]:
@@ -267,7 +276,9 @@ def core_table(args: argparse.Namespace, cells: Cells) -> list[str]:
         cols = []
         for t in targets:
             used = cells.get((t, size), Cell()).core_cpu
-            cols.append("–" if used is None else f"{used[0] * 1000:.0f} / {used[1] * 1000:.0f}")
+            cols.append(
+                "–" if used is None else f"{used.forward_s * 1e3:.0f} / {used.others_s * 1e3:.0f}"
+            )
         lines.append(f"| {size} | " + " | ".join(cols) + " |")
     return lines
 
@@ -334,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                 "phases": c.phases,
                 "raw": c.raw,
                 "ready_wait_s": c.ready_wait_s,
-                "core_cpu": c.core_cpu,
+                "core_cpu": dataclasses.asdict(c.core_cpu) if c.core_cpu else None,
             }  # fmt: skip
             for (t, n), c in cells.items()
         }

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from connector.worker.overlap import parse
+from tests.bench.corecpu import CoreCpu
 
 
 @dataclass
@@ -38,8 +39,8 @@ class Cell:
     # mean of D's kv_ready_wait_seconds over the timed runs (P's done signal on D -> D's first
     # step of the request), from D's /metrics; None where not measured
     ready_wait_s: float | None = None
-    # --pinned: CPU per timed request on the pinned core, (forward thread, other threads)
-    core_cpu: tuple[float, float] | None = None
+    # --pinned: CPU per timed request on the pinned core
+    core_cpu: CoreCpu | None = None
 
     def ttfts(self) -> list[float]:
         return [s.ttft_s for s in self.samples]
