@@ -31,7 +31,13 @@ _DEVICE = {
     "cpu": DevicePreset(
         "tcp",
         ("--gpu-memory-utilization", "0.1", "--dtype", "float32"),
-        {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        # the engines share the host's cores: unbound OpenMP threads, and none of them
+        # spinning at a barrier while another engine (or the metaserver) needs the core
+        {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_WAIT_POLICY": "PASSIVE",
+        },
     ),
     "cuda": DevicePreset("rdma", visible_devices_env="CUDA_VISIBLE_DEVICES"),
     "npu": DevicePreset("ascend", visible_devices_env="ASCEND_RT_VISIBLE_DEVICES"),

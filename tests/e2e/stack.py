@@ -50,7 +50,11 @@ def monolithic_child(
         "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(chunk_tokens),
         "--block-size", str(BLOCK_SIZE), "--gpu-memory-utilization", "0.1", "--dtype", "float32",
     ]  # fmt: skip
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_WAIT_POLICY": "PASSIVE",  # as pd-launch's CPU preset: it shares the cores
+    }
     del opts
     return Child("monolithic", argv, f"http://127.0.0.1:{port}/health", env, kind="engine")
 

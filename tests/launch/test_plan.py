@@ -54,6 +54,10 @@ def test_plan_device_presets() -> None:
         assert extra["mooncake_protocol"] == protocol and extra["device"] == device
     cpu = build_plan(LaunchOptions(model="m")).children[1]
     assert cpu.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    # engines sharing the host's cores: OpenMP threads sleep at barriers instead of spinning
+    assert cpu.env["OMP_WAIT_POLICY"] == "PASSIVE"
+    gpu = build_plan(LaunchOptions(model="m", device="cuda")).children[1]
+    assert "OMP_WAIT_POLICY" not in gpu.env
     assert "--gpu-memory-utilization" in cpu.argv
 
 
