@@ -36,10 +36,20 @@ def _confined_to(pid: str, core: str) -> bool:
         return False
 
 
-def _cpu(stat_path: str, tick: int) -> float:
+def stat_fields(stat_path: str) -> list[str]:
+    """The fields of a ``/proc/.../stat`` line after the command name: [0] is the state, [2]
+    the process group, [11] and [12] user and system time in clock ticks."""
     with open(stat_path) as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / tick
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def cpu_ticks(fields: list[str]) -> int:
+    """User + system time of ``stat_fields``, in clock ticks."""
+    return int(fields[11]) + int(fields[12])
+
+
+def _cpu(stat_path: str, tick: int) -> float:
+    return cpu_ticks(stat_fields(stat_path)) / tick
 
 
 def snapshot(core: str) -> Snapshot:

@@ -55,6 +55,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from tests.bench.corecpu import cpu_ticks, stat_fields  # noqa: E402
 from tests.support.procs import Process, free_port, wait_http  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -152,12 +153,11 @@ def cpu_seconds(pgid: int) -> float:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            fields = stat_fields(f"/proc/{entry}/stat")
         except OSError:
             continue
-        if int(fields[2]) == pgid:  # fields[0] is the state; pgrp is the third after ")"
-            total += int(fields[11]) + int(fields[12])
+        if int(fields[2]) == pgid:
+            total += cpu_ticks(fields)
     return total / ticks
 
 
