@@ -187,10 +187,11 @@ class ConnectorScheduler:
         loads failed for P's silence, whose blocks are quarantined before vLLM frees (or
         recomputes into) them, later in this same step."""
         meta = out.kv_connector_worker_meta
-        if self.decode is not None and isinstance(meta, PdgateWorkerMetadata) and meta.silent:
-            self.decode.quarantine(meta.silent)
-        if self.ready is not None and isinstance(meta, PdgateWorkerMetadata) and meta.ready:
-            self.ready.ready(meta.ready)
+        if isinstance(meta, PdgateWorkerMetadata):
+            if self.decode is not None and meta.silent:
+                self.decode.quarantine(meta.silent)
+            if self.ready is not None and meta.ready:
+                self.ready.ready(meta.ready)
         if self.decode is not None and out.finished_recving:
             self.decode.loaded(out.finished_recving)
         for req_id in out.finished_sending or ():
