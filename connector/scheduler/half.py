@@ -199,6 +199,12 @@ class ConnectorScheduler:
             if held:
                 self.stats.add("blocks_held", -held, label="prefill")
 
+    def has_pending_work(self) -> bool:
+        """Blocks a silent P may still write are quarantined: vLLM must keep stepping an
+        engine with no request left, since the quarantine ends (and the blocks go back) only
+        at a step, and an idle vLLM takes none."""
+        return self.decode is not None and self.decode.quarantined_blocks > 0
+
     def get_finished_count(self) -> int:
         # Every worker rank reports each finished id exactly once (replica ranks that push
         # nothing included), so vLLM's aggregator waits for all ranks of this instance.

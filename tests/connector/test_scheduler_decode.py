@@ -361,12 +361,16 @@ def test_decode_load_failed_for_a_silent_p_recomputes_in_other_blocks_until_the_
     assert not s.requests  # answered
     assert H.free_blocks(s) == before - 3  # the silent P's blocks are still out of use
     assert decode.quarantined_blocks == 3
+    # no request left, yet the engine must keep stepping: an idle vLLM takes no step, and
+    # the quarantine ends only at one
+    assert s.has_requests()
     time.sleep(2.0)
     H.step(s)  # D's deadline passed, but a write P had in flight may still land
-    assert H.free_blocks(s) == before - 3
+    assert H.free_blocks(s) == before - 3 and s.has_requests()
     time.sleep(1.0)
     H.step(s)  # past the deadline and the late-landing hold: they go back
     assert H.free_blocks(s) == before and decode.quarantined_blocks == 0
+    assert not s.has_requests()  # and the engine may idle
     H.assert_empty(s)
 
 
