@@ -9,7 +9,8 @@ D starts its silence clock at P's first keep-alive for a transfer (before it, D 
 P that has not started from one that stopped), so a new transfer is announced at once
 (``poke``, from the ledger), not up to ``keepalive_s`` later: a P frozen right after its
 first write is then caught by ``silence_s`` too. Beats are at least ``MIN_GAP_S`` apart
-whatever the rate of new transfers.
+whatever the rate of new transfers. This thread's beat waits for the GIL, so the sender thread
+names each transfer to D once more as its first write lands (``Recorder._first_write``).
 """
 
 from __future__ import annotations

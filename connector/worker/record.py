@@ -34,6 +34,7 @@ class Recorder:
         on_end: Outcome | None,
         on_first_write: Outcome | None,
         stats: StatsCollector | None = None,
+        announce: bool = False,
     ) -> None:
         self._me = me  # "<engine id>/<rank>": the signals' sender
         self._ledger = ledger
@@ -43,6 +44,7 @@ class Recorder:
         self._on_first_write = on_first_write
         self._signals: SignalClient | None = None
         self._stats = stats or StatsCollector()
+        self._announce = announce  # keep-alives on: D hears of a transfer at its first write
 
     def open(self) -> None:
         """On the sender thread (ZeroMQ sockets stay on the thread that made them)."""
@@ -75,7 +77,7 @@ class Recorder:
                 tr.trace.wrote(part.task.pairs, part.task.layer, part.nbytes, span)
             if not tr.announced:
                 tr.announced = True
-                self._notify(self._on_first_write, tr)
+                self._first_write(tr)
 
     def failed(self, w: Write, exc: TransferError) -> None:
         self._stats.add("write_failures")
@@ -108,6 +110,17 @@ class Recorder:
             log.warning("transfer %s (%s) failed: %s", tr.transfer_id, tr.req_id, error)
         self._ledger.done(end)
         self._notify(self._on_end, tr)
+
+    def _first_write(self, tr: Transfer) -> None:
+        """The transfer's first write landed. With keep-alives on, an ``Alive`` for it leaves
+        this thread first, before the first-write callback (the ``pushing`` event), so D's
+        silence clock runs before anyone can see the push under way. The keep-alive thread's
+        own beat for a new transfer waits for the GIL and its 50 ms gap: in a CI run a P
+        frozen shortly after ``pushing`` showed had not been named to D, and D waited for its
+        load deadline instead of failing the load after ``silence_s``."""
+        if self._announce and self._signals is not None:
+            self._signals.send(tr.dest.host, tr.d_port, wire.Alive(self._me, [tr.transfer_id]))
+        self._notify(self._on_first_write, tr)
 
     def _count_end(self, tr: Transfer, error: str) -> None:
         stats = self._stats

@@ -109,6 +109,7 @@ class Sender:
             callbacks.on_end,
             callbacks.on_first_write,
             self.stats,
+            announce=options.keepalive_s > 0,
         )
         self._loop = SenderLoop(
             memory, self._ledger, self.handshakes, self._writer, recorder, wall_clock

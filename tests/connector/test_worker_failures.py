@@ -543,3 +543,39 @@ def test_worker_peers_of_another_protocol_refuse_each_other_at_the_handshake(
             assert on_d and f"P engine {expected}" in on_d[0]
     finally:
         C.close(p, d)
+
+
+@pytest.mark.parametrize("keepalive_s", [0.5, 0.0])
+def test_sender_names_a_transfer_to_d_at_its_first_write(
+    keepalive_s: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With keep-alives on, the sender thread sends D an ``Alive`` for a transfer as its first
+    write lands (before the ``pushing`` event), whatever the keep-alive thread does: here it
+    is stopped. With keep-alives off, nothing: D would read the missing beats as silence."""
+    heard: list[str] = []
+    on_alive = RecvTracker.on_alive
+
+    def record(self: RecvTracker, alive: wire.Alive) -> None:
+        heard.extend(alive.transfer_ids)
+        on_alive(self, alive)
+
+    monkeypatch.setattr(RecvTracker, "on_alive", record)
+    port = C.free_port_range(1)
+    d = C.make_instance("d-eng", "kv_consumer", 1, port=port)
+    p = C.make_instance("p-eng", "kv_producer", 1)
+    w = p.workers[0]
+    assert w.sender is not None
+    w.sender.keepalive.stop()  # its poke and beats: out of the picture
+    w.sender._loop._recorder._announce = keepalive_s > 0  # what SenderOptions.keepalive_s sets
+    events = _Events()
+    w._events = events  # type: ignore[assignment]
+    try:
+        C.fill_prefill(p)
+        C.expect(d, "dreq", "tfw", [1, 2, 3])
+        C.push(p, "preq", "tfw", C.destination(d, port), [[(0, 1)], [(1, 2), (2, 3)]])
+        C.poll(p, {"preq"}, lambda acc: "preq" in acc[0][0])
+        C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
+        assert [e[1] for e in events.posted][:1] == [BindingState.PUSHING]
+        assert heard == (["tfw"] if keepalive_s else []), heard
+    finally:
+        C.close(p, d)
