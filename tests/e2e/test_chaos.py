@@ -731,7 +731,9 @@ async def _long_request_mid_push(
                 victim = await _wait_pushing(c, [request], since)
             except EndedFirst:
                 continue  # its whole push came and went unseen: a new prompt
-            if await baseline.mid_push(c, [request], since):
+            # (the metaserver can still read `pushing` just after the push ended, P's `done`
+            # event on its way; a request already answered is not mid-push)
+            if await baseline.mid_push(c, [request], since) and not request.done():
                 return request, victim
     raise AssertionError(f"{MID_PUSH_TRIES} pushes ended before a third of the way")
 
@@ -835,8 +837,11 @@ async def p_killed(
         answer = await request
     failed = _failed_since(failures, await _load_failures(chaos))
     retried = int(await _proxy_retries(chaos) - retries_before)
-    # (the survivors) a load D failed for P's silence: its blocks go back after the hold
-    free = await seconds_until_idle(chaos.engines, killed_at, IDLE_BOUND_S)
+    # (the survivors) a load D failed for P's silence: its blocks go back after the hold. The
+    # victim is left out by name: a killed vLLM takes a moment to exit, and until it is reaped
+    # it would count as alive and never idle (a run where the request had already ended)
+    survivors = {n: u for n, u in chaos.engines.items() if n != victim}
+    free = await seconds_until_idle(survivors, killed_at, IDLE_BOUND_S)
     quarantined = f"{QUARANTINE_NOTE}; " if "prefill_silent" in failed else ""
     row = Row(f"P killed (SIGKILL) mid-prefill of {LONG_PROMPT} tokens", [answer], free)
     reliability.add(row)
