@@ -829,8 +829,8 @@ async def p_killed(
     chaos: Chaos, reliability: ReliabilityTable, long_baseline: Baseline
 ) -> Measured:
     failures = await _load_failures(chaos)
+    retries_before = await _proxy_retries(chaos)  # read first: nothing between check and kill
     request, victim = await _long_request_mid_push(chaos, long_baseline, 61)
-    retries_before = await _proxy_retries(chaos)
     with StallWatch() as watch:
         chaos.signal(victim, signal.SIGKILL)
         killed_at = time.monotonic()
