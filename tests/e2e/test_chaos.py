@@ -191,9 +191,9 @@ async def _wait_pushing(
     """Wait until P pushes one of ``requests``, sent since ``since_wall`` (a binding of theirs
     in ``pushing``); return the prefill engine pushing it (that event's actor). Their bindings
     not yet pushing are long-polled for ``pushing`` side by side, so the metaserver answers as
-    the event lands: a list polled every 20 ms missed whole pushes on a quiet machine, where a
-    1,600-token push can take well under 0.1 s (and an engine's ``/metrics`` answers slowly
-    while it computes)."""
+    the event lands: a list polled every 20 ms missed whole pushes on a quiet machine (a
+    1,600-token request answered in 1.0 s with its push never seen), and an engine's
+    ``/metrics`` answers slowly while it computes."""
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(base_url=c.dep.metaserver, timeout=OBSERVE_TIMEOUT_S) as ms:
         while True:
