@@ -199,6 +199,16 @@ def poll(
     raise AssertionError(f"condition not reached; got {acc}")
 
 
+def small_push(p: Instance, d: Instance, port: int, tid: str) -> None:
+    """One three-block push of request ``preq`` from a single-rank P into D's ``dreq``
+    (blocks 1-3, over two chunks), polled until P's send and D's load both ended."""
+    fill_prefill(p)
+    expect(d, "dreq", tid, [1, 2, 3])
+    push(p, "preq", tid, destination(d, port), [[(0, 1)], [(1, 2), (2, 3)]])
+    poll(p, {"preq"}, lambda acc: "preq" in acc[0][0])
+    poll(d, set(), lambda acc: "dreq" in acc[0][1])
+
+
 def close(*instances: Instance) -> None:
     for inst in instances:
         for w in inst.workers:

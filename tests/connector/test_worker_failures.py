@@ -570,11 +570,7 @@ def test_sender_names_a_transfer_to_d_at_its_first_write(
     events = _Events()
     w._events = events  # type: ignore[assignment]
     try:
-        C.fill_prefill(p)
-        C.expect(d, "dreq", "tfw", [1, 2, 3])
-        C.push(p, "preq", "tfw", C.destination(d, port), [[(0, 1)], [(1, 2), (2, 3)]])
-        C.poll(p, {"preq"}, lambda acc: "preq" in acc[0][0])
-        C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
+        C.small_push(p, d, port, "tfw")
         assert [e[1] for e in events.posted][:1] == [BindingState.PUSHING]
         assert heard == (["tfw"] if keepalive_s else []), heard
     finally:

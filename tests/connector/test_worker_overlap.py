@@ -64,11 +64,7 @@ def test_worker_done_event_reports_push_overlap() -> None:
     events = _Events()
     p.workers[0]._events = events  # type: ignore[assignment]
     try:
-        C.fill_prefill(p)
-        C.expect(d, "dreq", "tov", [1, 2, 3])
-        C.push(p, "preq", "tov", C.destination(d, port), [[(0, 1)], [(1, 2), (2, 3)]])
-        C.poll(p, {"preq"}, lambda acc: "preq" in acc[0][0])
-        C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
+        C.small_push(p, d, port, "tov")
         done = [e for e in events.posted if e[1] is BindingState.DONE]
         assert len(done) == 1 and done[0][0] == "tov"
         stats = parse(done[0][2].message)
