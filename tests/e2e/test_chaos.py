@@ -55,6 +55,7 @@ from tests.e2e.engine_metrics import (
     seconds_until_idle,
     wait_all_idle,
 )
+from tests.e2e.observe import OBSERVE_TIMEOUT_S, observer
 from tests.e2e.stack import Deployment, base_options, deployment, running
 from tests.e2e.test_equality import prompt_ids
 from tests.support.services import RedisSentinelGroup, RedisServer
@@ -154,11 +155,6 @@ async def chaos(
                 await pd.close()
 
 
-# the suite's own reads of the metaserver and the engines, to observe: the machine has stalled
-# processes for 10-24 s (see docs/reliability.md), and a read cut short by that is not a fault
-OBSERVE_TIMEOUT_S = 30.0
-
-
 async def _gauges_or_none(url: str) -> dict[str, float]:
     """An engine's gauges, or none when its ``/metrics`` did not answer within 10 s."""
     try:
@@ -174,7 +170,7 @@ async def _bindings_in(
     own. An earlier scenario's outage can leave bindings in ``pushing`` for good (P's ``done``
     event lost), and their pusher is not the engine pushing now."""
     out: list[dict[str, Any]] = []
-    async with httpx.AsyncClient(base_url=ms_url, timeout=OBSERVE_TIMEOUT_S) as ms:
+    async with observer(ms_url) as ms:
         for state in states:
             r = await ms.get("/v1/bindings", params={"state": state, "limit": 50})
             out += [b for b in r.json()["bindings"] if b["created_at"] >= since_wall]
@@ -195,7 +191,7 @@ async def _wait_pushing(
     1,600-token request answered in 1.0 s with its push never seen), and an engine's
     ``/metrics`` answers slowly while it computes."""
     deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(base_url=c.dep.metaserver, timeout=OBSERVE_TIMEOUT_S) as ms:
+    async with observer(c.dep.metaserver) as ms:
         while True:
             assert time.monotonic() < deadline, "the prefill never started"
             if all(r.done() for r in requests):
@@ -528,6 +524,13 @@ async def _metaserver_ready(url: str, timeout_s: float = 30) -> float:
             await asyncio.sleep(0.1)
 
 
+async def _exited(chaos: Chaos, name: str) -> None:
+    """Wait until the signalled child ``name`` has exited, off the event loop (the stream's
+    clients go on meanwhile): a CI run's metaserver had not exited 5 s after SIGKILL, in a
+    stretch where the machine stalled processes for 5-25 s."""
+    await asyncio.to_thread(chaos.dep.supervisor.procs[name].wait, OBSERVE_TIMEOUT_S)
+
+
 @pytest.fixture(scope="module")
 async def redis_restart(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
     async def fault() -> float:
@@ -552,7 +555,7 @@ async def test_chaos_redis_restart_answers_are_right_or_clean_errors(
 async def metaserver_restart(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
     async def fault() -> float:
         chaos.signal("metaserver", signal.SIGKILL)
-        chaos.dep.supervisor.procs["metaserver"].wait(5)
+        await _exited(chaos, "metaserver")
         await asyncio.sleep(1.0)
         await asyncio.to_thread(respawn, chaos.dep, "metaserver")
         return await _metaserver_ready(chaos.dep.metaserver)
@@ -624,7 +627,7 @@ async def sentinel_failover(
 async def _move_metaserver(chaos: Chaos, store_url: str) -> None:
     """Restart the metaserver on another store; the engines' heartbeats register them again."""
     chaos.signal("metaserver", signal.SIGTERM)
-    chaos.dep.supervisor.procs["metaserver"].wait(15)
+    await _exited(chaos, "metaserver")
     argv = list(next(c for c in chaos.dep.plan.children if c.name == "metaserver").argv)
     argv[argv.index("--store") + 1] = store_url
     await asyncio.to_thread(respawn, chaos.dep, "metaserver", argv)
