@@ -1,7 +1,8 @@
 """ASGI fast path for the calls on the P/D data path.
 
 ``PUT /v1/bindings/{id}``, ``GET /v1/bindings/{id}`` (plain reads and long-polls),
-``POST /v1/bindings/{id}/events`` and ``POST /v1/bindings/{id}/marks`` are served here, in
+``POST /v1/bindings/{id}/events``, ``POST /v1/bindings/{id}/marks`` and ``POST /v1/batch`` (several
+of those writes at once) are served here, in
 front of FastAPI, calling the very same ``metaserver.service`` functions as the documented
 routes — only the framework's per-request machinery (routing table, dependency solving,
 middleware stack) is skipped. Everything else, including any unusual query string, falls
@@ -15,7 +16,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 
-from metaserver import ascend, service
+from metaserver import ascend, batch, service
 from metaserver.context import Context
 from metaserver.errors import MetaserverError, PayloadTooLarge
 from metaserver.problems import render_problem
@@ -31,7 +32,7 @@ from pdwire.asgi import (
     read_body,
 )
 from pdwire.ids import TRANSFER_ID_PATTERN
-from pdwire.models import BindingState
+from pdwire.models import BATCH_PATH, BindingState
 
 log = logging.getLogger("pdgate.metaserver")
 _PREFIX = "/v1/bindings/"
@@ -39,6 +40,7 @@ _ID = re.compile(TRANSFER_ID_PATTERN)
 _ROUTE = "/v1/bindings/{transfer_id}"
 _EVENTS_ROUTE = "/v1/bindings/{transfer_id}/events"
 _ASCEND = "ascend"  # marks the vllm-ascend compat call (its token may come in the query)
+_BATCH = "batch"  # marks POST /v1/batch (no transfer id of its own)
 _MARKS_ROUTE = "/v1/bindings/{transfer_id}/marks"
 _JSON = [(b"content-type", b"application/json")]
 _TIMED_OUT = [*_JSON, (b"x-pdgate-wait", b"timeout")]
@@ -52,6 +54,10 @@ async def _get(c: Context, transfer_id: str, body: bytes) -> service.Reply:
 
 async def _ascend(c: Context, transfer_id: str, body: bytes) -> service.Reply:
     return await ascend.post_binding(c, body)
+
+
+async def _batch(c: Context, transfer_id: str, body: bytes) -> service.Reply:
+    return await batch.run(c, body)
 
 
 def _long_poll(query: bytes) -> Handler | None:
@@ -96,6 +102,7 @@ class FastPath:
                 ("POST", _EVENTS_ROUTE),
                 ("POST", COMPAT_PATH),
                 ("POST", _MARKS_ROUTE),
+                ("POST", BATCH_PATH),
             )  # fmt: skip
         }
 
@@ -103,6 +110,8 @@ class FastPath:
         path: str = scope["path"]
         if path == COMPAT_PATH and scope["method"] == "POST":
             return _ASCEND, _ascend, COMPAT_PATH
+        if path == BATCH_PATH and scope["method"] == "POST":
+            return _BATCH, _batch, BATCH_PATH
         if not path.startswith(_PREFIX):
             return None
         rest = path[len(_PREFIX) :]

@@ -41,6 +41,12 @@ class Metrics:
             buckets=_BUCKETS,
             registry=self.registry,
         )
+        self.batch_calls = Histogram(
+            "pdgate_metaserver_batch_calls",
+            "writes per POST /v1/batch",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=self.registry,
+        )
         self.bindings_created = Counter(
             "pdgate_metaserver_bindings_created_total", "bindings created", registry=self.registry
         )

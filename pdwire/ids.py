@@ -6,7 +6,8 @@ import itertools
 import os
 import re
 
-ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"  # transfer ids and instance ids alike
+ID_BODY = r"[A-Za-z0-9._:-]{1,128}"  # the pattern without its anchors, to build paths' patterns
+ID_PATTERN = rf"^{ID_BODY}$"  # transfer ids and instance ids alike
 TRANSFER_ID_PATTERN = ID_PATTERN
 INSTANCE_ID_PATTERN = ID_PATTERN
 _ID = re.compile(ID_PATTERN)

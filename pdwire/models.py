@@ -8,11 +8,11 @@ registered itself (and keeps heartbeating) so that bindings may point at it.
 from __future__ import annotations
 
 import enum
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pdwire.ids import INSTANCE_ID_PATTERN
+from pdwire.ids import ID_BODY, INSTANCE_ID_PATTERN
 from pdwire.version import UNVERSIONED
 
 MAX_KV_GROUPS = 16
@@ -222,3 +222,33 @@ class Stats(BaseModel):
     bound_to_done_ms: dict[str, float | None]
     bound_to_done_samples: int
     instances_by_role: dict[str, int]
+
+
+BATCH_PATH = "/v1/batch"
+BATCH_MAX_CALLS = 256
+
+
+class BatchCall(_Strict):
+    """One write in a batch: the method, path and body its own request would have sent."""
+
+    method: Literal["PUT", "POST"]
+    path: Annotated[
+        str, Field(max_length=160, pattern=rf"^/v1/bindings/{ID_BODY}(/events|/marks)?$")
+    ] = Field(description="PUT /v1/bindings/{id}, POST …/{id}/events or POST …/{id}/marks")
+    body: dict[str, Any]
+
+
+class BatchIn(_Strict):
+    """Several binding writes in one request (``POST /v1/batch``). Calls about one transfer run
+    in their order; calls about different transfers run side by side."""
+
+    calls: Annotated[list[BatchCall], Field(min_length=1, max_length=BATCH_MAX_CALLS)]
+
+
+class BatchResult(BaseModel):
+    status: int = Field(description="the status the call alone would have been answered with")
+    body: Any = Field(description="its answer: a binding, an error's detail; null for 204")
+
+
+class BatchOut(BaseModel):
+    results: list[BatchResult] = Field(description="one per call, in the calls' order")

@@ -20,7 +20,8 @@ from pdwire.client.errors import (
     ValidationFailed,
 )
 from pdwire.client.retry import NO_BACKOFF, Backoff, RetryPolicy
-from pdwire.client.sync import BackgroundWriter, BindingWrite, MetaserverClient
+from pdwire.client.sync import MetaserverClient
+from pdwire.client.writer import BackgroundWriter, BindingWrite
 
 __all__ = [
     "NO_BACKOFF",

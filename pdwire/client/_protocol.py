@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlencode
@@ -9,6 +11,7 @@ from urllib.parse import urlencode
 from pydantic import BaseModel
 
 from pdwire.models import (
+    BATCH_PATH,
     Binding,
     BindingSpec,
     BindingState,
@@ -114,6 +117,37 @@ def drain_instance(instance_id: str, draining: bool) -> Call:
     return Call("PUT" if draining else "DELETE", f"/v1/instances/{instance_id}/drain")
 
 
+def batch(calls: Sequence[Call]) -> Call:
+    """Several binding writes (``put_binding``, ``post_event``, ``post_mark`` calls) as one
+    ``POST /v1/batch``; each call's body goes in as it is, not serialised again."""
+    items = b",".join(
+        b'{"method":"%s","path":%s,"body":%s}'
+        % (c.method.encode(), json.dumps(c.path).encode(), c.body or b"{}")
+        for c in calls
+    )
+    return Call("POST", BATCH_PATH, body=b'{"calls":[' + items + b"]}")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchItem:
+    """One call's answer in a batch: the status and body its own request would have had."""
+
+    status: int
+    body: bytes
+
+
+def batch_results(content: bytes, calls: int) -> list[BatchItem]:
+    """The answers of a ``batch`` of ``calls`` calls, in their order; ``ValueError`` when the
+    answer is not one result per call."""
+    results = json.loads(content)["results"]
+    if not isinstance(results, list) or len(results) != calls:
+        raise ValueError(f"a batch of {calls} calls was answered with {len(results)} results")
+    return [
+        BatchItem(int(r["status"]), b"" if r["body"] is None else json.dumps(r["body"]).encode())
+        for r in results
+    ]
+
+
 STATS = Call("GET", "/v1/stats")
 READY = Call("GET", "/ready")
 
@@ -123,8 +157,6 @@ def decode(model: type[M], body: bytes) -> M:
 
 
 def decode_list(model: type[M], key: str, body: bytes) -> list[M]:
-    import json
-
     items: list[Any] = json.loads(body)[key]
     return [model.model_validate(item) for item in items]
 

@@ -11,6 +11,8 @@ Targets:
   sglang-router     --pd-disaggregation, round_robin (P and D sent concurrently)
   vllm-router       --vllm-pd-disaggregation, round_robin (P first, then D)
   pdgate-decode-first  D first, binding through the real metaserver, P told by the binding
+                    (the fakes' metaserver writes batched as the connector's writer does;
+                    ``--unbatched`` adds pdgate-decode-first@unbatched, each write alone)
   ascend-example    vllm-ascend's example layerwise proxy (``--ascend-example PATH``: a copy
                     of examples/disaggregated_prefill_v1/load_balance_proxy_layerwise_server_
                     example.py kept outside the repo), on fakes of vllm-ascend's D and P
@@ -56,6 +58,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from tests.bench.corecpu import cpu_ticks, stat_fields  # noqa: E402
+from tests.fakes.vllm import Knobs  # noqa: E402
 from tests.support.procs import Process, free_port, wait_http  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -198,6 +201,13 @@ def fake(stack: Stack, role: str, metaserver: str | None) -> tuple[str, Process]
     return f"http://127.0.0.1:{port}", proc
 
 
+def set_knobs(fakes: list[str], knobs: dict[str, Any]) -> None:
+    import httpx
+
+    for url in fakes if knobs else []:
+        httpx.post(f"{url}/_fake/config", json=knobs, timeout=10).raise_for_status()
+
+
 def ascend_fake(stack: Stack, role: str, kv_port: int) -> tuple[str, Process]:
     port = free_port()
     argv = [sys.executable, "-m", "tests.fakes.ascend", "--role", role, "--port", str(port)]
@@ -311,6 +321,12 @@ def main() -> None:
     ap.add_argument(
         "--ascend", action="store_true", help="add pdgate-ascend-layerwise (no example needed)"
     )
+    ap.add_argument(
+        "--unbatched",
+        action="store_true",
+        help="also run decode-first with the fakes sending each metaserver write alone "
+        "(pdgate-decode-first@unbatched; by default they batch as the connector does)",
+    )
     args = ap.parse_args()
     if args.loadgen:
         try:
@@ -397,6 +413,10 @@ def main() -> None:
             otlp = ("--otlp-traces-endpoint", f"http://127.0.0.1:{otlp_port}/v1/traces")
             variant("pdgate@traced", "prefill-first", None, None, *otlp)
             variant("pdgate-decode-first@traced", "decode-first", ms, None, *otlp)
+        knobs: dict[str, dict[str, Any]] = {}  # fake knobs for one target, reset after it
+        if args.unbatched:
+            variant("pdgate-decode-first@unbatched", "decode-first", ms, None)
+            knobs["pdgate-decode-first@unbatched"] = {"batch_writes": 1}
         if args.baseline:
             variant("pdgate@baseline", "prefill-first", None, args.baseline.resolve())
             variant("pdgate-decode-first@baseline", "decode-first", ms, args.baseline.resolve())
@@ -423,6 +443,7 @@ def main() -> None:
                 except (RuntimeError, TimeoutError) as exc:
                     print(f"# {name}: did not start: {exc}", flush=True)
                     continue
+            set_knobs(p + d, knobs.get(name, {}))
             for stream in (False, True):
                 cpu0 = cpu_seconds(proc.pid) if proc else 0.0
                 side0 = {k: sum(cpu_seconds(x.pid) for x in v) for k, v in others.items()}
@@ -448,6 +469,8 @@ def main() -> None:
                 )
             if proc is not None:
                 stack.stop(proc)
+            if name in knobs:  # back to the fakes' defaults for the next target
+                set_knobs(p + d, {k: getattr(Knobs(), k) for k in knobs[name]})
     finally:
         stack.stop_all()
     report(rows, paced=bool(args.rate))

@@ -16,7 +16,9 @@ Roles:
 * ``both``: either, by request.
 
 Knobs (``POST /_fake/config`` with a JSON object, or flags): latency, errors, hangs, dropped
-connections. ``GET /_fake/requests`` returns what was received; ``GET /_fake/stats`` counters.
+connections, and how the metaserver writes go (``batch_writes``: as the connector's writer does,
+``tests/fakes/batching.py``; 1 sends each alone). ``GET /_fake/requests`` returns what was
+received; ``GET /_fake/stats`` counters.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from aiohttp import web
 
 from pdwire.version import PROTOCOL_VERSION
 from tests.fakes import render
+from tests.fakes.batching import WriteBatcher
 
 
 @dataclasses.dataclass
@@ -59,6 +62,7 @@ class Knobs:
     refuse_push: str = ""  # prefill: push nothing and say why, as pdgate's connector does
     report_progress: bool = False  # prefill: post prefill_started, pushing per chunk, done+summary
     push_chunks: int = 2  # with report_progress: pushing events (one per prefill chunk)
+    batch_writes: int = 64  # metaserver writes per POST /v1/batch at most (1: each alone)
     record: bool = True
 
 
@@ -96,6 +100,7 @@ class FakeVLLM:
         self.aborted: deque[str] = deque(maxlen=2000)
         self.kv_events: dict[str, asyncio.Event] = {}
         self.session: aiohttp.ClientSession | None = None
+        self.writes: WriteBatcher | None = None  # the metaserver writes, as the connector sends
         self.background: set[asyncio.Task[Any]] = set()
         self.registered = False
 
@@ -122,7 +127,13 @@ class FakeVLLM:
             headers={"authorization": f"Bearer {token}"} if token else None,
         )
         if self.metaserver:
+            self.writes = WriteBatcher(self.session, self.metaserver, lanes=4)
+            self._apply_knobs()
             self._spawn(self._heartbeat())
+
+    def _apply_knobs(self) -> None:
+        if self.writes is not None:
+            self.writes.batch_max = self.knobs.batch_writes
 
     async def _stop(self, app: web.Application) -> None:
         for task in list(self.background):
@@ -162,6 +173,7 @@ class FakeVLLM:
             if not hasattr(self.knobs, key):
                 return web.json_response({"error": f"unknown knob {key}"}, status=400)
             setattr(self.knobs, key, value)
+        self._apply_knobs()
         return web.json_response(dataclasses.asdict(self.knobs))
 
     async def requests(self, request: web.Request) -> web.Response:
@@ -172,6 +184,7 @@ class FakeVLLM:
 
     async def reset(self, request: web.Request) -> web.Response:
         self.knobs = Knobs()
+        self._apply_knobs()
         self.stats = Stats()
         self.received.clear()
         self.aborted.clear()
@@ -335,15 +348,12 @@ class FakeVLLM:
         )
 
     async def _post_event(self, tid: str, state: str, detail: dict[str, Any] | None = None) -> None:
-        assert self.session is not None
         body: dict[str, Any] = {"state": state, "actor": f"prefill:{self.instance_id}"}
         if detail is not None:
             body["detail"] = detail
+        assert self.writes is not None
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with self.session.post(
-                f"{self.metaserver}/v1/bindings/{tid}/events", json=body
-            ) as r:
-                await r.read()
+            await self.writes.write("POST", f"/v1/bindings/{tid}/events", body)
 
     async def _await_kv(self, kv: dict[str, Any], body: dict[str, Any]) -> web.Response | None:
         tid = str(kv["transfer_id"])
@@ -359,13 +369,12 @@ class FakeVLLM:
                 "num_prompt_tokens": 16,
                 "protocol": PROTOCOL_VERSION,
             }
-            assert self.session is not None
-            async with self.session.put(f"{self.metaserver}/v1/bindings/{tid}", json=spec) as r:
-                await r.read()
-                if r.status < 300:
-                    self.stats.bindings_written += 1
-                else:
-                    self.stats.bindings_failed += 1
+            assert self.writes is not None
+            status, _ = await self.writes.write("PUT", f"/v1/bindings/{tid}", spec)
+            if status < 300:
+                self.stats.bindings_written += 1
+            else:
+                self.stats.bindings_failed += 1
         try:
             await asyncio.wait_for(event.wait(), self.knobs.kv_timeout_s)
             self.stats.kv_received += 1

@@ -176,7 +176,7 @@ def test_sync_client_against_real_server(
 
 def test_background_writer_never_blocks_and_reports_outcomes() -> None:
     with fault_server(default=Reply(201, b"{}", delay_s=0.5)) as srv:
-        writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST), maxsize=2)
+        writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST), maxsize=2, batch_max=1)
         outcomes: list[tuple[bytes | None, Exception | None]] = []
         done = threading.Event()
 
@@ -200,7 +200,9 @@ def test_background_writer_slow_write_delays_only_its_own_binding() -> None:
     """One write that hangs (the server takes 2 s) does not hold the bindings of other
     requests; the calls about the slow binding itself still go in submission order."""
     with fault_server(Reply(201, b"{}", delay_s=2.0), default=Reply(201, b"{}")) as srv:
-        writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST))
+        # one call per request (this server answers every call alike): batches are tested
+        # against the real metaserver below
+        writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST), batch_max=1)
         finished: dict[str, float] = {}
         lock = threading.Lock()
         all_done = threading.Event()
@@ -234,7 +236,7 @@ def test_background_writer_slow_write_delays_only_its_own_binding() -> None:
 
 def test_background_writer_close_finishes_what_was_submitted() -> None:
     with fault_server(default=Reply(201, b"{}", delay_s=0.05)) as srv:
-        writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST), lanes=2)
+        writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST), lanes=2, batch_max=1)
         for i in range(4):
             writer.put_binding(f"t{i}", binding_spec())
             writer.post_event(f"t{i}", BindingState.DONE, "p")

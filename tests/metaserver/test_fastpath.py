@@ -100,6 +100,8 @@ def test_fastpath_takes_the_hot_calls_and_leaves_the_rest() -> None:
     assert match("GET", "/v1/bindings/t1", b"wait=2.5")
     assert match("GET", "/v1/bindings/t1", b"wait=2&state=done")
     assert match("POST", "/v1/bindings/t1/events")
+    assert match("POST", "/v1/batch")
+    assert not match("GET", "/v1/batch")
     assert not match("GET", "/v1/bindings")
     assert not match("DELETE", "/v1/bindings/t1")
     assert not match("GET", "/v1/bindings/t1", b"wait=nan")

@@ -1,0 +1,71 @@
+"""``POST /v1/batch``: several binding writes in one request.
+
+Each call is served by the very function its own request would reach (``metaserver.service``)
+and answered with the status and body that request would have had, so a batch changes the cost
+of the writes, not their meaning. Calls about one transfer run one after another, in their
+order; calls about different transfers run side by side (with Redis, the store pipelines them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+
+from metaserver import service
+from metaserver.context import Context
+from metaserver.errors import MetaserverError
+from metaserver.problems import render_problem
+from metaserver.validation import BodyInvalid, parse_body
+from pdwire.models import BatchCall, BatchIn
+
+log = logging.getLogger("pdgate.metaserver")
+
+_PREFIX = "/v1/bindings/"
+_WRITES: dict[tuple[str, str], Callable[[Context, str, bytes], Awaitable[service.Reply]]] = {
+    ("PUT", ""): service.put_binding,
+    ("POST", "events"): service.post_event,
+    ("POST", "marks"): service.post_mark,
+}
+
+
+def _split(path: str) -> tuple[str, str]:
+    """``/v1/bindings/{id}[/events|/marks]`` → (id, ``""`` | ``events`` | ``marks``); the
+    model's pattern has already checked the shape."""
+    transfer_id, _, what = path[len(_PREFIX) :].partition("/")
+    return transfer_id, what
+
+
+async def _one(c: Context, call: BatchCall) -> tuple[int, bytes]:
+    transfer_id, what = _split(call.path)
+    write = _WRITES.get((call.method, what))
+    if write is None:
+        detail = f"{call.method} {call.path} is not a write (PUT a binding, POST events or marks)"
+        return 405, json.dumps({"detail": detail}).encode()
+    try:
+        reply = await write(c, transfer_id, json.dumps(call.body).encode())
+    except (MetaserverError, BodyInvalid) as exc:
+        status, payload, _ = render_problem(exc, c.metrics)
+        return status, payload
+    except Exception:
+        log.exception("batch: %s %s failed", call.method, call.path)
+        return 500, b'{"detail":"internal error"}'
+    return reply.status, reply.body
+
+
+async def run(c: Context, body: bytes) -> service.Reply:
+    calls = parse_body(BatchIn, body).calls
+    results: list[tuple[int, bytes]] = [(0, b"")] * len(calls)
+    by_transfer: dict[str, list[int]] = {}
+    for i, call in enumerate(calls):
+        by_transfer.setdefault(_split(call.path)[0], []).append(i)
+
+    async def in_order(indexes: list[int]) -> None:
+        for i in indexes:
+            results[i] = await _one(c, calls[i])
+
+    await asyncio.gather(*(in_order(indexes) for indexes in by_transfer.values()))
+    c.metrics.batch_calls.observe(len(calls))
+    items = b",".join(b'{"status":%d,"body":%s}' % (s, p or b"null") for s, p in results)
+    return service.Reply(200, b'{"results":[' + items + b"]}")

@@ -1,0 +1,31 @@
+"""``POST /v1/batch``: several binding writes in one request (``metaserver.batch``)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+
+from metaserver import batch
+from metaserver.context import ctx
+from metaserver.responses import json_bytes
+from pdwire.models import BATCH_PATH, BatchOut
+
+router = APIRouter(tags=["bindings"])
+
+
+@router.post(
+    BATCH_PATH,
+    responses={200: {"model": BatchOut}, 422: {}},
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/BatchIn"}}},
+        },
+        "security": [{"bearer": []}],
+    },
+    summary="Several binding writes in one request, each answered as if sent alone",
+)
+async def post_batch(request: Request) -> Response:
+    c = ctx(request)
+    c.authorize(request.headers.get("authorization"), write=True)
+    reply = await batch.run(c, await request.body())
+    return json_bytes(reply.body, reply.status)

@@ -1,0 +1,89 @@
+"""The fake engines' metaserver writes, sent as pdgate's connector sends them.
+
+The connector's ``BackgroundWriter`` (``pdwire/client/writer.py``) performs writes on a few
+lanes; a lane that finds several writes ready sends them as one ``POST /v1/batch``. This is
+the same shape on asyncio: up to ``lanes`` requests in flight, and the writes made while every
+lane is busy (or in one event-loop turn) go out together, each with the answer it would have
+had alone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+import aiohttp
+
+
+@dataclass(slots=True)
+class _Write:
+    method: str
+    path: str
+    body: bytes
+    answer: asyncio.Future[tuple[int, bytes]]
+
+
+class WriteBatcher:
+    def __init__(
+        self, session: aiohttp.ClientSession, base_url: str, lanes: int = 4, batch_max: int = 64
+    ) -> None:
+        self.session = session
+        self.base_url = base_url
+        self.lanes = lanes
+        self.batch_max = batch_max
+        self._ready: list[_Write] = []
+        self._busy = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.batches = 0
+
+    async def write(self, method: str, path: str, body: object) -> tuple[int, bytes]:
+        """``(status, body)`` of the write: its own request's, or its item in a batch."""
+        raw = json.dumps(body).encode()
+        if self.batch_max <= 1:
+            return await self._alone(method, path, raw)
+        w = _Write(method, path, raw, asyncio.get_running_loop().create_future())
+        self._ready.append(w)
+        if self._busy < self.lanes:
+            self._busy += 1
+            task = asyncio.get_running_loop().create_task(self._lane())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return await w.answer
+
+    async def _alone(self, method: str, path: str, raw: bytes) -> tuple[int, bytes]:
+        async with self.session.request(
+            method, self.base_url + path, data=raw, headers={"content-type": "application/json"}
+        ) as r:
+            return r.status, await r.read()
+
+    async def _lane(self) -> None:
+        try:
+            while self._ready:
+                take, self._ready = self._ready[: self.batch_max], self._ready[self.batch_max :]
+                try:
+                    if len(take) == 1:
+                        w = take[0]
+                        w.answer.set_result(await self._alone(w.method, w.path, w.body))
+                        continue
+                    items = b",".join(
+                        b'{"method":"%s","path":"%s","body":%s}'
+                        % (w.method.encode(), w.path.encode(), w.body)
+                        for w in take
+                    )
+                    status, raw = await self._alone(
+                        "POST", "/v1/batch", b'{"calls":[' + items + b"]}"
+                    )
+                    self.batches += 1
+                    if status != 200:
+                        for w in take:
+                            w.answer.set_result((status, raw))
+                        continue
+                    for w, r in zip(take, json.loads(raw)["results"], strict=True):
+                        body = b"" if r["body"] is None else json.dumps(r["body"]).encode()
+                        w.answer.set_result((int(r["status"]), body))
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    for w in take:
+                        if not w.answer.done():
+                            w.answer.set_exception(exc)
+        finally:
+            self._busy -= 1
