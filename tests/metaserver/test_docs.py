@@ -36,8 +36,10 @@ def test_docs_cookbook_runs_verbatim(
     assert '"instance_id":"decode-0"' in out
     assert '"transfer_id":"tx-1","state":"bound"' in out  # what the watcher saw
     assert '"state":"done"' in out
+    assert '{"results":[{"status":201,' in out  # the batch: each call answered as if alone
+    assert '"state":"prefill_started"' in out and '{"status":404,' in out
     assert "409\n401\n" in out
     assert '"bindings_by_state"' in out
-    assert "pdgate_metaserver_bindings_created_total 1.0" in out
+    assert "pdgate_metaserver_bindings_created_total 2.0" in out
     assert out.count('"draining":true') == 2  # the drain's answer and the listing
     assert '"draining":false' in out.rsplit('{"instance_id"', 1)[1]  # the undrain's answer
