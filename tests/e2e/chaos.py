@@ -22,6 +22,7 @@ import httpx
 import openai
 from openai import AsyncOpenAI
 
+from tests.e2e.pauses import Pauses, within
 from tests.e2e.stack import Deployment
 from tests.support.procs import wait_http
 
@@ -73,12 +74,14 @@ async def ask(
     bound_s: float,
     hang_up_s: float | None = None,
     hang_up_after: int | None = None,
+    pauses: Pauses | None = None,
 ) -> Answer:
     """Send ``q`` and classify the answer. ``hang_up_s``: the client gives up after that many
     seconds (the request task is cancelled: its HTTP connection is closed). ``hang_up_after``
     (streams): the client closes the stream once it has that many tokens, wherever the
     request is then — a point in the answer rather than in time, so it lands after the first
-    token however fast the machine is. Anything still running at ``bound_s`` is HUNG."""
+    token however fast the machine is. Anything still running at ``bound_s`` is HUNG; with
+    ``pauses``, ``bound_s`` is running time (the machine's pauses meanwhile do not count)."""
     got: list[int] = []
     first: list[float] = []
     args: dict[str, Any] = dict(
@@ -119,7 +122,7 @@ async def ask(
         )  # fmt: skip
 
     try:
-        await asyncio.wait_for(go(), limit)
+        await within(go(), limit, started, None if abandon else pauses)
     except TimeoutError:
         return answer(Outcome.ABANDONED if abandon else Outcome.HUNG)
     except _HungUp:

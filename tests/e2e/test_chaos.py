@@ -56,6 +56,7 @@ from tests.e2e.engine_metrics import (
     wait_all_idle,
 )
 from tests.e2e.observe import OBSERVE_TIMEOUT_S, observer
+from tests.e2e.pauses import PauseWatch
 from tests.e2e.stack import Deployment, base_options, deployment, running
 from tests.e2e.test_equality import prompt_ids
 from tests.support.services import RedisSentinelGroup, RedisServer
@@ -63,7 +64,8 @@ from tests.support.services import RedisSentinelGroup, RedisServer
 pytestmark = pytest.mark.e2e
 
 KV_LOAD_TIMEOUT_S = 8.0  # D's load deadline: today's code frees and recomputes by then
-BOUND_S = 45.0  # an answer not ended this long after its request is HUNG
+BOUND_S = 45.0  # an answer not ended this long after its request is HUNG (running time:
+# the machine's own pauses meanwhile, ``tests/e2e/pauses.py``, do not count)
 # KV still held this long after a fault is stranded (a silent P's blocks are kept out of use
 # until D's deadline plus the late-landing hold, LATE_LANDING_S below)
 IDLE_BOUND_S = KV_LOAD_TIMEOUT_S + 22 + 25
@@ -91,6 +93,7 @@ class Chaos:
     mono: AsyncOpenAI
     redis: RedisServer
     log_dir: Path
+    pauses: PauseWatch  # the machine's own pauses: "hung" is judged in running time
 
     @property
     def engines(self) -> dict[str, str]:
@@ -106,7 +109,7 @@ class Chaos:
     def proxy_client(self) -> AsyncOpenAI:
         """A new client (a scenario's own connection pool: the proxy may have restarted),
         closed with the deployment."""
-        self.clients.append(client(self.dep.proxy, timeout=BOUND_S + 30))
+        self.clients.append(client(self.dep.proxy, timeout=3 * BOUND_S))  # ask() bounds it
         return self.clients[-1]
 
     def signal(self, name: str, sig: int) -> None:
@@ -146,10 +149,12 @@ async def chaos(
         mono = AsyncOpenAI(
             base_url=monolithic.ready() + "/v1", api_key="unused", max_retries=0, timeout=120
         )
-        c = Chaos(d, monolithic.model, mono, chaos_redis, e2e_logs / "chaos")
+        pauses = PauseWatch(e2e_logs / "chaos" / "pauses").start()
+        c = Chaos(d, monolithic.model, mono, chaos_redis, e2e_logs / "chaos", pauses)
         try:
             yield c
         finally:
+            pauses.stop()
             await mono.close()
             for pd in c.clients:
                 await pd.close()
@@ -285,7 +290,12 @@ async def hangups(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
     # calibration: one round of clients that stay (their own prompts), timed
     stay = [prompt_ids(rng.randrange(8, 32), seed=139_000 + i) for i in range(CONCURRENT_CLIENTS)]
     timed = await asyncio.gather(
-        *(ask(pd, chaos.model, Ask(p, (), HANGUP_MAX_TOKENS), bound_s=BOUND_S) for p in stay)
+        *(
+            ask(
+                pd, chaos.model, Ask(p, (), HANGUP_MAX_TOKENS), bound_s=BOUND_S, pauses=chaos.pauses
+            )
+            for p in stay
+        )
     )
     first_s = statistics.median(a.first_token - a.started for a in timed if a.first_token)
     answer_s = statistics.median(a.ended - a.started for a in timed)
@@ -302,9 +312,14 @@ async def hangups(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
             q = Ask(prompts[i], refs[i], HANGUP_MAX_TOKENS, stream=stream)
             if mid_answer:  # leave after 1 .. max_tokens - 1 tokens, whenever they come
                 after = 1 + i * 7 % (HANGUP_MAX_TOKENS - 1)
-                return await ask(pd, chaos.model, q, bound_s=BOUND_S, hang_up_after=after)
-            return await ask(pd, chaos.model, q, bound_s=BOUND_S, hang_up_s=delays[i])
+                return await ask(
+                    pd, chaos.model, q, bound_s=BOUND_S, hang_up_after=after, pauses=chaos.pauses
+                )
+            return await ask(
+                pd, chaos.model, q, bound_s=BOUND_S, hang_up_s=delays[i], pauses=chaos.pauses
+            )
 
+    began = time.monotonic()
     answers = await asyncio.gather(*(client_(i) for i in range(n_random)))
     # the final wave: clients that all leave early (before P starts), after everyone else, so
     # the time until D is free is the time D holds the blocks of requests aborted that early
@@ -317,6 +332,7 @@ async def hangups(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
         f"{before} hung up before their first token, {len(gone) - before} after (fault-free "
         f"at this load: first token {first_s:.2f}s, answer {answer_s:.2f}s); KV free: after the "
         f"last {FINAL_WAVE}, who hung up within {spans[0][1]:.2f}s"
+        + chaos.pauses.describe(began, time.monotonic())
     )
     row = Row("300 clients hang up at random points", list(answers), free, note)
     reliability.add(row)
@@ -376,6 +392,7 @@ async def aborted_early(chaos: Chaos, reliability: ReliabilityTable) -> Measured
                     Ask(p, r, HANGUP_MAX_TOKENS),
                     bound_s=BOUND_S,
                     hang_up_s=EARLY_HANG_UP_S,
+                    pauses=chaos.pauses,
                 )  # fmt: skip
                 for p, r in zip(prompts, refs, strict=True)
             )
@@ -475,7 +492,7 @@ async def _stream_once(c: Chaos, name: str, seed: int, fault: Callable[[], Any])
 
     async def send(i: int) -> Answer:
         q = Ask(prompts[i], refs[i], STREAM_MAX_TOKENS, stream=i % 2 == 0)
-        return await ask(pd, c.model, q, bound_s=BOUND_S)
+        return await ask(pd, c.model, q, bound_s=BOUND_S, pauses=c.pauses)
 
     async def inject() -> tuple[float, float]:
         await asyncio.sleep(FAULT_AT_S)
@@ -648,7 +665,9 @@ async def _long_request(c: Chaos, seed: int) -> tuple[Ask, asyncio.Task[Answer]]
     (ref,) = await references(c.mono, c.model, [prompt], max_tokens=8)
     await wait_all_idle(c.engines)
     q = Ask(prompt, ref, 8)
-    return q, asyncio.create_task(ask(c.proxy_client(), c.model, q, bound_s=BOUND_S))
+    return q, asyncio.create_task(
+        ask(c.proxy_client(), c.model, q, bound_s=BOUND_S, pauses=c.pauses)
+    )
 
 
 async def _load_failures(c: Chaos) -> dict[str, float]:
@@ -889,7 +908,7 @@ async def _stream_and_pushes_mid_push(
         pushes = [prompt_ids(LONG_PROMPT, seed=72 + 100 * attempt + i) for i in range(3)]
         push_refs = await references(c.mono, c.model, pushes, max_tokens=8)
         await wait_all_idle(c.engines)
-        streaming = asyncio.create_task(ask(pd, c.model, stream, bound_s=BOUND_S))
+        streaming = asyncio.create_task(ask(pd, c.model, stream, bound_s=BOUND_S, pauses=c.pauses))
         in_flight = [streaming]
         async with _cancelled_on_error(in_flight):
             deadline = time.monotonic() + 60
@@ -908,7 +927,9 @@ async def _stream_and_pushes_mid_push(
             await asyncio.sleep(0.5)  # some tokens are out
             since = time.time()
             pushing = [
-                asyncio.create_task(ask(pd, c.model, Ask(p, r, 8), bound_s=BOUND_S))
+                asyncio.create_task(
+                    ask(pd, c.model, Ask(p, r, 8), bound_s=BOUND_S, pauses=c.pauses)
+                )
                 for p, r in zip(pushes, push_refs, strict=True)
             ]
             in_flight += pushing
