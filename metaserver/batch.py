@@ -12,22 +12,37 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from metaserver import service
 from metaserver.context import Context
 from metaserver.errors import MetaserverError
 from metaserver.problems import render_problem
-from metaserver.validation import BodyInvalid, parse_body
-from pdwire.models import BatchCall, BatchIn
+from metaserver.validation import BodyInvalid, parse_body, parse_obj
+from pdwire.models import BatchCall, BatchIn, BindingSpec, EventIn, MarkIn
 
 log = logging.getLogger("pdgate.metaserver")
 
 _PREFIX = "/v1/bindings/"
-_WRITES: dict[tuple[str, str], Callable[[Context, str, bytes], Awaitable[service.Reply]]] = {
-    ("PUT", ""): service.put_binding,
-    ("POST", "events"): service.post_event,
-    ("POST", "marks"): service.post_mark,
-}
+
+
+async def _put(c: Context, transfer_id: str, body: dict[str, Any]) -> service.Reply:
+    return await service.put_spec(c, transfer_id, parse_obj(BindingSpec, body))
+
+
+async def _event(c: Context, transfer_id: str, body: dict[str, Any]) -> service.Reply:
+    return await service.apply_event(c, transfer_id, parse_obj(EventIn, body))
+
+
+async def _mark(c: Context, transfer_id: str, body: dict[str, Any]) -> service.Reply:
+    return await service.apply_mark(c, transfer_id, parse_obj(MarkIn, body))
+
+
+# each call's body is validated as its own request's would be, from the decoded batch (not
+# serialised again): the same model, the same 422 shape
+_WRITES: dict[
+    tuple[str, str], Callable[[Context, str, dict[str, Any]], Awaitable[service.Reply]]
+] = {("PUT", ""): _put, ("POST", "events"): _event, ("POST", "marks"): _mark}
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -44,7 +59,7 @@ async def _one(c: Context, call: BatchCall) -> tuple[int, bytes]:
         detail = f"{call.method} {call.path} is not a write (PUT a binding, POST events or marks)"
         return 405, json.dumps({"detail": detail}).encode()
     try:
-        reply = await write(c, transfer_id, json.dumps(call.body).encode())
+        reply = await write(c, transfer_id, call.body)
     except (MetaserverError, BodyInvalid) as exc:
         status, payload, _ = render_problem(exc, c.metrics)
         return status, payload

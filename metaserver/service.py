@@ -21,7 +21,10 @@ class Reply:
 
 
 async def put_binding(c: Context, transfer_id: str, body: bytes) -> Reply:
-    spec = parse_body(BindingSpec, body)
+    return await put_spec(c, transfer_id, parse_body(BindingSpec, body))
+
+
+async def put_spec(c: Context, transfer_id: str, spec: BindingSpec) -> Reply:
     now = c.clock()
     outcome, record = await c.store.put_binding(BindingPut.of(transfer_id, spec, now), now)
     if outcome is PutOutcome.CREATED:
@@ -70,7 +73,10 @@ async def get_binding(
 
 
 async def post_event(c: Context, transfer_id: str, body: bytes) -> Reply:
-    event = parse_body(EventIn, body)
+    return await apply_event(c, transfer_id, parse_body(EventIn, body))
+
+
+async def apply_event(c: Context, transfer_id: str, event: EventIn) -> Reply:
     now = c.clock()
     detail = None if event.detail is None else event.detail.model_dump_json(exclude_none=True)
     raw = event_json(event.state, event.actor, now, None if detail is None else detail.encode())
@@ -82,7 +88,10 @@ async def post_event(c: Context, transfer_id: str, body: bytes) -> Reply:
 
 
 async def post_mark(c: Context, transfer_id: str, body: bytes) -> Reply:
-    mark = parse_body(MarkIn, body)
+    return await apply_mark(c, transfer_id, parse_body(MarkIn, body))
+
+
+async def apply_mark(c: Context, transfer_id: str, mark: MarkIn) -> Reply:
     detail = None if mark.detail is None else mark.detail.model_dump_json(exclude_none=True)
     raw = mark_json(mark.mark, mark.actor, c.clock(), None if detail is None else detail.encode())
     await c.store.add_mark(transfer_id, mark.mark, raw)

@@ -11,8 +11,9 @@ Targets:
   sglang-router     --pd-disaggregation, round_robin (P and D sent concurrently)
   vllm-router       --vllm-pd-disaggregation, round_robin (P first, then D)
   pdgate-decode-first  D first, binding through the real metaserver, P told by the binding
-                    (the fakes' metaserver writes batched as the connector's writer does;
-                    ``--unbatched`` adds pdgate-decode-first@unbatched, each write alone)
+                    (the fakes' metaserver writes batched, and P's done signals on one open
+                    channel per D, as the connector does; ``--per-call`` adds
+                    pdgate-decode-first@per-call, each write and signal a request of its own)
   ascend-example    vllm-ascend's example layerwise proxy (``--ascend-example PATH``: a copy
                     of examples/disaggregated_prefill_v1/load_balance_proxy_layerwise_server_
                     example.py kept outside the repo), on fakes of vllm-ascend's D and P
@@ -322,10 +323,11 @@ def main() -> None:
         "--ascend", action="store_true", help="add pdgate-ascend-layerwise (no example needed)"
     )
     ap.add_argument(
-        "--unbatched",
+        "--per-call",
         action="store_true",
-        help="also run decode-first with the fakes sending each metaserver write alone "
-        "(pdgate-decode-first@unbatched; by default they batch as the connector does)",
+        help="also run decode-first with the fakes sending each metaserver write and each "
+        "done signal as a request of its own (pdgate-decode-first@per-call; by default they "
+        "batch writes and keep one signal channel per D, as the connector does)",
     )
     args = ap.parse_args()
     if args.loadgen:
@@ -414,9 +416,9 @@ def main() -> None:
             variant("pdgate@traced", "prefill-first", None, None, *otlp)
             variant("pdgate-decode-first@traced", "decode-first", ms, None, *otlp)
         knobs: dict[str, dict[str, Any]] = {}  # fake knobs for one target, reset after it
-        if args.unbatched:
-            variant("pdgate-decode-first@unbatched", "decode-first", ms, None)
-            knobs["pdgate-decode-first@unbatched"] = {"batch_writes": 1}
+        if args.per_call:
+            variant("pdgate-decode-first@per-call", "decode-first", ms, None)
+            knobs["pdgate-decode-first@per-call"] = {"batch_writes": 1, "kv_signal": "post"}
         if args.baseline:
             variant("pdgate@baseline", "prefill-first", None, args.baseline.resolve())
             variant("pdgate-decode-first@baseline", "decode-first", ms, args.baseline.resolve())

@@ -3,22 +3,25 @@
 Roles:
 * ``decode``: a request with ``{"do_remote_prefill": true, "transfer_id": T}`` writes the binding
   ``PUT /v1/bindings/T`` to the metaserver (the instance registers itself at start), then waits
-  for the prefill side's signal on its side channel (``POST /_fake/kv/T``; the KV endpoint's port
-  is this server's HTTP port) before streaming; on timeout it recomputes (or fails, by knob).
-  A pull-style request (``remote_engine_id``…) is served at once (prefill-first flow).
+  for the prefill side's signal on its side channel (``POST /_fake/kv-stream`` or
+  ``/_fake/kv/T``; the KV endpoint's port is this server's HTTP port) before streaming; on
+  timeout it recomputes (or fails, by knob). A pull-style request (``remote_engine_id``…) is
+  served at once (prefill-first flow).
 * ``prefill``: ``{"do_remote_decode": true, "transfer_id": T, "decode": binding}`` signals D's
-  side channel and posts ``done`` to the metaserver (with the ``report_progress`` knob, first
-  ``prefill_started`` and one ``pushing`` per chunk, and ``done`` carrying a push summary, as
-  pdgate's connector does: ``connector/worker/half.py`` ``_report_pushing``/``_report_end``,
-  the summary in the format of ``connector/worker/overlap.py`` ``PushOverlap.message``);
-  without ``decode`` (concurrent mode) it first long-polls the binding itself; without a
-  transfer id (prefill-first) it answers with ``kv_transfer_params`` for D to pull.
+  side channel (one open channel per D, ``tests/fakes/signals.py``, as the connector's ZeroMQ
+  socket; or a ``POST /_fake/kv/T`` each, by knob) and posts ``done`` to the metaserver (with
+  the ``report_progress`` knob, first ``prefill_started`` and one ``pushing`` per chunk, and
+  ``done`` carrying a push summary, as pdgate's connector does: ``connector/worker/half.py``
+  ``_report_pushing``/``_report_end``, the summary in the format of
+  ``connector/worker/overlap.py`` ``PushOverlap.message``); without ``decode`` (concurrent
+  mode) it first long-polls the binding itself; without a transfer id (prefill-first) it
+  answers with ``kv_transfer_params`` for D to pull.
 * ``both``: either, by request.
 
 Knobs (``POST /_fake/config`` with a JSON object, or flags): latency, errors, hangs, dropped
-connections, and how the metaserver writes go (``batch_writes``: as the connector's writer does,
-``tests/fakes/batching.py``; 1 sends each alone). ``GET /_fake/requests`` returns what was
-received; ``GET /_fake/stats`` counters.
+connections, and how P and D talk as the connector does (``batch_writes``: metaserver writes
+batched as its writer does, ``tests/fakes/batching.py``, 1 sends each alone; ``kv_signal``).
+``GET /_fake/requests`` returns what was received; ``GET /_fake/stats`` counters.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from aiohttp import web
 from pdwire.version import PROTOCOL_VERSION
 from tests.fakes import render
 from tests.fakes.batching import WriteBatcher
+from tests.fakes.signals import SignalChannels
 
 
 @dataclasses.dataclass
@@ -63,6 +67,7 @@ class Knobs:
     report_progress: bool = False  # prefill: post prefill_started, pushing per chunk, done+summary
     push_chunks: int = 2  # with report_progress: pushing events (one per prefill chunk)
     batch_writes: int = 64  # metaserver writes per POST /v1/batch at most (1: each alone)
+    kv_signal: str = "stream"  # P's done signal: "stream" (one open channel per D) or "post"
     record: bool = True
 
 
@@ -101,6 +106,7 @@ class FakeVLLM:
         self.kv_events: dict[str, asyncio.Event] = {}
         self.session: aiohttp.ClientSession | None = None
         self.writes: WriteBatcher | None = None  # the metaserver writes, as the connector sends
+        self.signals: SignalChannels | None = None  # P's done signals to D, likewise
         self.background: set[asyncio.Task[Any]] = set()
         self.registered = False
 
@@ -116,6 +122,7 @@ class FakeVLLM:
         app.router.add_get("/_fake/stats", self.get_stats)
         app.router.add_post("/_fake/reset", self.reset)
         app.router.add_post("/_fake/kv/{tid}", self.kv_signal)
+        app.router.add_post("/_fake/kv-stream", self.kv_stream)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -126,6 +133,7 @@ class FakeVLLM:
             connector=aiohttp.TCPConnector(limit=512),
             headers={"authorization": f"Bearer {token}"} if token else None,
         )
+        self.signals = SignalChannels(self.session)
         if self.metaserver:
             self.writes = WriteBatcher(self.session, self.metaserver, lanes=4)
             self._apply_knobs()
@@ -138,6 +146,8 @@ class FakeVLLM:
     async def _stop(self, app: web.Application) -> None:
         for task in list(self.background):
             task.cancel()
+        if self.signals:
+            await self.signals.close()
         if self.session:
             await self.session.close()
 
@@ -204,6 +214,14 @@ class FakeVLLM:
     async def kv_signal(self, request: web.Request) -> web.Response:
         tid = request.match_info["tid"]
         self.kv_events.setdefault(tid, asyncio.Event()).set()
+        return web.Response(status=204)
+
+    async def kv_stream(self, request: web.Request) -> web.Response:
+        """P's side channel (``tests/fakes/signals.py``): a transfer id per line, for as long
+        as P keeps the request open."""
+        async for line in request.content:
+            if tid := line.strip().decode():
+                self.kv_events.setdefault(tid, asyncio.Event()).set()
         return web.Response(status=204)
 
     # ---- completions ---------------------------------------------------------------------
@@ -323,8 +341,12 @@ class FakeVLLM:
         summary = None
         if self.metaserver and k.report_progress:
             summary = await self._report_progress(tid)
-        async with self.session.post(f"http://{ep['host']}:{ep['port']}/_fake/kv/{tid}") as r:
-            await r.read()
+        if k.kv_signal == "stream":
+            assert self.signals is not None
+            self.signals.send(ep["host"], ep["port"], tid)
+        else:
+            async with self.session.post(f"http://{ep['host']}:{ep['port']}/_fake/kv/{tid}") as r:
+                await r.read()
         self.stats.signals_sent += 1
         if self.metaserver:
             detail = None if summary is None else {"bytes_pushed": 4096, "message": summary}
