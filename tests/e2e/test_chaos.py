@@ -711,15 +711,19 @@ class Baseline:
     push_s: float
 
     async def mid_push(
-        self, c: Chaos, requests: Sequence[asyncio.Task[Answer]], since_wall: float
+        self, c: Chaos, requests: Sequence[asyncio.Task[Answer]], since_wall: float, attempt: int
     ) -> bool:
         """Called when a push of ``requests`` shows as ``pushing``: wait until it is about a
-        third done (the faults of scenarios 5-7 strike there, not at its first write). False when
+        third done (the faults of scenarios 5-7 strike there, not at its first write); try
+        ``attempt`` (from 0) waits half as long as the one before, and the last two strike as
+        soon as the push shows (a fresh-clone run missed the third in all five tries: pushes of
+        0.1-0.4 s, shown late by a busy P). False when
         no push is under way any more (the requests' first tokens may be out): ``push_s`` is
         then what the last push took (its ``pushing`` → ``done`` events), and the caller
         tries again with new prompts. One scenario runs at a time: any push of a binding
         created since ``since_wall`` (when ``requests`` were sent) is theirs."""
-        await asyncio.sleep(MID_PUSH * self.push_s)
+        if attempt < MID_PUSH_TRIES - 2:
+            await asyncio.sleep(MID_PUSH * self.push_s / 2**attempt)
         if not all(r.done() for r in requests) and await _bindings_in(
             c.dep.metaserver, STREAM_STATES, since_wall
         ):
@@ -737,7 +741,7 @@ class Baseline:
 # pushes the 1,600 tokens in 0.2-0.4 s (a run on 2026-11-25 missed the middle of three in a
 # row) while a loaded one took 5-8 s; either way most chunks are still to come
 MID_PUSH = 0.3
-MID_PUSH_TRIES = 5
+MID_PUSH_TRIES = 6
 
 
 async def _long_request_mid_push(
@@ -755,7 +759,7 @@ async def _long_request_mid_push(
                 continue  # its whole push came and went unseen: a new prompt
             # (the metaserver can still read `pushing` just after the push ended, P's `done`
             # event on its way; a request already answered is not mid-push)
-            if await baseline.mid_push(c, [request], since) and not request.done():
+            if await baseline.mid_push(c, [request], since, attempt) and not request.done():
                 return request, victim
     raise AssertionError(f"{MID_PUSH_TRIES} pushes ended before a third of the way")
 
@@ -938,7 +942,7 @@ async def _stream_and_pushes_mid_push(
             except EndedFirst:
                 pass  # the three pushes came and went unseen: once more
             else:
-                if await baseline.mid_push(c, pushing, since):
+                if await baseline.mid_push(c, pushing, since, attempt):
                     if not streaming.done():
                         return streaming, pushing
                     # the stream ended while the pushes ran (a CI run: its 1,000 tokens took
