@@ -240,8 +240,8 @@ class BackgroundWriter:
         """One ``POST /v1/batch`` for ``jobs``; each job's outcome is what its own call would
         have had. A call the batch answered with a retryable status (a 5xx) goes again alone,
         with the client's retries. Batching stops for good when the metaserver has no
-        ``/v1/batch`` (404/405: an older one), and a batch refused whole (a body the server
-        would not take) goes call by call."""
+        ``/v1/batch`` (404/405: an older one); a batch refused for its body (413, 422) goes
+        call by call, so each call gets its own answer."""
         calls: list[tuple[_Job, P.Call]] = []
         for job in jobs:
             try:
@@ -256,15 +256,20 @@ class BackgroundWriter:
             content = self.client.send(P.batch([call for _, call in calls]))
             items = P.batch_results(content, len(calls))
         except MetaserverHTTPError as exc:
-            if exc.status in (404, 405):
-                log.info("the metaserver has no POST /v1/batch (%s): writes go one by one", exc)
-                self._batch_max = 1
-            else:
-                log.warning(
-                    "metaserver batch of %d refused whole (%s): one by one", len(calls), exc
-                )
-            for job, call in calls:
-                self._perform(replace(job, call=call))
+            if exc.status in (404, 405, 413, 422):
+                if exc.status in (404, 405):
+                    log.info("the metaserver has no POST /v1/batch (%s): calls go alone", exc)
+                    self._batch_max = 1
+                else:
+                    log.warning(
+                        "metaserver batch of %d refused (%s): calls go alone", len(calls), exc
+                    )
+                for job, call in calls:
+                    self._perform(replace(job, call=call))
+                return
+            log.warning("metaserver batch of %d calls failed: %s", len(calls), exc)
+            for job, _ in calls:  # (401, or a 5xx after the retries: each call alone would too)
+                self._report(job, None, exc, logged=True)
             return
         except Exception as exc:  # unreachable after the retries, or an unreadable answer
             log.warning("metaserver batch of %d calls failed: %s", len(calls), exc)

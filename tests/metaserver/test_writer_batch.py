@@ -10,7 +10,13 @@ from collections.abc import Callable
 
 import httpx
 
-from pdwire.client import BackgroundWriter, BindingWrite, MetaserverClient, ValidationFailed
+from pdwire.client import (
+    BackgroundWriter,
+    BindingWrite,
+    MetaserverClient,
+    ServerError,
+    ValidationFailed,
+)
 from pdwire.models import Binding, BindingState
 from tests.metaserver.conftest import binding_spec, decode_instance
 from tests.metaserver.test_clients import FAST
@@ -126,3 +132,44 @@ def test_writer_sends_a_call_answered_503_in_a_batch_again_alone() -> None:
         sent = json.loads(srv.requests[0][2])
         assert [c["path"] for c in sent["calls"]] == ["/v1/bindings/t0", "/v1/bindings/t1"]
         assert sent["calls"][0]["body"] == binding
+
+
+def test_writer_reports_a_batch_failed_whole_to_each_call_without_sending_them_alone() -> None:
+    """A 503 for the batch itself (after the client's retries): each call alone would fail the
+    same way, so each gets that error and none is sent again."""
+    with fault_server(default=Reply(503, b'{"detail":"overloaded"}')) as srv:
+        writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST), lanes=1)
+        outcomes: Outcomes = {}
+        lock = threading.Lock()
+        writer.put_bindings(
+            [
+                BindingWrite(f"t{i}", binding_spec(), _recorder(outcomes, lock, f"t{i}"))
+                for i in range(3)
+            ]
+        )
+        writer.close(timeout_s=10)
+        assert writer.failed == 3 and writer.batching
+        assert all(isinstance(outcomes[f"t{i}"][1], ServerError) for i in range(3))
+        assert {p for _, p, _ in srv.requests} == {"/v1/batch"}
+        assert len(srv.requests) == FAST.retries + 1
+
+
+def test_writer_sends_a_batch_refused_for_its_body_call_by_call() -> None:
+    with fault_server(Reply(422, b'{"detail":[]}'), default=Reply(201, b"{}")) as srv:
+        writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST), lanes=1)
+        outcomes: Outcomes = {}
+        lock = threading.Lock()
+        writer.put_bindings(
+            [
+                BindingWrite(f"t{i}", binding_spec(), _recorder(outcomes, lock, f"t{i}"))
+                for i in range(2)
+            ]
+        )
+        writer.close(timeout_s=10)
+        assert all(outcomes[f"t{i}"] == (b"{}", None) for i in range(2))
+        assert writer.batching  # still on: the next batch may well be taken
+        assert [p for _, p, _ in srv.requests] == [
+            "/v1/batch",
+            "/v1/bindings/t0",
+            "/v1/bindings/t1",
+        ]
