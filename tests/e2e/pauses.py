@@ -109,11 +109,17 @@ class PauseWatch:
         return sum(hi - lo for lo, hi in self.pauses(since, until))
 
     def describe(self, since: float, until: float) -> str:
-        """``"; the machine paused 19.8s, 10.1s"`` for a note, or ``""``."""
-        spans = self.pauses(since, until)
-        return f"; the machine paused {', '.join(f'{hi - lo:.1f}s' for lo, hi in spans)}" * bool(
-            spans
-        )
+        """For a note: ``"; the machine paused 19.8s, 10.1s (and 3 shorter, 1.2s in all)"``, or
+        ``""``. Stretches under a second are mostly both CPUs busy at once, listed only as a sum."""
+        spans = [hi - lo for lo, hi in self.pauses(since, until)]
+        long = [f"{d:.1f}s" for d in spans if d >= 1.0]
+        short = [d for d in spans if d < 1.0]
+        if not spans:
+            return ""
+        rest = f"{len(short)} shorter, {sum(short):.1f}s in all" if short else ""
+        if not long:
+            return f"; the machine paused under 1s each time ({rest})"
+        return f"; the machine paused {', '.join(long)}" + (f" (and {rest})" if rest else "")
 
 
 async def within(aw: Awaitable[T], limit_s: float, started: float, pauses: Pauses | None) -> T:
