@@ -1,14 +1,15 @@
-"""Machine pauses: stretches in which no CPU of this machine ran anything.
+"""Machine pauses: stretches in which no CPU of this machine ran the suite's watchers.
 
-The suites' 2-core VM has been seen to stop everything at once: one watcher process pinned to
-each CPU, each waking every 20 ms, both woke 19.8 s and 20.2 s late at the same instant
-(2026-11-25 19:08 UTC, during a fresh-clone ``make test``), with no steal time counted in
-``/proc/stat`` and no memory or I/O pressure in ``/proc/pressure``: the VM itself was not run.
-A request that spans such a pause is not hung for the time nothing ran, so the chaos suite
-judges "hung" in running time: wall time less the pauses (``within``).
+On the suites' 2-core VM, one watcher process pinned to each CPU, each waking every 20-50 ms,
+has seen both woken 10-40 s late at the same instant (2026-11-25, during fresh-clone
+``make test`` runs), with no steal time counted in ``/proc/stat``; most of pdgate's processes
+stood still in the same stretches. Whether the host stopped the VM or the guest starved its
+light processes is not established (docs/reliability.md). Either way a request cannot end
+while nothing serving it runs, so the chaos suite judges "hung" in running time: wall time
+less the pauses (``within``).
 
 ``PauseWatch`` runs one such watcher per CPU this process may use; a *pause* is a stretch that
-every watcher missed (one CPU alone missing a tick is load, not a pause)."""
+every watcher missed (one CPU alone missing a tick is not counted)."""
 
 from __future__ import annotations
 

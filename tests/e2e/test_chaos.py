@@ -124,6 +124,7 @@ class Measured:
     back_at: float = math.nan  # … and of the service being back (outage scenarios)
     in_flight_writes: int = 0  # D killed: P's writes that failed (their late-landing hold)
     bindings: list[dict[str, Any]] = field(default_factory=list)  # the scenario's own
+    longest_pause_s: float = 0.0  # the longest machine pause during the scenario
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +259,8 @@ HANGUP_MAX_TOKENS = 12
 # at most this many clients at a time (a 2-core machine serves a few dozen requests a second:
 # an open burst of 300 would only queue, and every client would leave before its first token)
 CONCURRENT_CLIENTS = 32
+NO_DECODE = "503: Error code: 503 - no decode instance available"
+PROBE_SILENCE_S = 5.0  # the proxy's health probe period (pd-proxy --health-interval default)
 FINAL_WAVE = 16  # the last clients, who all hang up early (see ``hangups``)
 
 
@@ -336,7 +339,8 @@ async def hangups(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
     )
     row = Row("300 clients hang up at random points", list(answers), free, note)
     reliability.add(row)
-    return Measured(row)
+    spans = chaos.pauses.pauses(began, time.monotonic())
+    return Measured(row, longest_pause_s=max((hi - lo for lo, hi in spans), default=0.0))
 
 
 async def test_chaos_hangups_leave_no_wrong_answer_and_free_everything(
@@ -344,8 +348,14 @@ async def test_chaos_hangups_leave_no_wrong_answer_and_free_everything(
 ) -> None:
     _assert_sound(hangups)
     r = hangups.row
-    # nothing failed: the clients left, the system did not
-    assert r.count(Outcome.CLEAN_ERROR) == 0, dict(r.errors())
+    # nothing failed: the clients left, the system did not. One exception, by design: a
+    # machine pause long enough for the proxy's health probes to find D silent (a CI run:
+    # pauses of 20 s) takes D out of rotation, and requests meanwhile get a clean 503
+    errors = dict(r.errors())
+    unready = {k: n for k, n in errors.items() if k.startswith(NO_DECODE)}
+    assert errors == unready, errors
+    if unready:
+        assert hangups.longest_pause_s >= PROBE_SILENCE_S, (unready, hangups.longest_pause_s)
     # the scenario did what it says: clients left before and after their first token
     gone = [a for a in r.answers if a.outcome == Outcome.ABANDONED]
     assert sum(1 for a in gone if a.first_token is None) >= N_CLIENTS // 10, r.note
