@@ -34,6 +34,22 @@ def _recorder(outcomes: Outcomes, lock: threading.Lock, name: str) -> Callable[.
     return on_done
 
 
+def _put_together(url: str, n: int) -> tuple[BackgroundWriter, Outcomes]:
+    """Bindings ``t0`` … ``t{n-1}`` handed over at once to a one-lane writer (so they are
+    ready together: one batch), the writer closed; its outcomes by transfer id."""
+    writer = BackgroundWriter(MetaserverClient(url, retry=FAST), lanes=1)
+    outcomes: Outcomes = {}
+    lock = threading.Lock()
+    writer.put_bindings(
+        [
+            BindingWrite(f"t{i}", binding_spec(), _recorder(outcomes, lock, f"t{i}"))
+            for i in range(n)
+        ]
+    )
+    writer.close(timeout_s=10)
+    return writer, outcomes
+
+
 def test_writer_batches_ready_writes_and_keeps_each_bindings_order(
     metaserver_factory: Callable[..., MetaserverProcess],
 ) -> None:
@@ -88,15 +104,7 @@ def test_writer_goes_call_by_call_against_a_metaserver_without_batches() -> None
     """An older metaserver answers ``POST /v1/batch`` 404: the writer sends each call alone,
     and no more batches after that."""
     with fault_server(Reply(404, b'{"detail":"Not Found"}'), default=Reply(201, b"{}")) as srv:
-        writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST), lanes=1)
-        outcomes: Outcomes = {}
-        lock = threading.Lock()
-        writes = [
-            BindingWrite(f"t{i}", binding_spec(), _recorder(outcomes, lock, f"t{i}"))
-            for i in range(3)
-        ]
-        writer.put_bindings(writes)
-        writer.close(timeout_s=10)
+        writer, outcomes = _put_together(srv.url, 3)
         assert not writer.batching and writer.batches == 0
         assert all(outcomes[f"t{i}"] == (b"{}", None) for i in range(3))
         paths = [(method, path) for method, path, _ in srv.requests]
@@ -115,16 +123,7 @@ def test_writer_sends_a_call_answered_503_in_a_batch_again_alone() -> None:
     with fault_server(
         Reply(200, json.dumps(answer).encode()), default=Reply(201, b'{"again":1}')
     ) as srv:
-        writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST), lanes=1)
-        outcomes: Outcomes = {}
-        lock = threading.Lock()
-        writer.put_bindings(
-            [
-                BindingWrite(f"t{i}", binding_spec(), _recorder(outcomes, lock, f"t{i}"))
-                for i in range(2)
-            ]
-        )
-        writer.close(timeout_s=10)
+        writer, outcomes = _put_together(srv.url, 2)
         assert outcomes["t0"] == (b'{"again":1}', None)  # its own PUT, after the batch
         assert outcomes["t1"][1] is None
         assert json.loads(outcomes["t1"][0] or b"") == binding
@@ -138,16 +137,7 @@ def test_writer_reports_a_batch_failed_whole_to_each_call_without_sending_them_a
     """A 503 for the batch itself (after the client's retries): each call alone would fail the
     same way, so each gets that error and none is sent again."""
     with fault_server(default=Reply(503, b'{"detail":"overloaded"}')) as srv:
-        writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST), lanes=1)
-        outcomes: Outcomes = {}
-        lock = threading.Lock()
-        writer.put_bindings(
-            [
-                BindingWrite(f"t{i}", binding_spec(), _recorder(outcomes, lock, f"t{i}"))
-                for i in range(3)
-            ]
-        )
-        writer.close(timeout_s=10)
+        writer, outcomes = _put_together(srv.url, 3)
         assert writer.failed == 3 and writer.batching
         assert all(isinstance(outcomes[f"t{i}"][1], ServerError) for i in range(3))
         assert {p for _, p, _ in srv.requests} == {"/v1/batch"}
@@ -156,16 +146,7 @@ def test_writer_reports_a_batch_failed_whole_to_each_call_without_sending_them_a
 
 def test_writer_sends_a_batch_refused_for_its_body_call_by_call() -> None:
     with fault_server(Reply(422, b'{"detail":[]}'), default=Reply(201, b"{}")) as srv:
-        writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST), lanes=1)
-        outcomes: Outcomes = {}
-        lock = threading.Lock()
-        writer.put_bindings(
-            [
-                BindingWrite(f"t{i}", binding_spec(), _recorder(outcomes, lock, f"t{i}"))
-                for i in range(2)
-            ]
-        )
-        writer.close(timeout_s=10)
+        writer, outcomes = _put_together(srv.url, 2)
         assert all(outcomes[f"t{i}"] == (b"{}", None) for i in range(2))
         assert writer.batching  # still on: the next batch may well be taken
         assert [p for _, p, _ in srv.requests] == [
