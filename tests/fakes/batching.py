@@ -4,7 +4,7 @@ The connector's ``BackgroundWriter`` (``pdwire/client/writer.py``) performs writ
 lanes; a lane that finds several writes ready sends them as one ``POST /v1/batch``. This is
 the same shape on asyncio: up to ``lanes`` requests in flight, and the writes made while every
 lane is busy (or in one event-loop turn) go out together, each with the answer it would have
-had alone."""
+had alone. The batch is built and read by pdwire's own ``batch`` and ``batch_results``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 
 import aiohttp
+
+from pdwire.client import _protocol as P
 
 
 @dataclass(slots=True)
@@ -65,22 +67,16 @@ class WriteBatcher:
                         w = take[0]
                         w.answer.set_result(await self._alone(w.method, w.path, w.body))
                         continue
-                    items = b",".join(
-                        b'{"method":"%s","path":"%s","body":%s}'
-                        % (w.method.encode(), w.path.encode(), w.body)
-                        for w in take
-                    )
-                    status, raw = await self._alone(
-                        "POST", "/v1/batch", b'{"calls":[' + items + b"]}"
-                    )
+                    batch = P.batch([P.Call(w.method, w.path, body=w.body) for w in take])
+                    assert batch.body is not None
+                    status, raw = await self._alone(batch.method, batch.path, batch.body)
                     self.batches += 1
                     if status != 200:
                         for w in take:
                             w.answer.set_result((status, raw))
                         continue
-                    for w, r in zip(take, json.loads(raw)["results"], strict=True):
-                        body = b"" if r["body"] is None else json.dumps(r["body"]).encode()
-                        w.answer.set_result((int(r["status"]), body))
+                    for w, item in zip(take, P.batch_results(raw, len(take)), strict=True):
+                        w.answer.set_result((item.status, item.body))
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     for w in take:
                         if not w.answer.done():
