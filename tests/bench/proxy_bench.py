@@ -14,6 +14,10 @@ Targets:
                     (the fakes' metaserver writes batched, and P's done signals on one open
                     channel per D, as the connector does; ``--per-call`` adds
                     pdgate-decode-first@per-call, each write and signal a request of its own)
+  floor-relay, echo-lean, echo-asgi  (``--floor``) lower bounds from ``floor_relay.py``: the
+                    prefill-first relay as bare callbacks (what the same work costs a Python
+                    process with no framework), and a fixed answer from a bare httptools
+                    protocol and from uvicorn's ASGI cycle (what that cycle costs per request)
   ascend-example    vllm-ascend's example layerwise proxy (``--ascend-example PATH``: a copy
                     of examples/disaggregated_prefill_v1/load_balance_proxy_layerwise_server_
                     example.py kept outside the repo), on fakes of vllm-ascend's D and P
@@ -63,6 +67,7 @@ from tests.fakes.vllm import Knobs  # noqa: E402
 from tests.support.procs import Process, free_port, wait_http  # noqa: E402
 
 BIN = Path(sys.executable).parent
+FLOOR = ("floor-relay", "echo-lean", "echo-asgi")
 PROMPT = "Benchmark prompt about prefill and decode disaggregation. " * 4
 
 
@@ -329,6 +334,12 @@ def main() -> None:
         "done signal as a request of its own (pdgate-decode-first@per-call; by default they "
         "batch writes and keep one signal channel per D, as the connector does)",
     )
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="add the lower bounds of floor_relay.py: floor-relay (prefill-first as bare "
+        "callbacks), echo-lean and echo-asgi (a fixed answer without and with uvicorn's cycle)",
+    )
     args = ap.parse_args()
     if args.loadgen:
         try:
@@ -419,6 +430,13 @@ def main() -> None:
         if args.per_call:
             variant("pdgate-decode-first@per-call", "decode-first", ms, None)
             knobs["pdgate-decode-first@per-call"] = {"batch_writes": 1, "kv_signal": "post"}
+        if args.floor:
+            floor = [sys.executable, str(Path(__file__).with_name("floor_relay.py"))]
+            targets += [
+                ("floor-relay", [*floor, "relay", p[0], d[0], "--port", "0"], None),
+                ("echo-lean", [*floor, "echo-lean", "--port", "0"], None),
+                ("echo-asgi", [*floor, "echo-asgi", "--port", "0"], None),
+            ]
         if args.baseline:
             variant("pdgate@baseline", "prefill-first", None, args.baseline.resolve())
             variant("pdgate-decode-first@baseline", "decode-first", ms, args.baseline.resolve())
@@ -436,6 +454,8 @@ def main() -> None:
                 health = url + (
                     "/health"
                     if name.startswith("pdgate")
+                    else "/health"
+                    if name in FLOOR
                     else "/healthcheck"
                     if name == "ascend-example"
                     else "/v1/models"
@@ -538,6 +558,7 @@ def report(rows: list[dict[str, Any]], paced: bool = False) -> None:
                 f"(target >= 10x, p99 <= 0.1x, no errors) -> {'ok' if ok else 'below target'}"
             )
         cpu_targets(rows, mode)
+        floors(rows, mode)
     for r in rows:
         if r["target"] == "pdgate-decode-first" and not paced:
             verdict = "ok" if r["rps"] >= 2000 and r["p99"] <= 50 else "below target"
@@ -567,6 +588,25 @@ def cpu_targets(rows: list[dict[str, Any]], mode: str) -> None:
             f"{mode}: prefill-first / best Rust router ({best['target']}) proxy CPU = "
             f"{pf['cpu_us']:.0f} / {best['cpu_us']:.0f} us/req = "
             f"{pf['cpu_us'] / best['cpu_us']:.2f} (target <= 0.67)"
+        )
+
+
+def floors(rows: list[dict[str, Any]], mode: str) -> None:
+    """With ``--floor``: pdgate's CPU per request above the bare relay, and uvicorn's cycle
+    above a bare protocol (best read with ``--rate``, every target at the same load)."""
+    at = {r["target"]: r for r in rows if r["mode"] == mode}
+    pf, relay = at.get("pdgate"), at.get("floor-relay")
+    if pf and relay:
+        print(
+            f"{mode}: prefill-first proxy CPU = {pf['cpu_us']:.0f} us/req, the bare relay "
+            f"{relay['cpu_us']:.0f}: {pf['cpu_us'] - relay['cpu_us']:.0f} above the floor"
+        )
+    lean, asgi = at.get("echo-lean"), at.get("echo-asgi")
+    if lean and asgi:
+        print(
+            f"{mode}: a fixed answer: {asgi['cpu_us']:.0f} us/req through uvicorn's ASGI cycle, "
+            f"{lean['cpu_us']:.0f} from a bare protocol: the cycle costs "
+            f"{asgi['cpu_us'] - lean['cpu_us']:.0f}"
         )
 
 
