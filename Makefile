@@ -51,6 +51,7 @@ test: install vllm-src lint
 
 bench: install
 	$(PY) tests/bench/metaserver_bench.py
+	$(PY) tests/bench/memory_store_bench.py
 	$(PY) tests/bench/proxy_bench.py
 	$(PY) tests/bench/ttft_bench.py
 

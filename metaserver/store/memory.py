@@ -1,11 +1,15 @@
 """In-process store: the embedded default for a single metaserver process (and for tests).
 
-Expiry is lazy (checked on access) plus a sweep every few hundred writes, so memory stays bounded
-by the live records. Not shared between processes: use Redis for replicas.
+Expiry is lazy (checked on access) plus a sweep, so memory stays bounded by the live records. The
+sweep never scans the live bindings: a heap holds one ``(expires, id)`` per binding, a write pops
+the ones due, and a binding whose expiry moved on since (each event extends it) goes back in with
+its new one. Instances (a handful) are scanned every few hundred writes. Not shared between
+processes: use Redis for replicas.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -61,6 +65,7 @@ class MemoryStore(Store):
         self._instances: dict[str, _Instance] = {}
         self._latencies: deque[float] = deque(maxlen=_LATENCY_SAMPLES)
         self._writes = 0
+        self._due: list[tuple[float, str]] = []  # a heap: the bindings by (past) expiry
         self._waiters = LocalWaiters()
 
     async def ping(self) -> None:
@@ -82,14 +87,23 @@ class MemoryStore(Store):
         return entry
 
     def _sweep(self) -> None:
-        self._writes += 1
-        if self._writes % _SWEEP_EVERY:
-            return
+        """Drop the bindings whose time is up: O(log n) per binding dropped, nothing per live
+        one; the instances every ``_SWEEP_EVERY`` writes."""
         now = self._clock()
-        for key in [k for k, v in self._bindings.items() if v.expires <= now]:
-            del self._bindings[key]
-        for key in [k for k, v in self._instances.items() if v.expires <= now]:
-            del self._instances[key]
+        due, bindings = self._due, self._bindings
+        while due and due[0][0] <= now:
+            _, key = heapq.heappop(due)
+            entry = bindings.get(key)
+            if entry is None:
+                continue  # deleted, or dropped on access
+            if entry.expires <= now:
+                del bindings[key]
+            else:  # an event extended it: wait for its new expiry
+                heapq.heappush(due, (entry.expires, key))
+        self._writes += 1
+        if self._writes % _SWEEP_EVERY == 0:
+            for key in [k for k, v in self._instances.items() if v.expires <= now]:
+                del self._instances[key]
 
     async def put_binding(self, put: BindingPut, now: float) -> tuple[PutOutcome, StoredBinding]:
         existing = self._live_binding(put.transfer_id)
@@ -113,9 +127,9 @@ class MemoryStore(Store):
             updated_at=now,
             events=(put.event_json,),
         )
-        self._bindings[put.transfer_id] = _Binding(
-            record, self._clock() + self._binding_ttl, [put.event_json]
-        )
+        expires = self._clock() + self._binding_ttl
+        self._bindings[put.transfer_id] = _Binding(record, expires, [put.event_json])
+        heapq.heappush(self._due, (expires, put.transfer_id))
         self._sweep()
         self._waiters.created(record)
         return PutOutcome.CREATED, record
