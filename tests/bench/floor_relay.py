@@ -66,7 +66,7 @@ class _Upstream(asyncio.Protocol):
         self._parser.feed_data(data)
 
     def on_body(self, body: bytes) -> None:
-        if self.on_done is not None:
+        if self.on_bytes is None:  # D's answer went out as it came: nothing to keep
             self._body.append(body)
 
     def on_message_complete(self) -> None:
