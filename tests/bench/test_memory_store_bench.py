@@ -29,7 +29,7 @@ def test_memory_store_bench_rejects_an_empty_size_list() -> None:
     assert out.returncode == 2 and "must be positive" in out.stderr
 
 
-async def test_memory_store_bench_baseline_sweeps_only_every_512th_write() -> None:
+def test_memory_store_bench_baseline_sweeps_only_every_512th_write() -> None:
     clock = [0.0]
     store = ScanSweep(binding_ttl_s=1, retain_s=1, clock=lambda: clock[0])
     store._bindings["x"] = None  # type: ignore[assignment]  # never looked at between sweeps
