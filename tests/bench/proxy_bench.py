@@ -453,9 +453,7 @@ def main() -> None:
                 url = f"http://127.0.0.1:{port}"
                 health = url + (
                     "/health"
-                    if name.startswith("pdgate")
-                    else "/health"
-                    if name in FLOOR
+                    if name.startswith("pdgate") or name in FLOOR
                     else "/healthcheck"
                     if name == "ascend-example"
                     else "/v1/models"
