@@ -101,6 +101,14 @@ class _Relay(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self._ready.done():
+            self._ready.cancel()
+            return
+        for up in (getattr(self, "_p", None), getattr(self, "_d", None)):
+            if up is not None:
+                up.transport.close()
+
     def data_received(self, data: bytes) -> None:
         self._parser.feed_data(data)
 
