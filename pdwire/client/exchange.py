@@ -66,6 +66,8 @@ class PlainExchange:
         if conn is not None and conn.sock is not None:
             conn.sock.settimeout(timeout)
             return conn, True
+        if self._closed:  # http.client would reconnect a closed one: a socket nobody closes
+            raise ExchangeError("client closed")
         if conn is None:
             if self._ssl is not None:
                 conn = http.client.HTTPSConnection(
@@ -103,7 +105,7 @@ class PlainExchange:
                 if reused and stale and attempt == 1 and not self._closed:
                     continue
                 raise ExchangeError(f"{method} {target}: {exc!r}") from exc
-            if resp.will_close:
+            if resp.will_close or self._closed:  # closed meanwhile: this socket is ours to close
                 conn.close()
             return resp.status, data
         raise AssertionError("unreachable")
