@@ -8,8 +8,12 @@ read cut short that way says nothing about the scenario."""
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import Any
 
 import httpx
+
+from pdwire.models import BindingState
 
 OBSERVE_TIMEOUT_S = 30.0
 READ_TRIES = 3
@@ -46,3 +50,21 @@ class RetryingReads(httpx.AsyncBaseTransport):
 def observer(base_url: str, timeout_s: float = OBSERVE_TIMEOUT_S) -> httpx.AsyncClient:
     """A client for the suite's observing reads of ``base_url``."""
     return httpx.AsyncClient(base_url=base_url, timeout=timeout_s, transport=RetryingReads())
+
+
+SETTLE_S = 10.0
+
+
+async def newest_binding(metaserver: str, settle_s: float = SETTLE_S) -> dict[str, Any]:
+    """The newest binding, once it reached a final state (``done``, ``failed``, ``aborted``),
+    or as it stands after ``settle_s``. P posts its last events from another process, through
+    its background writer: they can land just after the client has its answer."""
+    deadline = time.monotonic() + settle_s
+    async with observer(metaserver) as ms:
+        listed = (await ms.get("/v1/bindings", params={"limit": 1})).json()["bindings"]
+        assert listed, "no binding recorded: the request did not go through P/D"
+        binding: dict[str, Any] = listed[0]
+        while not BindingState(binding["state"]).terminal and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            binding = (await ms.get(f"/v1/bindings/{binding['transfer_id']}")).json()
+    return binding

@@ -6,11 +6,11 @@ import asyncio
 import random
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.e2e.client import Generation, chat, client, complete
 from tests.e2e.conftest import Engines
+from tests.e2e.observe import newest_binding
 from tests.e2e.stack import BLOCK_SIZE, CHUNK_TOKENS
 
 pytestmark = pytest.mark.e2e
@@ -23,11 +23,8 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 
 
 async def latest_binding(engines: Engines) -> dict[str, Any]:
-    async with httpx.AsyncClient(base_url=engines.pd.metaserver, timeout=10) as ms:
-        bindings = (await ms.get("/v1/bindings", params={"limit": 1})).json()["bindings"]
-    assert bindings, "no binding recorded"
-    binding: dict[str, Any] = bindings[0]
-    return binding
+    """The deployment's newest binding, settled (``observe.newest_binding``)."""
+    return await newest_binding(engines.pd.metaserver)
 
 
 def assert_same(pd: Generation, ref: Generation) -> None:

@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -28,6 +27,7 @@ from tests.e2e.chaos import STALL_S, StallWatch
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import LOG_DIR, STALL_TOLERANT_HEARTBEAT, Engines
 from tests.e2e.engine_metrics import prompt_tokens_by_source
+from tests.e2e.observe import newest_binding
 from tests.e2e.stack import (
     BLOCK_SIZE,
     CHUNK_TOKENS,
@@ -258,8 +258,7 @@ async def test_e2e_hetero_tp_completion_equals_monolithic(
     # D took the whole prompt from P's push: no recompute after a failed or partial load
     assert run.pushed == length, why_no_push(hetero)
     assert run.computed == 0, why_no_push(hetero)
-    async with httpx.AsyncClient(base_url=hetero.metaserver, timeout=10) as ms:
-        binding = (await ms.get("/v1/bindings", params={"limit": 1})).json()["bindings"][0]
+    binding = await newest_binding(hetero.metaserver)
     assert binding["num_prompt_tokens"] == length
     assert binding["state"] == "done"
     assert binding["tp_size"] == 1  # D's

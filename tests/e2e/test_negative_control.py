@@ -13,11 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import LOG_DIR, Engines
+from tests.e2e.observe import newest_binding
 from tests.e2e.stack import BLOCK_SIZE, Deployment, base_options, deployment, running
 from tests.e2e.test_equality import assert_same, prompt_ids
 
@@ -58,11 +58,7 @@ async def wait_for_log(dep: Deployment, name: str, text: str, timeout_s: float =
 
 
 async def latest_binding(dep: Deployment) -> dict[str, Any]:
-    async with httpx.AsyncClient(base_url=dep.metaserver, timeout=10) as ms:
-        bindings = (await ms.get("/v1/bindings", params={"limit": 1})).json()["bindings"]
-    assert bindings, "no binding recorded: the request did not go through P/D"
-    binding: dict[str, Any] = bindings[0]
-    return binding
+    return await newest_binding(dep.metaserver)
 
 
 @pytest.mark.parametrize("corrupted", [False], indirect=True, ids=["verify-off"])
