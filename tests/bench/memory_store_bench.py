@@ -27,23 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from metaserver.store.base import BindingPut
 from metaserver.store.memory import MemoryStore
-from pdwire.models import BindingSpec, KVEndpoint
+from tests.bench.metaserver_bench import INSTANCE, KV, SPEC  # the same binding and instance
 
-KV = KVEndpoint(host="10.0.0.7", port=5600)
-SPEC = BindingSpec(
-    request_id="chatcmpl-bench",
-    decode_instance_id="decode-0",
-    engine_id="d0",
-    kv_endpoint=KV,
-    block_size=16,
-    block_ids=[list(range(100, 164))],
-    num_cached_tokens=0,
-    num_prompt_tokens=1024,
-)
-INSTANCE = (
-    b'{"role":"decode","url":"http://10.0.0.7:8200",'
-    b'"kv_endpoint":{"host":"10.0.0.7","port":5600},"ttl_s":3600}'
-)
 SCAN_EVERY = 512
 
 
