@@ -26,6 +26,7 @@ class FaultServer:
     default: Reply = field(default_factory=Reply)
     requests: list[tuple[str, str, bytes]] = field(default_factory=list)
     port: int = 0
+    connections: int = 0  # connections accepted (keep-alive reuse shows as fewer)
 
     @property
     def url(self) -> str:
@@ -68,7 +69,13 @@ def fault_server(*replies: Reply, default: Reply | None = None) -> Iterator[Faul
 
         do_GET = do_PUT = do_POST = do_DELETE = _handle
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(ThreadingHTTPServer):
+        def get_request(self) -> tuple[socket.socket, object]:
+            got = super().get_request()
+            state.connections += 1
+            return got
+
+    server = Server(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     state.port = server.server_address[1]
     thread = threading.Thread(target=server.serve_forever, daemon=True)
