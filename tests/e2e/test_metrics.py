@@ -69,7 +69,7 @@ async def test_e2e_connector_metrics_agree_with_the_bytes_pushed(
         b: dict[str, Any] = await latest_binding(engines)
         assert b["num_prompt_tokens"] == length
         blocks += len(b["block_ids"][0]) - b["num_cached_tokens"] // BLOCK_SIZE
-        done = await _done_event(engines, b["transfer_id"])
+        done = _done_event(b)
         done_bytes += done["detail"]["bytes_pushed"]
     assert blocks == 1 + 4 + 6  # ceil(27 / 32), ceil(103 / 32), ceil(179 / 32)
 
@@ -139,15 +139,9 @@ async def _samples(url: str) -> dict[str, float]:
     return out
 
 
-async def _done_event(engines: Engines, transfer_id: str) -> dict[str, Any]:
-    """The binding's ``done`` event (P posts it from another process: wait for it)."""
-    deadline = time.monotonic() + 10
-    async with httpx.AsyncClient(base_url=engines.pd.metaserver, timeout=10) as ms:
-        while True:
-            b = (await ms.get(f"/v1/bindings/{transfer_id}")).json()
-            done = [e for e in b["events"] if e["state"] == "done"]
-            if done or time.monotonic() > deadline:
-                assert done, b["events"]
-                event: dict[str, Any] = done[0]
-                return event
-            await asyncio.sleep(0.1)
+def _done_event(binding: dict[str, Any]) -> dict[str, Any]:
+    """The ``done`` event of a binding ``latest_binding`` read once it settled."""
+    done = [e for e in binding["events"] if e["state"] == "done"]
+    assert done, binding["events"]
+    event: dict[str, Any] = done[0]
+    return event
