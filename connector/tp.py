@@ -1,13 +1,14 @@
 """Heterogeneous tensor parallelism: which P rank writes which KV heads into which D rank.
 
-Rank ``r`` of a TP group of size ``tp`` holds KV heads ``[r*H/tp, (r+1)*H/tp)`` when
-``tp <= H``; when ``tp > H`` heads are replicated and rank r holds head ``r // (tp/H)``.
-MLA caches have one latent "head" that every rank holds.
-
-With ``ratio = P_tp / D_tp`` (a positive integer), D rank d is fed by P ranks
-``[d*ratio, (d+1)*ratio)``. Among those, only the first holder of each head slice writes
-(*primary*); replicas send nothing. D rank d waits for ``expected`` done signals: one per
-primary P rank of its group (GQA: up to ``ratio``; MLA: 1).
+Which heads a rank holds, and which pairings work, are ``pdwire.compat``'s rules (vLLM's
+split; either TP size may be the larger, as long as one divides the other). Every head a D
+rank holds is written into it by exactly one P rank (a *leg*: one P rank → one D rank, a
+contiguous run of heads). When several P ranks hold the same head (P tp > H, or MLA), the D
+ranks that hold that head take turns among them, so the writes spread over P's replicas
+instead of all leaving one rank. A P rank may therefore write to several D ranks (D tp > P tp:
+its heads split over D's ranks, or the same heads replicated into each) or to none (a P
+replica no D rank needs). D rank d waits for one done signal per P rank that writes into it
+(``expected``).
 """
 
 from __future__ import annotations
@@ -15,59 +16,83 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from connector.errors import LayoutError
+from pdwire import compat
 
 
 @dataclass(frozen=True, slots=True)
 class Route:
+    """One leg: what P rank ``p_rank`` writes into D rank ``d_rank``."""
+
     d_rank: int
-    num_heads: int  # heads this P rank writes (all of its local heads)
+    p_head_start: int  # the first head written, in P's local head axis
+    num_heads: int  # heads written (a contiguous run)
     d_head_start: int  # where they go in D's local head axis
-    expected: int  # done signals D rank ``d_rank`` waits for
+    expected: int  # done signals D rank ``d_rank`` waits for (one per P rank writing into it)
 
 
 def heads_of(rank: int, tp: int, num_heads: int) -> tuple[int, int]:
     """(first global head, count) held by ``rank``."""
-    if tp <= num_heads:
-        if num_heads % tp:
-            raise LayoutError(f"{num_heads} KV heads do not split over tp {tp}")
-        per = num_heads // tp
-        return rank * per, per
-    if tp % num_heads:
-        raise LayoutError(f"tp {tp} is not a multiple of {num_heads} KV heads")
-    return rank // (tp // num_heads), 1
+    try:
+        return compat.heads_of(rank, tp, num_heads)
+    except ValueError as exc:
+        raise LayoutError(str(exc)) from None
 
 
-def _primary(rank: int, first: int, tp: int, num_heads: int) -> bool:
-    return rank == first or heads_of(rank - 1, tp, num_heads)[0] != heads_of(rank, tp, num_heads)[0]
+def check_pairing(p_tp: int, d_tp: int, num_heads: int | None, use_mla: bool) -> None:
+    """Raise ``LayoutError`` (saying why) unless P tp ``p_tp`` can push into D tp ``d_tp``
+    (``num_heads``: total KV heads; ``None``: not known, only the TP sizes are checked)."""
+    problem = compat.pairing_problem(p_tp, d_tp, num_heads, use_mla)
+    if problem is not None:
+        raise LayoutError(problem)
 
 
-def ratio_of(p_tp: int, d_tp: int) -> int:
-    if p_tp < d_tp or p_tp % d_tp:
-        raise LayoutError(f"P tp {p_tp} must be a multiple of D tp {d_tp} (P tp >= D tp)")
-    return p_tp // d_tp
+def _writer(head: int, d_rank: int, p_tp: int, d_tp: int, heads: int) -> int:
+    """The P rank that writes global ``head`` into D rank ``d_rank``."""
+    holders = [r for r in range(p_tp) if _holds(r, p_tp, heads, head)]
+    d_holders = [r for r in range(d_tp) if _holds(r, d_tp, heads, head)]
+    return holders[d_holders.index(d_rank) % len(holders)]
+
+
+def _holds(rank: int, tp: int, heads: int, head: int) -> bool:
+    start, count = heads_of(rank, tp, heads)
+    return start <= head < start + count
+
+
+def _writers(d_rank: int, p_tp: int, d_tp: int, heads: int) -> list[int]:
+    """Per head of D rank ``d_rank`` (in its local order): the P rank that writes it."""
+    start, count = heads_of(d_rank, d_tp, heads)
+    return [_writer(h, d_rank, p_tp, d_tp, heads) for h in range(start, start + count)]
 
 
 def expected_signals(d_rank: int, p_tp: int, d_tp: int, num_heads: int, use_mla: bool) -> int:
-    heads = 1 if use_mla else num_heads
-    ratio = ratio_of(p_tp, d_tp)
-    first = d_rank * ratio
-    return sum(_primary(r, first, p_tp, heads) for r in range(first, first + ratio))
+    """Done signals D rank ``d_rank`` waits for: one per P rank writing into it."""
+    check_pairing(p_tp, d_tp, num_heads, use_mla)
+    return len(set(_writers(d_rank, p_tp, d_tp, 1 if use_mla else num_heads)))
 
 
-def route(p_rank: int, p_tp: int, d_tp: int, num_heads: int, use_mla: bool) -> Route | None:
-    """Where P rank ``p_rank`` writes, or ``None`` when it is a replica that sends nothing."""
+def routes(p_rank: int, p_tp: int, d_tp: int, num_heads: int, use_mla: bool) -> list[Route]:
+    """Every leg P rank ``p_rank`` writes, in D rank order (empty: a replica with nothing to
+    write)."""
+    check_pairing(p_tp, d_tp, num_heads, use_mla)
     heads = 1 if use_mla else num_heads
-    ratio = ratio_of(p_tp, d_tp)
-    d_rank = p_rank // ratio
-    if not _primary(p_rank, d_rank * ratio, p_tp, heads):
-        return None
-    p_start, p_count = heads_of(p_rank, p_tp, heads)
-    d_start, d_count = heads_of(d_rank, d_tp, heads)
-    if not (d_start <= p_start and p_start + p_count <= d_start + d_count):
-        raise LayoutError(f"P rank {p_rank} heads not inside D rank {d_rank} heads")
-    return Route(
-        d_rank=d_rank,
-        num_heads=p_count,
-        d_head_start=p_start - d_start,
-        expected=expected_signals(d_rank, p_tp, d_tp, num_heads, use_mla),
-    )
+    p_start, _ = heads_of(p_rank, p_tp, heads)
+    out: list[Route] = []
+    for d in range(d_tp):
+        writers = _writers(d, p_tp, d_tp, heads)
+        mine = [i for i, w in enumerate(writers) if w == p_rank]
+        if not mine:
+            continue
+        if mine != list(range(mine[0], mine[0] + len(mine))):  # a rank's heads are contiguous
+            raise LayoutError(f"P rank {p_rank}'s heads in D rank {d} are not contiguous")
+        d_start, _ = heads_of(d, d_tp, heads)
+        first = d_start + mine[0]  # global head
+        out.append(
+            Route(
+                d_rank=d,
+                p_head_start=first - p_start,
+                num_heads=len(mine),
+                d_head_start=mine[0],
+                expected=len(set(writers)),
+            )
+        )
+    return out

@@ -234,7 +234,7 @@ class PrefillSide:
             problem = f"D block size {binding.block_size} != P block size {self._block_size}"
         if problem is None:
             try:
-                tp.ratio_of(self._tp, binding.tp_size)
+                tp.check_pairing(self._tp, binding.tp_size, binding.num_kv_heads, binding.use_mla)
             except LayoutError as exc:
                 problem = str(exc)
         if problem is None:

@@ -70,7 +70,6 @@ def part_of(task: LayerTask, peer: Peer, memory: KVMemory) -> Part:
     """``task``'s pieces into ``peer``; raises ``LayoutError`` or ``KeyError`` (a layer D
     lacks)."""
     tr = task.transfer
-    assert tr.route is not None
     name = memory.layer_names[task.layer]
     d_index = peer.layer_index[name]
     key = (memory.layer_layout[task.layer], peer.welcome.layer_layouts[d_index])
@@ -78,7 +77,7 @@ def part_of(task: LayerTask, peer: Peer, memory: KVMemory) -> Part:
         tr.cached = ChunkPieces(task.pairs)
     pieces = tr.cached.by_layout.get(key)
     if pieces is None:
-        heads = (0, tr.route.num_heads)
+        heads = (tr.route.p_head_start, tr.route.num_heads)
         pieces = pair_pieces(
             memory.layouts[key[0]],
             peer.welcome.layouts[key[1]],

@@ -25,6 +25,7 @@ from connector.worker.sender import Sender, SenderCallbacks, SenderOptions, Tran
 from connector.worker.side_channel import SideChannelServer
 from connector.worker.tamper import TamperingTransport
 from connector.worker.traces import LoadTraces, PushTrace
+from connector.worker.transfer import overlap_of
 from pdwire.client import BackgroundWriter, MetaserverClient
 from pdwire.models import BindingState, EventDetail
 from pdwire.version import PROTOCOL_VERSION, mismatch
@@ -353,7 +354,8 @@ class ConnectorWorker:
         return {b for r in req_ids for b in self._ended_blocks.get(r, ())}
 
     def _report_pushing(self, tr: Transfer) -> None:
-        if self._events is not None:
+        """A leg's first write landed: "pushing" once per request (its first leg to land)."""
+        if self._events is not None and not any(leg.announced for leg in tr.legs if leg is not tr):
             detail = EventDetail(bytes_pushed=tr.bytes)
             self._events.post_event(tr.transfer_id, BindingState.PUSHING, self.actor, detail)
 
@@ -363,22 +365,29 @@ class ConnectorWorker:
         self._loads.signal(sig)
 
     def _trace_push(self, req_id: str, traceparent: str) -> None:
+        """Trace each leg of a sampled push (a span per D rank written)."""
         assert self.sender is not None
-        tr = self.sender.transfers.get(req_id)
-        if tr is not None and tr.trace is None and (parent := sampled(traceparent)):
-            tr.trace = PushTrace(parent, time.time())
+        parent = sampled(traceparent)
+        for tr in self.sender.transfers.get(req_id, ()):
+            if tr.trace is None and parent is not None:
+                tr.trace = PushTrace(parent, time.time())
 
     def _report_end(self, tr: Transfer) -> None:
+        """A leg's signal went out; once every leg's has, the request's outcome goes to the
+        metaserver: failed if any leg failed, with the bytes of all of them."""
         if tr.trace is not None and self.tracer is not None:
             assert self.sender is not None
             tr.trace.emit(self.tracer, tr, self.sender.options.me)
-        if self._events is None:
+        if self._events is None or not tr.all_ended():
             return
-        if tr.error:
-            detail = EventDetail(error=tr.error[:4000], bytes_pushed=tr.bytes)
+        pushed = sum(leg.bytes for leg in tr.legs)
+        error = next((leg.error for leg in tr.legs if leg.error), "")
+        if error:
+            detail = EventDetail(error=error[:4000], bytes_pushed=pushed)
             self._events.post_event(tr.transfer_id, BindingState.FAILED, self.actor, detail)
         else:
-            detail = EventDetail(bytes_pushed=tr.bytes, message=tr.overlap().message())
+            overlap = overlap_of(tr.legs).message()
+            detail = EventDetail(bytes_pushed=pushed, message=overlap)
             self._events.post_event(tr.transfer_id, BindingState.DONE, self.actor, detail)
 
     def shutdown(self) -> None:

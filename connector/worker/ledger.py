@@ -1,6 +1,8 @@
 """The sender's transfers by request id, shared by the forward thread and the sender thread.
 
-The forward thread opens transfers, counts the tasks it queues and asks whether a request's
+A request's push is one ``Transfer`` per D rank this P rank writes into (its *legs*, see
+tp.py): one when P tp >= D tp, several when D tp > P tp, none for a replica that writes
+nothing. The forward thread opens them, counts the tasks it queues and asks whether a request's
 blocks may be freed; the sender thread counts tasks done and marks transfers ended. One lock
 guards the counters; waiters on a request's queue draining are woken as tasks finish.
 """
@@ -15,7 +17,7 @@ from connector import tp
 from connector.metadata import SendChunk
 from connector.worker.transfer import Task, Transfer
 
-Router = Callable[[SendChunk], tp.Route | None]
+Router = Callable[[SendChunk], list[tp.Route]]
 
 
 class Ledger:
@@ -23,31 +25,31 @@ class Ledger:
         self._route = route
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
-        self.transfers: dict[str, Transfer] = {}
+        self.transfers: dict[str, list[Transfer]] = {}  # per request: its legs
         # called (outside the lock) when a transfer this rank writes is opened: the
         # keep-alives tell D at once, not up to ``keepalive_s`` later
         self.on_open: Callable[[], None] | None = None
 
     # ---- forward thread -------------------------------------------------------------------
-    def open(self, chunk: SendChunk) -> Transfer:
-        """The request's transfer, opened at its first chunk."""
+    def open(self, chunk: SendChunk) -> list[Transfer]:
+        """The request's legs, opened at its first chunk (empty: this rank writes nothing)."""
         with self._lock:
-            tr = self.transfers.get(chunk.req_id)
-            if tr is not None:
-                return tr
-            route = self._route(chunk)
-            tr = Transfer(chunk.req_id, chunk.transfer_id, chunk.dest, route)
-            self.transfers[chunk.req_id] = tr
-            if route is None:
-                tr.ended = True  # a replica: another rank writes these heads
-                return tr
+            legs = self.transfers.get(chunk.req_id)
+            if legs is not None:
+                return legs
+            legs = []
+            for route in self._route(chunk):
+                legs.append(Transfer(chunk.req_id, chunk.transfer_id, chunk.dest, route, legs))
+            self.transfers[chunk.req_id] = legs
+            if not legs:
+                return legs
         if self.on_open is not None:
             self.on_open()
-        return tr
+        return legs
 
-    def get(self, req_id: str) -> Transfer | None:
+    def get(self, req_id: str) -> list[Transfer]:
         with self._lock:
-            return self.transfers.get(req_id)
+            return self.transfers.get(req_id, [])
 
     def queued(self, task: Task) -> None:
         with self._lock:
@@ -60,14 +62,15 @@ class Ledger:
         transfer's blocks are released at its end: D never reads its destination blocks
         and keeps them out of use while a late piece may still land, whatever the bytes."""
         with self._lock:
-            tr = self.transfers.get(req_id)
-            if tr is None:
-                return True
-            if tr.queued or not tr.ended:
-                return False
-            if tr.error or not tr.settle_s:
-                return True
-            return time.perf_counter() >= tr.ended_at + tr.settle_s
+            return all(self._settled(tr) for tr in self.transfers.get(req_id, ()))
+
+    @staticmethod
+    def _settled(tr: Transfer) -> bool:
+        if tr.queued or not tr.ended:
+            return False
+        if tr.error or not tr.settle_s:
+            return True
+        return time.perf_counter() >= tr.ended_at + tr.settle_s
 
     def quiet(self, req_id: str) -> bool:
         with self._lock:
@@ -78,13 +81,12 @@ class Ledger:
             return self._cv.wait_for(lambda: self._quiet_locked(req_id), timeout_s)
 
     def _quiet_locked(self, req_id: str) -> bool:
-        tr = self.transfers.get(req_id)
-        return tr is None or tr.queued == 0
+        return all(tr.queued == 0 for tr in self.transfers.get(req_id, ()))
 
     def open_transfers(self) -> list[Transfer]:
         """Transfers this rank writes and has not ended (for the keep-alives)."""
         with self._lock:
-            return [t for t in self.transfers.values() if not t.ended and t.route is not None]
+            return [t for legs in self.transfers.values() for t in legs if not t.ended]
 
     def forget(self, req_id: str) -> None:
         with self._lock:

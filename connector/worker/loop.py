@@ -23,7 +23,7 @@ from connector.worker.handshake import HandshakeCache, Peer
 from connector.worker.ledger import Ledger
 from connector.worker.memory import KVMemory
 from connector.worker.record import Recorder
-from connector.worker.transfer import EndTask, LayerTask, Span, Task
+from connector.worker.transfer import EndTask, LayerTask, Span, Task, Transfer
 from connector.worker.writer import RetryingWriter
 
 log = logging.getLogger("pdgate.connector.sender")
@@ -94,10 +94,10 @@ class SenderLoop:
     def _process(self, tasks: list[Task]) -> None:
         batch = Batch()
         ends: list[EndTask] = []
-        parked: set[str] = set()  # transfer ids waiting for their handshake this round
+        parked: set[Transfer] = set()  # legs waiting for their handshake this round
         for task in tasks:
             tr = task.transfer
-            if tr.transfer_id in parked:
+            if tr in parked:
                 self._parked.append(task)
                 continue
             peer: Peer | Exception | None = None
@@ -105,7 +105,7 @@ class SenderLoop:
                 peer = self._handshakes.get(tr.dest.host, tr.d_port, tr.dest.engine_id)
                 if peer is None:
                     log.debug("transfer %s waits for its handshake", tr.transfer_id)
-                    parked.add(tr.transfer_id)
+                    parked.add(tr)
                     self._parked.append(task)
                     continue
                 if isinstance(peer, Exception):

@@ -93,7 +93,7 @@ class Recorder:
         # signal, the binding event, the ledger's release and the counters alike
         tr.error = tr.error or end.fail
         log.debug("transfer %s ends (%s)", tr.transfer_id, tr.error or "ok")
-        assert tr.route is not None and self._signals is not None
+        assert self._signals is not None
         error = tr.error
         if tr.trace is not None:
             tr.trace.error = error

@@ -119,7 +119,8 @@ class Sender:
         self._loop.start()
 
     @property
-    def transfers(self) -> dict[str, Transfer]:
+    def transfers(self) -> dict[str, list[Transfer]]:
+        """Per request id: its legs."""
         return self._ledger.transfers
 
     @property
@@ -128,28 +129,30 @@ class Sender:
         return self._writer.writes
 
     # ---- forward thread -------------------------------------------------------------------
-    def transfer(self, chunk: SendChunk) -> Transfer:
+    def transfer(self, chunk: SendChunk) -> list[Transfer]:
+        """The request's legs: one per D rank this rank writes into (none: a replica)."""
         return self._ledger.open(chunk)
 
     def prefetch(self, chunk: SendChunk) -> None:
-        """Start the D handshake early (first layer of the step); never waits."""
-        tr = self.transfer(chunk)
-        if tr.route is not None:
+        """Start the D handshakes early (first layer of the step); never waits."""
+        for tr in self.transfer(chunk):
             self.handshakes.get(tr.dest.host, tr.d_port, tr.dest.engine_id)
 
     def push_layer(self, chunk: SendChunk, layer: int, event: Event) -> None:
-        tr = self.transfer(chunk)
-        if tr.route is None or tr.ended or not chunk.pairs:
+        if not chunk.pairs:
             return
-        self._put(LayerTask(tr, chunk.pairs, layer, event))
+        for tr in self.transfer(chunk):
+            if not tr.ended:
+                self._put(LayerTask(tr, chunk.pairs, layer, event))
 
     def end(self, req_id: str, fail: str = "") -> None:
-        """No more layers for this transfer: signal D (done, or failed with ``fail``)."""
-        tr = self._ledger.get(req_id)
-        if tr is None or tr.route is None or tr.ended:
-            return
-        tr.compute_end = time.perf_counter()  # called after the forward's last layer
-        self._put(EndTask(tr, fail))
+        """No more layers for this request: signal each D rank (done, or failed with
+        ``fail``)."""
+        now = time.perf_counter()  # called after the forward's last layer
+        for tr in self._ledger.get(req_id):
+            if not tr.ended:
+                tr.compute_end = now
+                self._put(EndTask(tr, fail))
 
     def _put(self, task: Task) -> None:
         self._ledger.queued(task)
@@ -168,9 +171,10 @@ class Sender:
     def forget(self, req_id: str) -> None:
         self._ledger.forget(req_id)
 
-    def _route(self, chunk: SendChunk) -> tp.Route | None:
+    def _route(self, chunk: SendChunk) -> list[tp.Route]:
         o, d = self.options, chunk.dest
-        return tp.route(o.rank, o.tp_size, d.tp_size, d.num_kv_heads or o.total_kv_heads, d.use_mla)
+        heads = d.num_kv_heads or o.total_kv_heads
+        return tp.routes(o.rank, o.tp_size, d.tp_size, heads, d.use_mla)
 
     def _pairable(self, peer: Peer) -> None:
         check_pairable(self._memory, peer)

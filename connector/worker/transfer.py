@@ -43,10 +43,14 @@ class ChunkPieces:
 
 @dataclass(eq=False)  # one transfer is one object: compared and hashed by identity
 class Transfer:
+    """One leg of a request's push: this P rank's writes into one D rank (``route``)."""
+
     req_id: str
     transfer_id: str
     dest: Destination
-    route: tp.Route | None
+    route: tp.Route
+    # every leg of the request, this one included (one list, shared by the legs)
+    legs: list[Transfer] = field(repr=False)
     queued: int = 0  # tasks not processed yet
     ended: bool = False  # signal sent (done or failed), or nothing to signal
     announced: bool = False  # the first write landed (a "pushing" event went out)
@@ -63,12 +67,29 @@ class Transfer:
 
     @property
     def d_port(self) -> int:
-        assert self.route is not None
         return self.dest.port + self.route.d_rank
+
+    @property
+    def first_leg(self) -> bool:
+        return self.legs[0] is self
+
+    def all_ended(self) -> bool:
+        """Every leg of the request has sent its signal."""
+        return all(leg.ended for leg in self.legs)
 
     def overlap(self) -> PushOverlap:
         offset = time.time() - time.perf_counter()
         return overlap(self.write_spans, self.compute_end, self.ended_at, offset)
+
+
+def overlap_of(legs: list[Transfer]) -> PushOverlap:
+    """The push overlap of a request over all its legs (their writes together; it ended with
+    the last leg's signal)."""
+    spans = sorted({id(s): s for leg in legs for s in leg.write_spans}.values())
+    compute_end = max(leg.compute_end for leg in legs)
+    ended_at = max(leg.ended_at for leg in legs)
+    offset = time.time() - time.perf_counter()
+    return overlap(spans, compute_end, ended_at, offset)
 
 
 @dataclass(frozen=True, slots=True)

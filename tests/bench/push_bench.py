@@ -159,8 +159,8 @@ def _connector(
     while not p.sender.settled(tid):
         time.sleep(0.0005)
     elapsed = time.perf_counter() - t0
-    tr = p.sender.transfers[tid]
-    assert not tr.error, tr.error
+    for tr in p.sender.transfers[tid]:
+        assert not tr.error, tr.error
     p.transfer_results({tid})
     return elapsed
 

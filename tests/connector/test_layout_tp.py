@@ -188,33 +188,84 @@ def test_memory_keeps_one_layout_per_distinct_layer_shape() -> None:
     assert mem.layout(2).planes[0].dtype == "uint8"
 
 
+Leg = tuple[int, int, int, int, int]  # (D rank, P head start, heads, D head start, expected)
+
+
 @pytest.mark.parametrize(
     ("heads", "p_tp", "d_tp", "mla", "table"),
     [
-        (8, 4, 1, False, [(0, 2, 0, 4), (0, 2, 2, 4), (0, 2, 4, 4), (0, 2, 6, 4)]),
-        (8, 4, 2, False, [(0, 2, 0, 2), (0, 2, 2, 2), (1, 2, 0, 2), (1, 2, 2, 2)]),
-        (2, 4, 1, False, [(0, 1, 0, 2), None, (0, 1, 1, 2), None]),
-        (2, 8, 2, False, [(0, 1, 0, 1), None, None, None, (1, 1, 0, 1), None, None, None]),
-        (8, 4, 2, True, [(0, 1, 0, 1), None, (1, 1, 0, 1), None]),
-        (8, 2, 2, True, [(0, 1, 0, 1), (1, 1, 0, 1)]),
+        # P tp >= D tp: each P rank writes its heads into one D rank; replicas write nothing
+        (
+            8,
+            4,
+            1,
+            False,
+            [[(0, 0, 2, 0, 4)], [(0, 0, 2, 2, 4)], [(0, 0, 2, 4, 4)], [(0, 0, 2, 6, 4)]],
+        ),
+        (
+            8,
+            4,
+            2,
+            False,
+            [[(0, 0, 2, 0, 2)], [(0, 0, 2, 2, 2)], [(1, 0, 2, 0, 2)], [(1, 0, 2, 2, 2)]],
+        ),
+        (2, 4, 1, False, [[(0, 0, 1, 0, 2)], [], [(0, 0, 1, 1, 2)], []]),
+        (2, 8, 2, False, [[(0, 0, 1, 0, 1)], [], [], [], [(1, 0, 1, 0, 1)], [], [], []]),
+        (8, 4, 2, True, [[(0, 0, 1, 0, 1)], [(1, 0, 1, 0, 1)], [], []]),
+        (8, 2, 2, True, [[(0, 0, 1, 0, 1)], [(1, 0, 1, 0, 1)]]),
+        # D tp > P tp, D tp <= heads: P's heads split over D's ranks
+        (8, 1, 2, False, [[(0, 0, 4, 0, 1), (1, 4, 4, 0, 1)]]),
+        (8, 2, 4, False, [[(0, 0, 2, 0, 1), (1, 2, 2, 0, 1)], [(2, 0, 2, 0, 1), (3, 2, 2, 0, 1)]]),
+        # D tp > heads: each head replicated into every D rank holding it
+        (2, 1, 4, False, [[(0, 0, 1, 0, 1), (1, 0, 1, 0, 1), (2, 1, 1, 0, 1), (3, 1, 1, 0, 1)]]),
+        (1, 2, 4, False, [[(0, 0, 1, 0, 1), (2, 0, 1, 0, 1)], [(1, 0, 1, 0, 1), (3, 0, 1, 0, 1)]]),
+        # MLA: the latent into every D rank, the writes spread over P's ranks
+        (8, 1, 4, True, [[(d, 0, 1, 0, 1) for d in range(4)]]),
+        (8, 2, 4, True, [[(0, 0, 1, 0, 1), (2, 0, 1, 0, 1)], [(1, 0, 1, 0, 1), (3, 0, 1, 0, 1)]]),
     ],
 )
-def test_tp_routes(
-    heads: int, p_tp: int, d_tp: int, mla: bool, table: list[tuple[int, int, int, int] | None]
-) -> None:
-    got = []
-    for r in range(p_tp):
-        route = tp.route(r, p_tp, d_tp, heads, mla)
-        got.append(
-            None
-            if route is None
-            else (route.d_rank, route.num_heads, route.d_head_start, route.expected)
-        )
+def test_tp_routes(heads: int, p_tp: int, d_tp: int, mla: bool, table: list[list[Leg]]) -> None:
+    got = [
+        [(r.d_rank, r.p_head_start, r.num_heads, r.d_head_start, r.expected) for r in legs]
+        for legs in (tp.routes(rank, p_tp, d_tp, heads, mla) for rank in range(p_tp))
+    ]
     assert got == table
 
 
-def test_tp_rejects_non_integer_ratio() -> None:
-    with pytest.raises(LayoutError):
-        tp.route(0, 3, 2, 8, False)
-    with pytest.raises(LayoutError):
-        tp.route(0, 1, 2, 8, False)
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
+@pytest.mark.parametrize("heads", [1, 2, 4, 8])
+@pytest.mark.parametrize("p_tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("d_tp", [1, 2, 4, 8])
+def test_tp_every_d_head_written_once_and_signals_counted(
+    d_tp: int, p_tp: int, heads: int, mla: bool
+) -> None:
+    """Whatever the pairing: each head of each D rank has exactly one writer, that writer holds
+    the head, and each D rank expects as many signals as ranks write into it."""
+    h = 1 if mla else heads
+    writes: dict[tuple[int, int], int] = {}  # (D rank, local head) -> writers
+    into: dict[int, set[int]] = {}
+    for p in range(p_tp):
+        p_start, p_count = tp.heads_of(p, p_tp, h)
+        for leg in tp.routes(p, p_tp, d_tp, heads, mla):
+            assert 0 <= leg.p_head_start and leg.p_head_start + leg.num_heads <= p_count
+            d_start, _ = tp.heads_of(leg.d_rank, d_tp, h)
+            for k in range(leg.num_heads):
+                assert p_start + leg.p_head_start + k == d_start + leg.d_head_start + k
+                key = (leg.d_rank, leg.d_head_start + k)
+                writes[key] = writes.get(key, 0) + 1
+            into.setdefault(leg.d_rank, set()).add(p)
+            assert leg.expected == tp.expected_signals(leg.d_rank, p_tp, d_tp, heads, mla)
+    for d in range(d_tp):
+        assert [writes.get((d, k)) for k in range(tp.heads_of(d, d_tp, h)[1])] == [1] * (
+            tp.heads_of(d, d_tp, h)[1]
+        )
+        assert len(into[d]) == tp.expected_signals(d, p_tp, d_tp, heads, mla)
+
+
+def test_tp_refuses_sizes_that_do_not_divide_with_the_reason() -> None:
+    with pytest.raises(LayoutError, match="one must divide the other"):
+        tp.routes(0, 3, 2, 8, False)
+    with pytest.raises(LayoutError, match="8 KV heads do not split over tp 3"):
+        tp.check_pairing(1, 3, 8, False)
+    tp.check_pairing(1, 3, None, False)  # heads not known: the sizes alone
+    tp.check_pairing(1, 2, 8, False)

@@ -359,14 +359,29 @@ def test_prefill_refuses_a_decoder_of_another_protocol_version(
     )
 
 
-def test_prefill_refuses_a_decoder_with_more_tp_ranks_before_computing(
+def test_prefill_pushes_to_a_decoder_with_more_tp_ranks(
     metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
 ) -> None:
-    """P tp=1 cannot feed D tp=2 (each P rank must cover whole D ranks): no push is planned, the
-    binding says why, and the request is still served (its KV just never leaves P)."""
+    """P tp=1 feeds D tp=2 (each D rank gets its half of P's heads): the push is planned."""
     _register_decoder(metaserver.url)
     s = make_prefiller(metaserver.url, batched=64)
-    b = _bind(metaserver.url, "tid-tp", 40, tp_size=2)
+    b = _bind(metaserver.url, "tid-tp2", 40, tp_size=2)
+    req = H.request(H.prompt(40), _send_params("tid-tp2", b), max_tokens=1)
+    s.add_request(req)
+    out, meta = _step_until_scheduled(s, req.request_id)
+    assert _pushes(meta, req.request_id)
+    half = H.connector_of(s).scheduler
+    assert half is not None and half.prefill is not None and half.prefill.refused == 0
+
+
+def test_prefill_refuses_a_tp_pairing_that_cannot_map_heads_before_computing(
+    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    """D tp=3 cannot hold D's 2 KV heads evenly: no push is planned, the binding says why, and
+    the request is still served (its KV just never leaves P)."""
+    _register_decoder(metaserver.url)
+    s = make_prefiller(metaserver.url, batched=64)
+    b = _bind(metaserver.url, "tid-tp", 40, tp_size=3)
     req = H.request(H.prompt(40), _send_params("tid-tp", b), max_tokens=1)
     s.add_request(req)
     out, meta = _step_until_scheduled(s, req.request_id)
@@ -380,7 +395,7 @@ def test_prefill_refuses_a_decoder_with_more_tp_ranks_before_computing(
         if failed or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert failed and "multiple of D tp 2" in failed[0]["detail"]["error"]
+    assert failed and "tp 3 is not a multiple of 2 KV heads" in failed[0]["detail"]["error"]
 
 
 def test_prefill_takes_the_lease_before_its_first_push(

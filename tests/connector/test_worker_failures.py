@@ -208,11 +208,11 @@ def test_sender_keepalive_names_open_transfers_to_each_d_rank() -> None:
         )
         for r in range(2)
     ]
-    ledger = Ledger(lambda chunk: tp.Route(int(chunk.req_id[-1]), 4, 0, 1))
+    ledger = Ledger(lambda chunk: [tp.Route(int(chunk.req_id[-1]), 0, 4, 0, 1)])
     d = C.destination(C.Instance("d-eng", 2, 8, False, 32, 16, 32), port)
     for req in ("a0", "b0", "c1"):
         ledger.open(SendChunk(req, f"t-{req}", d, [], False))
-    ledger.ended(ledger.transfers["b0"])  # signalled: no more keep-alives for it
+    ledger.ended(ledger.transfers["b0"][0])  # signalled: no more keep-alives for it
     ka = KeepAlive("p-eng/0", ledger, interval_s=0.05)
     ka.start()
     try:
@@ -242,7 +242,7 @@ def test_sender_keepalive_announces_a_new_transfer_at_once() -> None:
         lambda sig: None,
         lambda alive: got.append((time.monotonic(), alive)),
     )
-    ledger = Ledger(lambda chunk: tp.Route(0, 1, 0, 1))
+    ledger = Ledger(lambda chunk: [tp.Route(0, 0, 1, 0, 1)])
     d = C.destination(C.Instance("d-eng", 1, 8, False, 32, 16, 32), port)
     ka = KeepAlive("p-eng/0", ledger, interval_s=30.0)
     ka.start()

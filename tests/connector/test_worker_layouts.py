@@ -72,24 +72,38 @@ def _parts(value: Any) -> list[torch.Tensor]:
 
 
 def _fill(p: C.Instance, seed: int) -> None:
-    """Random KV on every P rank; MLA ranks hold the same latent (it is replicated)."""
+    """Random KV on every P rank; ranks holding the same heads (MLA's latent, GQA with more
+    ranks than KV heads) hold the same KV, as replicas do in vLLM."""
     g = torch.Generator().manual_seed(seed)
     for rank, caches in enumerate(p.caches):
+        twin = next(r for r in range(rank + 1) if r == rank or _held(p, r) == _held(p, rank))
         for name, value in caches.items():
             for i, part in enumerate(_parts(value)):
-                if p.mla and rank:
-                    part.copy_(_parts(p.caches[0][name])[i])
+                if twin != rank:
+                    part.copy_(_parts(p.caches[twin][name])[i])
                 else:
                     part.copy_(torch.randn(part.shape, generator=g).to(part.dtype))
 
 
-def _run(p_alloc: Alloc, d_alloc: Alloc, p_tp: int, *, mla: bool = False) -> None:
-    port = C.free_port_range(1)
+def _held(inst: C.Instance, rank: int) -> tuple[int, int]:
+    return (0, 1) if inst.mla else inst.local(rank)
+
+
+def _run(
+    p_alloc: Alloc,
+    d_alloc: Alloc,
+    p_tp: int,
+    *,
+    d_tp: int = 1,
+    heads: int = HEADS,
+    mla: bool = False,
+) -> None:
+    port = C.free_port_range(d_tp)
     d = C.make_instance(
         "d-eng",
         "kv_consumer",
-        1,
-        heads=HEADS,
+        d_tp,
+        heads=heads,
         mla=mla,
         port=port,
         block_size=BS,
@@ -100,7 +114,7 @@ def _run(p_alloc: Alloc, d_alloc: Alloc, p_tp: int, *, mla: bool = False) -> Non
         "p-eng",
         "kv_producer",
         p_tp,
-        heads=HEADS,
+        heads=heads,
         mla=mla,
         block_size=BS,
         layers=LAYERS,
@@ -116,25 +130,51 @@ def _run(p_alloc: Alloc, d_alloc: Alloc, p_tp: int, *, mla: bool = False) -> Non
         assert all(not f for _, _, f in got), got
         written = {db for _, db in pairs}
         for name in LAYERS:
-            d_parts = _parts(d.caches[0][name])
-            for rank in range(p_tp):
-                start, n = (0, 1) if mla else p.local(rank)
-                for i, src in enumerate(_parts(p.caches[rank][name])):
-                    for pb, db in pairs:
-                        want = kv_views.block(src, pb, BS)
-                        have = kv_views.block(d_parts[i], db, BS)[start : start + n]
-                        assert torch.equal(have, want), (name, rank, i, pb, db)
-            for part in d_parts:
-                for b in set(range(BLOCKS)) - written:
-                    assert not kv_views.block(part, b, BS).any(), (name, b)
+            for d_rank in range(d_tp):
+                d_parts = _parts(d.caches[d_rank][name])
+                d_start, d_count = _held(d, d_rank)
+                for k in range(d_count):  # each of D's heads: from a P rank that holds it
+                    g = d_start + k
+                    p_rank = next(r for r in range(p_tp) if _held(p, r)[0] <= g < sum(_held(p, r)))
+                    p_parts = _parts(p.caches[p_rank][name])
+                    for i, src in enumerate(p_parts):
+                        for pb, db in pairs:
+                            want = kv_views.block(src, pb, BS)[g - _held(p, p_rank)[0]]
+                            have = kv_views.block(d_parts[i], db, BS)[k]
+                            assert torch.equal(have, want), (name, d_rank, k, i, pb, db)
+                for part in d_parts:
+                    for b in set(range(BLOCKS)) - written:
+                        assert not kv_views.block(part, b, BS).any(), (name, d_rank, b)
     finally:
         C.close(p, d)
 
 
-@pytest.mark.parametrize("p_tp", [1, 2], ids=["tp1to1", "tp2to1"])
+TP_SIZES = [(p, d) for p in (1, 2, 4) for d in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4, 8, "mla"])
+@pytest.mark.parametrize(("p_tp", "d_tp"), TP_SIZES, ids=[f"p{p}-d{d}" for p, d in TP_SIZES])
+def test_worker_layouts_every_tp_pairing(p_tp: int, d_tp: int, heads: int | str) -> None:
+    """vLLM's own allocation on both sides, P tp and D tp in any order, GQA with 1-8 KV heads
+    (split or replicated over the ranks) and MLA; P head-major pages, D token-major ones."""
+    mla = heads == "mla"
+    n = 1 if mla else int(heads)
+    _run(
+        vllm_alloc("LBHNC", mla=mla),
+        vllm_alloc("LBNHC", mla=mla),
+        p_tp,
+        d_tp=d_tp,
+        heads=n,
+        mla=mla,
+    )
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2)], ids=["tp1to1", "tp2to1", "tp1to2"]
+)
 @pytest.mark.parametrize(("p_layout", "d_layout"), PAIRS, ids=[f"P{x}-D{y}" for x, y in PAIRS])
-def test_worker_layouts_gqa_every_pair(p_layout: str, d_layout: str, p_tp: int) -> None:
-    _run(vllm_alloc(p_layout), vllm_alloc(d_layout), p_tp)
+def test_worker_layouts_gqa_every_pair(p_layout: str, d_layout: str, p_tp: int, d_tp: int) -> None:
+    _run(vllm_alloc(p_layout), vllm_alloc(d_layout), p_tp, d_tp=d_tp)
 
 
 @pytest.mark.parametrize("p_tp", [1, 2], ids=["tp1to1", "tp2to1"])
@@ -153,9 +193,11 @@ def test_worker_layouts_kernel_blocks_on_p_only(p_layout: str, d_layout: str) ->
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mla", "dsa"])
-@pytest.mark.parametrize("p_tp", [1, 2], ids=["tp1to1", "tp2to1"])
-def test_worker_layouts_ascend_separate_tensors(kind: str, p_tp: int) -> None:
-    _run(ascend_alloc(kind), ascend_alloc(kind), p_tp, mla=kind != "gqa")
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2)], ids=["tp1to1", "tp2to1", "tp1to2"]
+)
+def test_worker_layouts_ascend_separate_tensors(kind: str, p_tp: int, d_tp: int) -> None:
+    _run(ascend_alloc(kind), ascend_alloc(kind), p_tp, d_tp=d_tp, mla=kind != "gqa")
 
 
 def test_worker_layouts_ascend_kernel_blocks_to_whole_blocks() -> None:

@@ -64,7 +64,7 @@ def _push(
     assert sender is not None
     assert sender.wait_quiet("preq", 10.0)
     signalled = time.monotonic()
-    failed = bool(sender.transfers["preq"].error)
+    failed = bool(sender.transfers["preq"][0].error)
     early, _, _ = p.workers[0].transfer_results({"preq"})
     assert early == ({"preq"} if failed else set())
     got = C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
@@ -83,7 +83,7 @@ def test_worker_failed_write_is_retried_and_the_load_completes_exactly(
             for pb, db in PAIRS:
                 assert torch.equal(d.caches[0][name][db], p.caches[0][name][pb]), (name, pb)
         sender = p.workers[0].sender
-        assert sender is not None and not sender.transfers["preq"].error
+        assert sender is not None and not sender.transfers["preq"][0].error
         sent = C.poll(p, set(), lambda acc: "preq" in acc[0][0])
         assert sent[0][0] == {"preq"}  # released once the settle time has passed
         retried = [r.getMessage() for r in caplog.records if "retry 1 of 1" in r.getMessage()]
@@ -152,8 +152,8 @@ def test_worker_write_to_a_d_that_is_gone_is_not_retried(
         assert sender is not None
         assert sender.wait_quiet("preq", 10.0)
         assert transport.writes == 1  # no retry
-        assert "failed (-1)" in sender.transfers["preq"].error
-        assert sender.transfers["preq"].settle_s == LATE_S  # what D is told to hold
+        assert "failed (-1)" in sender.transfers["preq"][0].error
+        assert sender.transfers["preq"][0].settle_s == LATE_S  # what D is told to hold
         released, _, _ = p.workers[0].transfer_results({"preq"})
         assert released == {"preq"}  # at once, not LATE_S later
         stats = sender.stats.take()

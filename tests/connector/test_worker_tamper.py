@@ -215,7 +215,9 @@ def test_tamper_a_retried_write_sends_the_same_garbage(monkeypatch: pytest.Monke
 
 def _write_of(layer: int, pieces: Pieces, session: str) -> Write:
     dest = Destination("d", "d-eng", "127.0.0.1", 1, 1, 1, False, 16)
-    tr = Transfer("req", "tid", dest, Route(0, 1, 0, 1))
+    legs: list[Transfer] = []
+    tr = Transfer("req", "tid", dest, Route(0, 0, 1, 0, 1), legs)
+    legs.append(tr)
     w = Write(session)
     w.add(Part(LayerTask(tr, [(0, 0)], layer, CpuDevice().record_event()), 0, pieces))
     return w

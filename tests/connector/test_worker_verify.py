@@ -62,7 +62,7 @@ def test_verify_kv_intact_push_completes_and_p_signs_every_piece(
         assert d.workers[0].tracker.verified == 1
         sender = p.workers[0].sender
         assert sender is not None
-        written = sender.transfers["preq"].written
+        written = sender.transfers["preq"][0].written
         assert {w[0] for w in written} == set(range(len(C.LAYERS)))  # every layer signed
         pushed = sum(n for *_, n, _ in written)
         assert pushed == len(PAIRS) * len(C.LAYERS) * d.caches[0][C.LAYERS[0]][0].nbytes
