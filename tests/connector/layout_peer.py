@@ -5,8 +5,10 @@ planner and allocator, all sharing one Mooncake engine. P's workers hold the sam
 (``logical_kv``) in their own layouts; P worker X pushes into every D worker Y, into D blocks
 ``X * SPAN + ...``, so all pairs land in one D process without overlapping.
 
-    python -m tests.connector.layout_peer d --port N --out FILE   (D workers on N, N+1, ...)
-    python -m tests.connector.layout_peer p --d-port N [--tp 2]   (P: TP ranks of a layout)
+    python -m tests.connector.layout_peer d --port N --out FILE [--d-tp 2]
+        (D: TP ranks of a layout; layout i's rank r listens on N + i * d_tp + r)
+    python -m tests.connector.layout_peer p --d-port N [--tp 2] [--d-tp 2]
+        (P: TP ranks of a layout)
 """
 
 from __future__ import annotations
@@ -73,35 +75,43 @@ def _caches(layout: str, heads: int = HEADS) -> dict[str, torch.Tensor]:
 
 def run_d(a: argparse.Namespace) -> int:
     transport = make_transport("mooncake", "127.0.0.1", "tcp", "")
-    workers: dict[str, ConnectorWorker] = {}
-    caches: dict[str, dict[str, torch.Tensor]] = {}
+    workers: dict[tuple[str, int], ConnectorWorker] = {}  # (layout, rank)
+    caches: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    per = HEADS // a.d_tp
     for i, layout in enumerate(LAYOUTS):
-        caches[layout] = _caches(layout)
-        workers[layout] = _worker("kv_consumer", a.port + i, layout, transport)
-        workers[layout].register_kv_caches(caches[layout])
         recvs = [
             RecvEntry(
                 f"d-{x}", tid(x, layout), [j * SPAN + d for chunk in CHUNKS for _, d in chunk]
             )
             for j, x in enumerate(LAYOUTS)
         ]
-        workers[layout].start_step(PdgateMetadata(recvs=recvs))
+        for r in range(a.d_tp):
+            key = (layout, r)
+            caches[key] = _caches(layout, per)
+            port = a.port + i * a.d_tp
+            workers[key] = _worker("kv_consumer", port, layout, transport, r, a.d_tp)
+            workers[key].register_kv_caches(caches[key])
+            workers[key].start_step(PdgateMetadata(recvs=recvs))
     print("READY", flush=True)
-    pending = {(y, f"d-{x}") for x in LAYOUTS for y in LAYOUTS}
-    failed: set[tuple[str, str]] = set()
+    pending = {(key, f"d-{x}") for x in LAYOUTS for key in workers}
+    failed: set[tuple[tuple[str, int], str]] = set()
     deadline = time.monotonic() + 90
     while pending and time.monotonic() < deadline:
-        for y, w in workers.items():
+        for key, w in workers.items():
             _, done, bad = w.transfer_results(set())
-            pending -= {(y, r) for r in done}
-            failed |= {(y, r) for r in bad}
+            pending -= {(key, r) for r in done}
+            failed |= {(key, r) for r in bad}
         time.sleep(0.005)
     print(f"RECEIVED pending={len(pending)} failed={len(failed)}", flush=True)
+
+    def heads(y: str, name: str, b: int) -> torch.Tensor:  # D's block b, all ranks' heads
+        return torch.cat([kv_views.block(caches[(y, r)][name], b, BS) for r in range(a.d_tp)])
+
     torch.save(
         {
-            (y, name): torch.stack([kv_views.block(t, b, BS) for b in range(BLOCKS)])
-            for y, layer_caches in caches.items()
-            for name, t in layer_caches.items()
+            (y, name): torch.stack([heads(y, name, b) for b in range(BLOCKS)])
+            for y in LAYOUTS
+            for name in LAYERS
         },
         a.out,
     )
@@ -123,8 +133,9 @@ def run_p(a: argparse.Namespace) -> int:
                 caches[name].copy_(logical_kv(li)[:, r * per : (r + 1) * per])
             w.register_kv_caches(caches)
         for i, y in enumerate(LAYOUTS):
+            port = a.d_port + i * a.d_tp
             dest = Destination(
-                f"dec-{y}", f"kv_consumer-{y}", "127.0.0.1", a.d_port + i, 1, HEADS, False, BS
+                f"dec-{y}", f"kv_consumer-{y}", "127.0.0.1", port, a.d_tp, HEADS, False, BS
             )
             for k, chunk in enumerate(CHUNKS):
                 pairs = [(p, j * SPAN + d) for p, d in chunk]
@@ -158,7 +169,8 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--d-port", type=int, default=0)
     ap.add_argument("--out", default="")
-    ap.add_argument("--tp", type=int, default=1, help="P's TP size (D's is 1)")
+    ap.add_argument("--tp", type=int, default=1, help="P's TP size")
+    ap.add_argument("--d-tp", type=int, default=1, help="D's TP size")
     a = ap.parse_args()
     return run_d(a) if a.role == "d" else run_p(a)
 

@@ -101,6 +101,7 @@ def run_p(a: argparse.Namespace) -> int:
     w.register_kv_caches(caches)
     for name, value in expected(a.seed, tuple(caches[LAYERS[0]].shape), LAYERS).items():
         caches[name].copy_(value)
+    print("STARTED", flush=True)  # imports (vLLM's take 20-30 s on a busy 2-core machine) done
     dest = Destination("dec", "d-engine", "127.0.0.1", a.d_port, 1, 2, False, a.block_size)
     chunks = [
         [(int(x.split(":")[0]), int(x.split(":")[1])) for x in c.split(",") if x]

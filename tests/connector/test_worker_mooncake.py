@@ -49,12 +49,14 @@ def _run(tmp_path: Path, chunks: list[list[tuple[int, int]]], seed: int) -> dict
             ",".join(map(str, dst)),
             "--out",
             str(out),
+            "--timeout",  # D's load deadline runs from READY, while P still imports vLLM
+            "120",
         ],
         log=tmp_path / "d.log",
     )
     p: Process | None = None
     try:
-        _wait_line(d, "READY")
+        _wait_line(d, "READY", timeout=120)
         spec = ";".join(",".join(f"{s}:{t}" for s, t in chunk) for chunk in chunks)
         p = Process(
             [
@@ -71,6 +73,7 @@ def _run(tmp_path: Path, chunks: list[list[tuple[int, int]]], seed: int) -> dict
             ],
             log=tmp_path / "p.log",
         )
+        _wait_line(p, "STARTED", timeout=120)
         _wait_line(p, "SENT")
         assert _wait_line(d, "RECEIVED").startswith("RECEIVED ok")
         deadline = time.monotonic() + 20
@@ -115,7 +118,7 @@ def test_mooncake_handshake_to_a_dead_decoder_fails_without_hanging(tmp_path: Pa
         [*PEER, "d", "--port", str(port), "--tid", "tdead", "--dst", "1"], log=tmp_path / "d.log"
     )
     try:
-        _wait_line(d, "READY")
+        _wait_line(d, "READY", timeout=120)
     finally:
         d.stop(signal.SIGKILL)
     p = Process(
@@ -123,20 +126,25 @@ def test_mooncake_handshake_to_a_dead_decoder_fails_without_hanging(tmp_path: Pa
         log=tmp_path / "p.log",
     )
     try:
+        _wait_line(p, "STARTED", timeout=120)  # its imports are not what is timed
         line = _wait_line(p, "SENT", timeout=30)  # P releases its blocks: no hang
         assert "writes=0" in line
     finally:
         p.stop()
 
 
-@pytest.mark.parametrize("p_tp", [1, 2], ids=["tp1to1", "tp2to1"])
-def test_mooncake_push_between_every_pair_of_vllm_layouts(tmp_path: Path, p_tp: int) -> None:
-    """P workers in each ``KVCacheLayout`` (``p_tp`` ranks apiece) push into six D workers,
-    one per layout, in another process: every D layout holds, in its logical view, exactly
-    the blocks P holds in its own."""
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2)], ids=["tp1to1", "tp2to1", "tp1to2"]
+)
+def test_mooncake_push_between_every_pair_of_vllm_layouts(
+    tmp_path: Path, p_tp: int, d_tp: int
+) -> None:
+    """P workers in each ``KVCacheLayout`` (``p_tp`` ranks apiece) push into six D instances,
+    one per layout (``d_tp`` ranks apiece), in another process: every D layout holds, in its
+    logical view over all its ranks, exactly the blocks P holds in its own."""
     from tests.connector import layout_peer as L
 
-    port = free_port_range(len(L.LAYOUTS))
+    port = free_port_range(len(L.LAYOUTS) * d_tp)
     out = tmp_path / "d.pt"
     d = Process(
         [
@@ -148,6 +156,8 @@ def test_mooncake_push_between_every_pair_of_vllm_layouts(tmp_path: Path, p_tp: 
             str(port),
             "--out",
             str(out),
+            "--d-tp",
+            str(d_tp),
         ],
         log=tmp_path / "d.log",
     )
@@ -156,7 +166,7 @@ def test_mooncake_push_between_every_pair_of_vllm_layouts(tmp_path: Path, p_tp: 
         _wait_line(d, "READY", timeout=120)
         p = Process(
             [sys.executable, "-m", "tests.connector.layout_peer", "p"]
-            + ["--d-port", str(port), "--tp", str(p_tp)],
+            + ["--d-port", str(port), "--tp", str(p_tp), "--d-tp", str(d_tp)],
             log=tmp_path / "p.log",
         )
         assert _wait_line(d, "RECEIVED", timeout=150) == "RECEIVED pending=0 failed=0"
