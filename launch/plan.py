@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from pdwire.compat import pairing_problem
+
 Device = Literal["cpu", "cuda", "npu"]
 # "pdgate": our PdgateConnector (D first: push flows). "nixl": vLLM's own NixlConnector, which
 # pulls KV that P announces in its answer, so the proxy runs the prefill-first flow.
@@ -238,8 +240,37 @@ def engine_child(o: LaunchOptions, role: str, index: int, port: int, side_port: 
     return Child(name, argv, url + "/health", env, kind="engine")
 
 
+def kv_heads_of(model: str) -> tuple[int | None, bool]:
+    """(total KV heads, MLA) from a local model directory's config.json (``None``: not known:
+    a hub id, or a config that does not say)."""
+    path = Path(model) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None, False
+    config = config.get("text_config", config)  # multimodal models nest the language model's
+    mla = bool(config.get("kv_lora_rank"))  # DeepSeek-style latent attention
+    heads = config.get("num_key_value_heads", config.get("num_attention_heads"))
+    return (int(heads) if isinstance(heads, int) else None), mla
+
+
+def check_pairing(o: LaunchOptions) -> None:
+    """Refuse TP sizes whose prefill KV cannot be pushed into decode's ranks (pdgate's
+    connector; vllm-ascend's and NIXL's check their own)."""
+    if o.connector != "pdgate" or o.flow not in PUSH_FLOWS:
+        return
+    heads, mla = kv_heads_of(o.model)
+    problem = pairing_problem(o.tp_prefill, o.tp_decode, heads, mla)
+    if problem is not None:
+        raise ValueError(
+            f"--tp-prefill {o.tp_prefill} with --tp-decode {o.tp_decode} cannot disaggregate: "
+            f"{problem}"
+        )
+
+
 def build_plan(o: LaunchOptions) -> LaunchPlan:
     check_connector(o)
+    check_pairing(o)
     bin_dir = Path(sys.executable).parent
     metaserver_url = f"http://{o.host}:{o.metaserver_port}"
     children = [

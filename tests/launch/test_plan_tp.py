@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from launch.cli import build_parser, options_from
-from launch.plan import LaunchOptions, build_plan
+from launch.plan import LaunchOptions, build_plan, kv_heads_of
 
 
 def _side_port(argv: list[str]) -> int:
@@ -32,3 +35,48 @@ def test_plan_tp_flags_of_pd_launch() -> None:
     assert (opts.tp_prefill, opts.tp_decode) == (2, 1)
     default = options_from(build_parser().parse_args(["--model", "m"]), None)
     assert (default.tp_prefill, default.tp_decode) == (1, 1)
+
+
+def _model(tmp_path: Path, **config: object) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_plan_tp_decode_wider_than_prefill_is_planned(tmp_path: Path) -> None:
+    """The GQA deployment every accelerator example documents: D with more ranks than P."""
+    model = _model(tmp_path, num_attention_heads=32, num_key_value_heads=8)
+    plan = build_plan(LaunchOptions(model=model, tp_prefill=1, tp_decode=2))
+    engines = {c.name: c.argv for c in plan.children if c.kind == "engine"}
+    assert engines["decode-0"][engines["decode-0"].index("--tensor-parallel-size") + 1] == "2"
+    assert build_plan(LaunchOptions(model="hub/model-id", tp_prefill=2, tp_decode=4))
+
+
+@pytest.mark.parametrize(
+    ("config", "p_tp", "d_tp", "why"),
+    [
+        ({"num_key_value_heads": 8}, 2, 3, "one must divide the other"),
+        ({"num_key_value_heads": 4}, 1, 3, "D: 4 KV heads do not split over tp 3"),
+        ({"num_key_value_heads": 2}, 3, 1, "P: tp 3 is not a multiple of 2 KV heads"),
+    ],
+)
+def test_plan_tp_refuses_a_pairing_that_cannot_push(
+    tmp_path: Path, config: dict[str, int], p_tp: int, d_tp: int, why: str
+) -> None:
+    """Refused at start with the reason, instead of serving with every push failing."""
+    model = _model(tmp_path, **config)
+    with pytest.raises(ValueError, match=why) as exc:
+        build_plan(LaunchOptions(model=model, tp_prefill=p_tp, tp_decode=d_tp))
+    assert f"--tp-prefill {p_tp} with --tp-decode {d_tp} cannot disaggregate" in str(exc.value)
+    # pull connectors check their own pairings: not refused here
+    build_plan(
+        LaunchOptions(
+            model=model, tp_prefill=p_tp, tp_decode=d_tp, connector="nixl", flow="prefill-first"
+        )
+    )
+
+
+def test_plan_tp_reads_mla_and_nested_text_configs(tmp_path: Path) -> None:
+    assert kv_heads_of(_model(tmp_path, kv_lora_rank=512, num_key_value_heads=128)) == (128, True)
+    nested = _model(tmp_path, text_config={"num_key_value_heads": 4})
+    assert kv_heads_of(nested) == (4, False)
+    assert kv_heads_of(str(tmp_path / "missing")) == (None, False)
