@@ -7,6 +7,7 @@ import gc
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from metaserver.config import MetaserverSettings
 from pdwire.settings import SettingsParser, redact_url
@@ -34,6 +35,7 @@ def build_parser() -> SettingsParser[MetaserverSettings]:
     p.option("--max-wait", "max_wait_s", float)
     p.option("--stats-scan-limit", "stats_scan_limit", int)
     p.option("--log-level", "log_level")
+    p.option("--workers", "workers", int)
     p.option("--ascend-decode", "ascend_decode", action="append", metavar="HOST:PORT[-PORT]")
     p.add_argument(
         "--no-ascend-registry",
@@ -52,33 +54,36 @@ def load_settings(argv: Sequence[str] | None = None) -> MetaserverSettings:
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = load_settings(argv)
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    _logging(settings)
     import uvicorn
 
-    from metaserver.app import create_app
-
-    try:
-        app = create_app(settings)
-    except ValueError as exc:
-        build_parser().error(str(exc))
+    if settings.workers > 1 and settings.store == "memory":
+        build_parser().error(
+            "--workers needs a shared store: the memory store lives in one process "
+            "(use --store redis://… or redis+sentinel://…)"
+        )
+    app: Any
+    if settings.workers > 1:
+        # each worker process builds its own app from the same flags (multiprocessing's
+        # spawn hands it this process's argv; the environment is inherited)
+        check = _build(settings)  # refuse bad settings here, once, not in every worker
+        del check
+        app = "metaserver.cli:worker_app"
+    else:
+        app = _build(settings)
     log = logging.getLogger("pdgate.metaserver")
     log.info(
-        "pd-metaserver listening on http://%s:%d (store: %s, writes %s)",
+        "pd-metaserver listening on http://%s:%d (store: %s, writes %s, %d process(es))",
         settings.host,
         settings.port,
         redact_url(settings.store),
         "need a token" if settings.token else "are open (no --token)",
+        settings.workers,
     )
-    # Everything built so far (app, models, imported modules) lives as long as the process:
-    # keep it out of the collector's full passes, which otherwise show up as p99 latency.
-    gc.collect()
-    gc.freeze()
     uvicorn.run(
         app,
+        factory=settings.workers > 1,
+        workers=settings.workers if settings.workers > 1 else None,
         host=settings.host,
         port=settings.port,
         loop="uvloop",
@@ -89,7 +94,38 @@ def main(argv: Sequence[str] | None = None) -> None:
         proxy_headers=False,
         server_header=False,
         date_header=False,
+        # a worker busy importing or starting on a loaded machine is not a dead one
+        timeout_worker_healthcheck=30,
     )
+
+
+def _logging(settings: MetaserverSettings) -> None:
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _build(settings: MetaserverSettings) -> Any:
+    from metaserver.app import create_app
+
+    try:
+        app = create_app(settings)
+    except ValueError as exc:
+        build_parser().error(str(exc))
+    # Everything built so far (app, models, imported modules) lives as long as the process:
+    # keep it out of the collector's full passes, which otherwise show up as p99 latency.
+    gc.collect()
+    gc.freeze()
+    return app
+
+
+def worker_app() -> Any:
+    """One worker process's app (``--workers``), from the flags the parent was started with."""
+    settings = load_settings(sys.argv[1:])
+    _logging(settings)
+    return _build(settings)
 
 
 if __name__ == "__main__":

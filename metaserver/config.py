@@ -30,6 +30,9 @@ class MetaserverSettings(LayeredSettings):
     max_wait_s: float = Field(120.0, gt=0, le=3600, description="cap of ?wait= on long-polls")
     stats_scan_limit: int = Field(10_000, ge=1, description="bindings scanned by /v1/stats")
     log_level: str = Field("info", pattern=r"^(debug|info|warning|error)$")
+    workers: int = Field(
+        1, ge=1, le=64, description="server processes on the port (more than 1 needs Redis)"
+    )
 
     # vllm-ascend compatibility (POST /v1/ascend/metaserver)
     ascend_decode: Annotated[list[str], NoDecode] = Field(
