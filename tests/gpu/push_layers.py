@@ -39,24 +39,55 @@ sys.path.insert(0, str(REPO))
 
 
 def _stub_vllm() -> bool:
-    """Without vLLM, give the connector the one vLLM name its worker half imports:
-    ``KVConnectorMetadata``, an empty marker class in vLLM 0.32's
-    ``vllm/distributed/kv_transfer/kv_connector/v1/base.py``."""
-    try:
-        import vllm  # noqa: F401
+    """Without vLLM, give the connector the vLLM names its worker half imports, as vLLM 0.32
+    has them (``vllm/distributed/kv_transfer/kv_connector/v1/base.py``): the marker classes
+    ``KVConnectorMetadata`` and ``KVConnectorWorkerMetadata`` (empty), ``KVConnectorBase_V1``
+    with ``bind_kv_cache_manager``, ``KVConnectorTransferResults``, and the module
+    ``vllm.v1.kv_cache_layout`` (what ``connector.compat.features`` looks for).
+    ``PDGATE_STUB_VLLM=1`` stubs even where vLLM is installed (to try the stub on CPU)."""
+    if not os.environ.get("PDGATE_STUB_VLLM"):
+        try:
+            import vllm  # noqa: F401
 
-        return False
-    except ImportError:
+            return False
+        except ImportError:
+            pass
+    import importlib.machinery
+
+    base_path = "vllm.distributed.kv_transfer.kv_connector.v1.base"
+    for path in (base_path, "vllm.v1.kv_cache_layout"):
+        parts = path.split(".")
+        for i in range(1, len(parts) + 1):
+            name = ".".join(parts[:i])
+            module = types.ModuleType(name)
+            module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=i < len(parts))
+            module.__path__ = []
+            sys.modules.setdefault(name, module)
+
+    class KVConnectorMetadata:  # vLLM's markers: empty classes
         pass
-    path = "vllm.distributed.kv_transfer.kv_connector.v1.base"
-    parts = path.split(".")
-    for i in range(1, len(parts) + 1):
-        sys.modules[".".join(parts[:i])] = types.ModuleType(".".join(parts[:i]))
 
-    class KVConnectorMetadata:  # vLLM's marker: an empty class
+    class KVConnectorWorkerMetadata:
         pass
 
-    sys.modules[path].KVConnectorMetadata = KVConnectorMetadata  # type: ignore[attr-defined]
+    class KVConnectorBase_V1:
+        def bind_kv_cache_manager(self, manager: Any) -> None:
+            pass
+
+    @dataclass
+    class KVConnectorTransferResults:
+        finished_sending: set[str] = field(default_factory=set)
+        finished_recving: set[str] = field(default_factory=set)
+        failed_recving: set[str] = field(default_factory=set)
+
+    base = sys.modules[base_path]
+    for cls in (
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+        KVConnectorBase_V1,
+        KVConnectorTransferResults,
+    ):
+        setattr(base, cls.__name__, cls)
     return True
 
 
@@ -64,6 +95,7 @@ STUBBED = _stub_vllm()
 
 import torch  # noqa: E402
 
+from connector import tp  # noqa: E402
 from connector.layout import pair_pieces  # noqa: E402
 from connector.metadata import PdgateMetadata, SendChunk  # noqa: E402
 from connector.transport import InProcessTransport, Transport  # noqa: E402
@@ -81,13 +113,16 @@ class Case:
     mla: bool = False
     verify: bool = False  # verify_kv: digests of device memory, checked on D
     tamper: bool = False  # test_corrupt_push: D must detect a wrong block and fail the load
+    d_tp: int = 1
+    heads: int = 0  # KV heads (global); 0: ``--heads``
 
     @property
     def name(self) -> str:
         kind = "mla " if self.mla else ""
+        kind += f"{self.heads}kv " if self.heads else ""
         extra = " +verify_kv" if self.verify else ""
         extra += " +corrupt" if self.tamper else ""
-        return f"{kind}{self.p}->{self.d} tp{self.p_tp}:1{extra}"
+        return f"{kind}{self.p}->{self.d} tp{self.p_tp}:{self.d_tp}{extra}"
 
 
 CASES = [
@@ -104,6 +139,15 @@ CASES = [
     Case("ascend", "ascend"),
     Case("LBHNC", "LBHNC", verify=True),
     Case("LBHNC", "LBHNC", verify=True, tamper=True),
+    # D tp > P tp: P's heads split over D's ranks (GQA), replicated into them (fewer KV heads
+    # than D ranks), and MLA's latent into every D rank; same-TP baselines beside them
+    Case("LBHNC", "LBHNC", d_tp=2),
+    Case("LBNHC", "LBNHC", d_tp=2),
+    Case("LBHNC", "LBHNC", p_tp=2, d_tp=4),
+    Case("LBHNC", "LBHNC", heads=2),
+    Case("LBHNC", "LBHNC", heads=2, d_tp=4),
+    Case("LBNHC", "LBNHC", mla=True, d_tp=2),
+    Case("LBNHC", "LBNHC", mla=True, p_tp=2, d_tp=4),
 ]
 
 
@@ -160,7 +204,7 @@ class SyncWatch:
 class Result:
     case: str
     mb: float
-    pieces: int  # per layer and chunk, on P rank 0 (the largest chunk)
+    pieces: int  # per layer and chunk, on P rank 0's first leg (the largest chunk)
     writes: int
     push_ms: float
     compute_ms: float
@@ -221,12 +265,14 @@ def _parts(value: Any) -> list[torch.Tensor]:
 def run_case(case: Case, a: argparse.Namespace, watch: SyncWatch | None) -> Result:
     dev = a.device
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(a.layers)]
-    heads = 1 if case.mla else a.heads
+    kv_heads = case.heads or a.heads
+    heads = 1 if case.mla else kv_heads
     copy = CudaCopy() if dev == "cuda" else None
     transports: list[Transport] = [
-        InProcessTransport(copy) if copy else InProcessTransport() for _ in range(case.p_tp + 1)
+        InProcessTransport(copy) if copy else InProcessTransport()
+        for _ in range(case.p_tp + case.d_tp)
     ]
-    port = C.free_port_range(1)
+    port = C.free_port_range(case.d_tp)
     env = {
         "PDGATE_CONNECTOR_VERIFY_KV": "1" if case.verify else "0",
         # a corrupt block never "lands": D need not wait long for it (default 10 s)
@@ -236,15 +282,15 @@ def run_case(case: Case, a: argparse.Namespace, watch: SyncWatch | None) -> Resu
     d = C.make_instance(
         "d-eng",
         "kv_consumer",
-        1,
-        heads=a.heads,
+        case.d_tp,
+        heads=kv_heads,
         mla=case.mla,
         port=port,
         blocks=a.blocks,
         block_size=BS,
         layers=layers,
         device=dev,
-        transports=transports[:1],
+        transports=transports[: case.d_tp],
         timeout_s=120,
         allocate=_alloc(case.d, layers, a, case.mla, dev),
     )
@@ -254,13 +300,13 @@ def run_case(case: Case, a: argparse.Namespace, watch: SyncWatch | None) -> Resu
         "p-eng",
         "kv_producer",
         case.p_tp,
-        heads=a.heads,
+        heads=kv_heads,
         mla=case.mla,
         blocks=a.blocks,
         block_size=BS,
         layers=layers,
         device=dev,
-        transports=transports[1:],
+        transports=transports[case.d_tp :],
         allocate=_alloc(case.p, layers, a, case.mla, dev),
     )
     try:
@@ -316,13 +362,14 @@ def run_case(case: Case, a: argparse.Namespace, watch: SyncWatch | None) -> Resu
             if dev == "cuda":
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
-        recv: set[str] = set()
+        recv = [set[str]() for _ in d.workers]  # per D rank
         failed: set[str] = set()
         deadline = time.monotonic() + 120
-        while "dreq" not in recv | failed and time.monotonic() < deadline:
-            _, r, f = d.workers[0].transfer_results(set())
-            recv |= r
-            failed |= f
+        while not all("dreq" in r for r in recv) and not failed and time.monotonic() < deadline:
+            for rank, dw in enumerate(d.workers):
+                _, r, f = dw.transfer_results(set())
+                recv[rank] |= r
+                failed |= f
             time.sleep(0.0002)
         t_d_done = time.perf_counter()
         if begin is not None and end is not None:
@@ -338,8 +385,7 @@ def run_case(case: Case, a: argparse.Namespace, watch: SyncWatch | None) -> Resu
             deadline = time.monotonic() + 60
             while not wk.sender.settled("preq") and time.monotonic() < deadline:
                 time.sleep(0.001)
-            tr = wk.sender.transfers.get("preq")
-            if tr is not None and tr.route is not None:
+            for tr in wk.sender.transfers.get("preq", []):  # one leg per D rank written
                 spans += tr.write_spans
                 nbytes += tr.bytes
                 connector_hidden = min(connector_hidden, tr.overlap().hidden)
@@ -348,24 +394,26 @@ def run_case(case: Case, a: argparse.Namespace, watch: SyncWatch | None) -> Resu
         exposed = sum(max(0.0, e - max(s, compute_end)) for s, e in spans)
         waits = watch.of("pdgate-sender") if watch else {}
         C.poll(p, {"preq"}, lambda acc: all("preq" in s for s, _, _ in acc), 60)
-        exact = "dreq" in recv and not failed
+        exact = all("dreq" in r for r in recv) and not failed
         if case.tamper:  # D must have caught the corrupt block and failed its load
             return _result_of_tamper(case, failed, compute_ms)
-        d_parts = {name: _parts(d.caches[0][name]) for name in layers}
         flat = [pr for chunk in pairs for pr in chunk]
         pb = torch.tensor([x for x, _ in flat], device=dev)
         db = torch.tensor([y for _, y in flat], device=dev)
         untouched = torch.ones(a.blocks, dtype=torch.bool, device=dev)
         untouched[db] = False
-        for name in layers:
-            for part, want in zip(d_parts[name], ref[name], strict=True):
-                exact = exact and torch.equal(part[db], want[pb])
-                exact = exact and not part[untouched].any()
+        for rank, caches in enumerate(d.caches):  # each D rank holds its heads of the global KV
+            start, n = (0, 1) if case.mla else d.local(rank)
+            for name in layers:
+                for part, want in zip(_parts(caches[name]), ref[name], strict=True):
+                    exact = exact and torch.equal(part[db], want[pb, start : start + n])
+                    exact = exact and not part[untouched].any()
         p_lay, d_lay = p.workers[0].memory.layout(0), d.workers[0].memory.layout(0)  # type: ignore[union-attr]
-        route_heads = (0, 1 if case.mla else p.local(0)[1])
-        d_start = 0 if case.mla else p.local(0)[0]
+        leg = tp.routes(0, case.p_tp, case.d_tp, kv_heads, case.mla)[0]
         biggest = max(pairs, key=len)
-        pieces = len(pair_pieces(p_lay, d_lay, biggest, route_heads, d_start))
+        pieces = len(
+            pair_pieces(p_lay, d_lay, biggest, (leg.p_head_start, leg.num_heads), leg.d_head_start)
+        )
         return Result(
             case.name,
             nbytes / 2**20,
