@@ -48,6 +48,12 @@ class ConnectorSettings(LayeredSettings):
     )
     kv_load_timeout_s: float = Field(120.0, gt=0, le=86_400)
     heartbeat_s: float = Field(5.0, gt=0, le=3600)
+    revision: str = Field(
+        "",
+        pattern=r"^[A-Za-z0-9._:/+@-]{0,128}$",
+        description="this deployment's revision (e.g. the model's version or the image tag): "
+        "P and D of different revisions are never paired ('' = none)",
+    )
     concurrent: bool = False
     registry_grace_s: float = Field(
         10.0,

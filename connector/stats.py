@@ -184,6 +184,17 @@ SERIES: tuple[Series, ...] = (
         side="D scheduler",
     ),
     Series(
+        "pairing_refusals",
+        Kind.COUNTER,
+        "Bindings P refused before computing, so it pushed nothing (D recomputes), by why: "
+        "protocol (versions), layout (block size or TP pairing), identity (other weights, "
+        "dtypes or KV shape registered by D), revision (D of another revision). Any rise is "
+        "a deployment error: prefill work done twice.",
+        label="reason",
+        values=("protocol", "layout", "identity", "revision"),
+        side="P scheduler",
+    ),
+    Series(
         "blocks_held",
         Kind.GAUGE,
         "KV blocks held now for pushes in flight: on P a finished request's source blocks "

@@ -12,6 +12,23 @@ tests and the documentation's topologies all ask ``pairing_problem``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+from pdwire.models import InstanceSpec, KVIdentity
+
+# the identity fields that must be equal, in the order a refusal names them
+_SAME = (
+    "model",
+    "dtype",
+    "kv_cache_dtype",
+    "block_size",
+    "head_size",
+    "num_kv_heads",
+    "num_layers",
+    "use_mla",
+    "protocol",
+)
+
 
 def heads_of(rank: int, tp: int, num_heads: int) -> tuple[int, int]:
     """(first global head, count) held by ``rank``; raises ``ValueError`` for a split vLLM
@@ -45,3 +62,34 @@ def pairing_problem(p_tp: int, d_tp: int, num_kv_heads: int | None, use_mla: boo
         except ValueError as exc:
             return f"{side}: {exc}"
     return None
+
+
+def identity_problem(p: KVIdentity, d: KVIdentity) -> str | None:
+    """Why P's KV cannot be D's (``None``: it can): the first field that differs."""
+    for name in _SAME:
+        mine, theirs = getattr(p, name), getattr(d, name)
+        if mine != theirs:
+            what = "weights/config" if name == "model" else name
+            return f"{what} differ: P {mine} vs D {theirs}"
+    return None
+
+
+class Mismatch(NamedTuple):
+    reason: str  # "revision", "identity" or "layout" (the TP pairing)
+    text: str
+
+
+def instances_problem(p: InstanceSpec, d: InstanceSpec) -> Mismatch | None:
+    """Why registered P instance ``p`` must not push into D instance ``d`` (``None``: it may):
+    another revision, another KV identity, or TP sizes that cannot be paired. What an instance
+    did not register (an older connector, a plain vLLM) is not held against it."""
+    if p.revision and d.revision and p.revision != d.revision:
+        return Mismatch("revision", f"revision P {p.revision} vs D {d.revision}")
+    if p.kv is not None and d.kv is not None:
+        problem = identity_problem(p.kv, d.kv)
+        if problem is not None:
+            return Mismatch("identity", problem)
+    kv = d.kv or p.kv
+    heads = kv.num_kv_heads if kv is not None else None
+    problem = pairing_problem(p.tp_size, d.tp_size, heads, kv.use_mla if kv is not None else False)
+    return Mismatch("layout", problem) if problem is not None else None

@@ -190,6 +190,29 @@ class InstanceRole(enum.StrEnum):
     BOTH = "both"
 
 
+Label = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/+@-]+$")]
+
+
+class KVIdentity(_Strict):
+    """What must be equal on P and D for P's KV to be D's: the weights and config actually
+    loaded, and the shape of the KV cache (``pdwire.compat.identity_problem`` compares)."""
+
+    model: Annotated[str, Field(min_length=8, max_length=128, pattern=r"^[A-Za-z0-9:._-]+$")] = (
+        Field(
+            description="fingerprint of the weights and config the engine loaded "
+            "('sha256:…' of config.json and every weight file's header and first bytes)"
+        )
+    )
+    dtype: Label
+    kv_cache_dtype: Label
+    block_size: Annotated[int, Field(ge=1, le=4096)]
+    head_size: Annotated[int, Field(ge=1, le=65_536)]
+    num_kv_heads: Annotated[int, Field(ge=1, le=4096)] = Field(description="total, all ranks")
+    num_layers: Annotated[int, Field(ge=1, le=100_000)]
+    use_mla: bool = False
+    protocol: Annotated[int, Field(ge=1, le=1_000_000)]
+
+
 class InstanceSpec(_Strict):
     role: InstanceRole
     url: Annotated[str, Field(min_length=1, max_length=512, pattern=r"^https?://[^\s]+$")]
@@ -197,13 +220,29 @@ class InstanceSpec(_Strict):
     model: Annotated[str, Field(max_length=512)] | None = None
     tp_size: Annotated[int, Field(ge=1, le=MAX_TP_SIZE)] = 1
     version: Annotated[str, Field(max_length=128)] | None = None
+    revision: Label | None = Field(
+        default=None,
+        description="the deployment's revision (a rolling update's old and new pods differ): "
+        "a P and a D of different revisions are never paired",
+    )
+    kv: KVIdentity | None = Field(
+        default=None, description="the KV-compatibility identity (engines with pdgate's connector)"
+    )
     ttl_s: Annotated[float, Field(gt=0, le=86_400)] | None = Field(
         default=None, description="heartbeat TTL; the server default when omitted"
     )
 
 
+# InstanceSpec fields added since the first release: the metaserver stores them only when set,
+# so that readers from before them keep parsing the records of instances that do not send them
+LATER_FIELDS = ("revision", "kv")
+
+
 class Instance(InstanceSpec):
-    """An instance as the metaserver returns it: its spec, times, and whether it is drained."""
+    """An instance as the metaserver returns it: its spec, times, and whether it is drained.
+    Fields this reader does not know (a newer metaserver's or engine's) are ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
     instance_id: str
     registered_at: float

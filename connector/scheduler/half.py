@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
+from connector import fingerprint
 from connector.config import ConnectorSettings
 from connector.errors import ConfigError
 from connector.metadata import PdgateMetadata, PdgateWorkerMetadata, skew_margin
@@ -19,7 +20,8 @@ from connector.stats import StatsCollector
 from connector.tracing import build_tracer
 from connector.transport.mooncake import late_landing_s
 from pdwire.client import AsyncMetaserverClient, BackgroundWriter, MetaserverClient
-from pdwire.models import InstanceRole, InstanceSpec, KVEndpoint
+from pdwire.models import InstanceRole, InstanceSpec, KVEndpoint, KVIdentity
+from pdwire.version import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,6 +52,27 @@ def identity_of(vllm_config: VllmConfig, settings: ConnectorSettings) -> Identit
         num_kv_heads=model.get_total_num_kv_heads() if model is not None else None,
         use_mla=bool(getattr(model, "use_mla", False)),
         block_size=vllm_config.cache_config.block_size,
+    )
+
+
+def kv_identity_of(vllm_config: VllmConfig) -> KVIdentity | None:
+    """What P and D must share for P's KV to be D's (``None``: no model config)."""
+    model = vllm_config.model_config
+    if model is None:
+        return None
+    cache = vllm_config.cache_config
+    dtype = str(model.dtype).removeprefix("torch.")
+    kv_dtype = str(cache.cache_dtype)
+    return KVIdentity(
+        model=fingerprint.of_model(str(model.model), getattr(model, "hf_config", None)),
+        dtype=dtype,
+        kv_cache_dtype=dtype if kv_dtype == "auto" else kv_dtype,
+        block_size=cache.block_size,
+        head_size=model.get_head_size(),
+        num_kv_heads=model.get_total_num_kv_heads(),
+        num_layers=model.get_num_layers(vllm_config.parallel_config),
+        use_mla=bool(getattr(model, "use_mla", False)),
+        protocol=PROTOCOL_VERSION,
     )
 
 
@@ -96,6 +119,8 @@ class ConnectorScheduler:
             model=vllm_config.model_config.model if vllm_config.model_config else None,
             tp_size=self.me.tp_size,
             ttl_s=max(3 * settings.heartbeat_s, 1.0),
+            revision=settings.revision or None,
+            kv=kv_identity_of(vllm_config),
         )
         self.registrar = Registrar(make_sync(), self.me.instance_id, spec, settings.heartbeat_s)
         self.registrar.start()
@@ -126,6 +151,8 @@ class ConnectorScheduler:
                 registry_grace_s=settings.registry_grace_s,
                 tp_size=self.me.tp_size,
                 tracer=self.tracer,
+                spec=spec,
+                stats=self.stats,
             )
             if role is not InstanceRole.DECODE
             else None

@@ -142,6 +142,12 @@ class Lookups:
                 self._spawn(self._fetch_instance(b.decode_instance_id))
         return verdict if verdict or fresh else None
 
+    def instance(self, instance_id: str) -> Instance | None:
+        """The registration ``trusted`` last fetched for ``instance_id`` (``None``: none)."""
+        with self._lock:
+            cached = self._instances.get(instance_id)
+        return None if cached is None else cached[0]
+
     async def _fetch_instance(self, instance_id: str) -> None:
         inst: Instance | None
         try:

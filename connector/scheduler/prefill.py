@@ -24,10 +24,12 @@ from connector import tp
 from connector.errors import LayoutError
 from connector.metadata import Destination, PdgateMetadata, SendChunk
 from connector.scheduler.lookups import Lookups
+from connector.stats import StatsCollector
 from connector.tracing import ConnectorTracer, Event, Value
 from pdwire.client import BackgroundWriter
+from pdwire.compat import instances_problem
 from pdwire.errors import ParamsError
-from pdwire.models import Binding, BindingState, EventDetail
+from pdwire.models import Binding, BindingState, EventDetail, InstanceSpec
 from pdwire.params import SendParams, parse_prefill_leg, push_report
 from pdwire.trace import TraceParent
 from pdwire.version import mismatch
@@ -89,8 +91,13 @@ class PrefillSide:
         clock: Callable[[], float] = time.monotonic,
         tp_size: int = 1,
         tracer: ConnectorTracer | None = None,
+        spec: InstanceSpec | None = None,
+        stats: StatsCollector | None = None,
     ) -> None:
         self._tp = tp_size
+        self._spec = spec  # this P's registration: its revision and KV identity
+        self._stats = stats or StatsCollector()
+        self._refused_pairs: set[tuple[str, str]] = set()  # (D instance, why): logged once
         self._tracer = tracer  # tracing on in this engine
         self.refused = 0  # bindings this P cannot serve (block size, TP pairing)
         self._lookups = lookups
@@ -229,25 +236,50 @@ class PrefillSide:
             log.warning("transfer %s: D's load deadline already passed; no push", tid)
             state.no_push = "D's load deadline already passed"
             return True
-        problem = mismatch(binding.protocol, f"D {binding.decode_instance_id}")
-        if problem is None and binding.block_size != self._block_size:
-            problem = f"D block size {binding.block_size} != P block size {self._block_size}"
-        if problem is None:
-            try:
-                tp.check_pairing(self._tp, binding.tp_size, binding.num_kv_heads, binding.use_mla)
-            except LayoutError as exc:
-                problem = str(exc)
+        reason, problem = self._pairing(binding)
         if problem is None:
             return False
         # refused here, the worker never meets a pairing it cannot route
         self.refused += 1
-        log.error("transfer %s: %s; no push", tid, problem)
+        self._stats.add("pairing_refusals", label=reason)
+        pair = (binding.decode_instance_id, problem)
+        if pair not in self._refused_pairs:  # once per D and reason, not per request
+            self._refused_pairs.add(pair)
+            log.error(
+                "transfer %s: %s; no push to %s (logged once; counted in pairing_refusals)",
+                tid,
+                problem,
+                binding.decode_instance_id,
+            )
+        else:
+            log.debug("transfer %s: %s; no push", tid, problem)
         state.no_push = problem
         if self._events is not None:
             self._events.post_event(
                 tid, BindingState.FAILED, self._actor, EventDetail(error=problem)
             )
         return True
+
+    def _pairing(self, binding: Binding) -> tuple[str, str | None]:
+        """(reason, problem) when P must not push into ``binding``'s D; problem ``None``: it
+        may. D's registration (the registry already vouched for it) gives its revision and
+        KV identity."""
+        problem = mismatch(binding.protocol, f"D {binding.decode_instance_id}")
+        if problem is not None:
+            return "protocol", problem
+        if binding.block_size != self._block_size:
+            return "layout", f"D block size {binding.block_size} != P block size {self._block_size}"
+        try:
+            tp.check_pairing(self._tp, binding.tp_size, binding.num_kv_heads, binding.use_mla)
+        except LayoutError as exc:
+            return "layout", str(exc)
+        d = self._lookups.instance(binding.decode_instance_id)
+        if self._spec is None or d is None:
+            return "", None
+        found = instances_problem(self._spec, d)
+        if found is None:
+            return "", None
+        return found.reason, f"D {binding.decode_instance_id} cannot use P's KV: {found.text}"
 
     def after_alloc(self, request: Request) -> None:
         state = self._state(request)

@@ -12,7 +12,7 @@ from metaserver.responses import json_bytes, json_list
 from metaserver.store.base import PutOutcome
 from metaserver.validation import parse_body
 from pdwire.ids import INSTANCE_ID_PATTERN
-from pdwire.models import Instance, InstanceRole, InstanceSpec
+from pdwire.models import LATER_FIELDS, Instance, InstanceRole, InstanceSpec
 
 router = APIRouter(prefix="/v1/instances", tags=["instances"])
 InstanceId = Annotated[str, Path(pattern=INSTANCE_ID_PATTERN)]
@@ -38,8 +38,12 @@ async def put_instance(request: Request, instance_id: InstanceId) -> Response:
     spec = parse_body(InstanceSpec, await request.body())
     kv = None if spec.kv_endpoint is None else (spec.kv_endpoint.host, spec.kv_endpoint.port)
     ttl = spec.ttl_s if spec.ttl_s is not None else c.settings.instance_ttl_s
+    # fields newer readers know, left out when unset: a reader from before them (a proxy or
+    # connector not upgraded yet) parses every record it parsed before
+    unset = {name for name in LATER_FIELDS if getattr(spec, name) is None}
+    body = spec.model_dump_json(exclude=unset).encode()
     outcome, record = await c.store.put_instance(
-        instance_id, spec.model_dump_json().encode(), spec.role.value, kv, ttl, c.clock()
+        instance_id, body, spec.role.value, kv, ttl, c.clock()
     )
     return json_bytes(record.to_json(), 201 if outcome is PutOutcome.CREATED else 200)
 

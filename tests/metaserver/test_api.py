@@ -250,6 +250,35 @@ async def test_api_instances(api: httpx.AsyncClient) -> None:
     assert (await api.get("/v1/instances/p-0")).status_code == 404
 
 
+async def test_api_instance_revision_and_kv_identity_are_kept_only_when_sent(
+    api: httpx.AsyncClient,
+) -> None:
+    """An engine's revision and KV identity come back as sent; a record without them has no
+    such keys, so a reader from before these fields still parses it."""
+    kv = {
+        "model": "sha256:" + "c" * 32,
+        "dtype": "bfloat16",
+        "kv_cache_dtype": "fp8",
+        "block_size": 16,
+        "head_size": 128,
+        "num_kv_heads": 8,
+        "num_layers": 32,
+        "use_mla": False,
+        "protocol": 1,
+    }
+    body = instance_json() | {"revision": "llama@v2", "kv": kv}
+    assert (await api.put("/v1/instances/decode-0", json=body)).status_code == 201
+    got = (await api.get("/v1/instances/decode-0")).json()
+    assert got["revision"] == "llama@v2" and got["kv"] == kv
+    assert (await api.put("/v1/instances/decode-1", json=instance_json())).status_code == 201
+    plain = (await api.get("/v1/instances/decode-1")).json()
+    assert "revision" not in plain and "kv" not in plain
+    bad = instance_json() | {"revision": "has space"}
+    assert (await api.put("/v1/instances/decode-2", json=bad)).status_code == 422
+    short = instance_json() | {"kv": {**kv, "model": "x"}}
+    assert (await api.put("/v1/instances/decode-2", json=short)).status_code == 422
+
+
 async def test_api_drain_and_undrain_an_instance(api_factory: Callable[..., Any]) -> None:
     api = await api_factory(token=TOKEN)
     await register(api, headers=AUTH)
