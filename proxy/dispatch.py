@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from pdwire.client.retry import Backoff
+from pdwire.compat import instances_problem
 from pdwire.ids import IdMaker
 from proxy.backend import LegError
 from proxy.config import Flow as FlowName
@@ -62,6 +63,14 @@ class Decider:
         return flow
 
 
+def pairs(p: Instance, d: Instance) -> bool:
+    """Whether P may push into D by their registrations (revision, KV identity, TP); an
+    instance the registry does not describe is not held back."""
+    if p.spec is None or d.spec is None:
+        return True
+    return instances_problem(p.spec, d.spec) is None
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -87,7 +96,16 @@ class Dispatcher:
         self._ids = ids or IdMaker("pd")
         self._ok: weakref.WeakKeyDictionary[Instance, Any] = weakref.WeakKeyDictionary()
 
-    def _pick(self, role: Role, avoid: set[str], info: RequestInfo, policy: Policy) -> Instance:
+    def _pick(
+        self,
+        role: Role,
+        avoid: set[str],
+        info: RequestInfo,
+        policy: Policy,
+        pairs_with: Instance | None = None,
+    ) -> Instance | None:
+        """``role``'s instance for this attempt; with ``pairs_with`` (D), only a P that may
+        push into it (``None``: every available P is incompatible with D)."""
         candidates = self._registry.available(role, frozenset(avoid)) if avoid else None
         if not candidates:
             candidates = self._registry.available(role)
@@ -97,6 +115,10 @@ class Dispatcher:
                 self._metrics.decisions.labels(decision=f"panic_{role.value}").inc()
         if not candidates:
             raise NoInstance(f"no {role.value} instance available", retry_after=1)
+        if pairs_with is not None:
+            candidates = [c for c in candidates if pairs(c, pairs_with)]
+            if not candidates:
+                return None
         return policy.choose(candidates, info)
 
     async def open(
@@ -111,15 +133,18 @@ class Dispatcher:
         attempt = 0
         while True:
             d = self._pick(Role.DECODE, avoid, info, self._d_policy)
+            assert d is not None
             chosen = self._decider.decide(flow, info, d)
             impl = self._flows.get(chosen)
             if impl is None:
                 raise BadRequest(f"flow {chosen.value} is not available (no --metaserver)")
-            p = (
-                self._pick(Role.PREFILL, avoid, info, self._p_policy)
-                if impl.needs_prefill
-                else None
-            )
+            p = None
+            if impl.needs_prefill:
+                p = self._pick(Role.PREFILL, avoid, info, self._p_policy, pairs_with=d)
+                if p is None:  # no P of D's revision / KV identity: D computes the prompt
+                    self._metrics.decisions.labels(decision="no_compatible_prefill").inc()
+                    log.debug("no prefill instance can push into %s; D computes", d.id)
+                    chosen, impl = FlowName.DIRECT, self._flows[FlowName.DIRECT]
             a = Attempt(req, info, path, d, p, self._ids.next(), trace)
             d.acquire(info.tokens)
             if p is not None:  # reserved now, so a burst's later picks already see it

@@ -6,6 +6,7 @@ import enum
 from typing import Any
 from urllib.parse import urlsplit
 
+from pdwire.models import InstanceSpec
 from proxy.instances.circuit import CircuitBreaker
 
 
@@ -40,6 +41,7 @@ class Instance:
         "role",
         "served",
         "slow",
+        "spec",
         "tokens",
         "url",
     )
@@ -57,6 +59,9 @@ class Instance:
         self.inflight = 0
         self.tokens = 0
         self.served = 0
+        # its registration in the metaserver (revision, KV identity, TP): None when the
+        # registry does not know it (a static URL of an engine without the connector)
+        self.spec: InstanceSpec | None = None
 
     def available(self) -> bool:
         return (
@@ -100,6 +105,7 @@ class Instance:
             "inflight": self.inflight,
             "tokens": self.tokens,
             "served": self.served,
+            "revision": self.spec.revision if self.spec is not None else None,
         }
 
     def __repr__(self) -> str:

@@ -36,6 +36,7 @@ class Registry:
         self._ids: dict[str, str] = {}  # url -> instance id in the metaserver registry
         self._remote: set[str] = set()  # urls whose registration says draining
         self._local: set[str] = set()  # urls drained by an admin call on this proxy
+        self._specs: dict[str, Registered] = {}  # url -> its registration (last registry poll)
 
     def reconcile(self, role: Role, urls: Iterable[str]) -> None:
         """Make ``urls`` the pool of ``role``: add new ones, drain the missing ones."""
@@ -65,8 +66,11 @@ class Registry:
         deregistered on shutdown) stays drained while the proxy still knows its URL: it is
         taken back only once it registers again undrained (a restart)."""
         listed: dict[str, tuple[str, bool]] = {}
+        specs: dict[str, Registered] = {}
         for rec in registered:
             listed[rec.url.rstrip("/")] = (rec.instance_id, rec.draining)
+            specs[rec.url.rstrip("/")] = rec
+        self._specs = specs
         for url, (iid, draining) in listed.items():
             self._ids[url] = iid
             if draining:
@@ -107,6 +111,7 @@ class Registry:
         for role in Role:
             for inst in self._pools[role].values():
                 inst.id = self._ids.get(inst.url) or local_id(inst.url)
+                inst.spec = self._specs.get(inst.url)
                 remote = inst.url in self._remote
                 local = inst.url in self._local
                 if (remote, local) != (inst.drained_remote, inst.drained_local):
