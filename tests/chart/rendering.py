@@ -46,6 +46,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "observability": {
         "metrics": {
             "serviceMonitor": {"enabled": True, "labels": {"release": "kps"}},
+            "prometheusRule": {"enabled": True, "labels": {"release": "kps"}},
             "grafanaDashboard": {"enabled": True},
         },
         "networkPolicy": {

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from connector import stats
 from metaserver.metrics import Metrics as MetaserverMetrics
 from proxy.metrics import Metrics as ProxyMetrics
+from tests.chart.rendering import NAMESPACE, Rendered
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "charts/pdgate/files/grafana-dashboard.json"
 # a metric name in PromQL: not a function (followed by "("), a label or a keyword
@@ -122,3 +123,20 @@ def test_observability_doc_lists_every_series_with_its_type() -> None:
     wanted |= {s.exposed[0].removesuffix("_bucket"): s.kind.value for s in stats.SERIES}
     assert {n: rows.get(n) for n in wanted} == wanted
     assert set(rows) == set(wanted)  # and nothing the code does not export
+
+
+def test_alert_rules_query_only_exported_series_of_the_release(
+    renders: dict[str, Rendered],
+) -> None:
+    """The PrometheusRule's alerts: "prefill computes but pushes nothing" (refused pairings,
+    failed transfers), on series the connector exports, in the release's namespace."""
+    (rule,) = renders["observability"].of_kind("PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kps"
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert set(alerts) == {"PdgatePrefillRefusesPairings", "PdgatePushesFailing"}
+    names = {m.group(1) for r in alerts.values() for m in NAME.finditer(r["expr"])}
+    assert names == {"vllm:pdgate_pairing_refusals_total", "vllm:pdgate_transfers_total"}
+    assert names <= exported_names()
+    assert all(f'namespace="{NAMESPACE}"' in r["expr"] for r in alerts.values())
+    assert "> 0.05" in alerts["PdgatePushesFailing"]["expr"]
+    assert not renders["defaults"].of_kind("PrometheusRule")

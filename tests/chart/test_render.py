@@ -16,7 +16,10 @@ from tests.chart.rendering import CHART_DIR, FULLNAME, NAMESPACE, SCENARIOS, Ren
 # to support (Chart.yaml kubeVersion).
 KUBE_VERSION = kubernetes_validate.utils.latest_version()
 OLDEST_SUPPORTED = "1.27.0"
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+CRD_KINDS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+}
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
@@ -46,7 +49,8 @@ def test_render_every_manifest_validates_strictly(
     assert r.docs, name
     for doc in r.docs:
         if (doc["apiVersion"], doc["kind"]) in CRD_KINDS:
-            continue  # no built-in schema; checked by test_wiring_service_monitors_*
+            continue  # no built-in schema; checked by test_wiring_service_monitors_* and
+            # test_dashboard's test_alert_rules_*
         try:
             kubernetes_validate.validate(doc, kube, strict=True)
         except SchemaNotFoundError:

@@ -143,9 +143,24 @@ def test_values_file_documents_every_value() -> None:
             {"engine": {"terminationGracePeriodSeconds": 200, "drain": {"timeoutS": 300}}},
             "engine.terminationGracePeriodSeconds (200) must be at least engine.drain.timeoutS",
         ),
+        (
+            {"prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 3}},
+            "prefill.tensorParallelSize 2 and decode.tensorParallelSize 3 cannot disaggregate",
+        ),
+        (
+            {"model": {"kvHeads": 4}, "decode": {"tensorParallelSize": 8}, "accelerator": "cpu"},
+            "",  # 8 ranks over 4 heads: replicated, fine (checked below: renders)
+        ),
+        (
+            {"model": {"kvHeads": 6}, "decode": {"tensorParallelSize": 4}},
+            "decode.tensorParallelSize 4 cannot split model.kvHeads 6",
+        ),
     ],
 )
 def test_chart_rejects_inconsistent_values(values: dict[str, Any], message: str) -> None:
+    if not message:
+        render(values)  # a pairing that can push
+        return
     with pytest.raises(helm.HelmError) as err:
         render(values)
     assert message in str(err.value)

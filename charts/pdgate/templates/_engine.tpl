@@ -46,6 +46,7 @@ discovery, and a StatefulSet. Call with (dict "root" $ "role" "prefill"|"decode"
   "kv_load_timeout_s" $v.connector.kvLoadTimeoutS
   "heartbeat_s" $v.connector.heartbeatS
   "concurrent" (and (eq .role "prefill") (eq $v.proxy.flow "concurrent"))
+  "revision" (include "pdgate.revision" $root)
 -}}
 {{- $extra = mergeOverwrite $extra (deepCopy $v.connector.extraConfig) -}}
 {{- $cfg := dict

@@ -123,4 +123,26 @@ app.kubernetes.io/part-of: pdgate
 {{- if not (hasKey .Values.presets .Values.accelerator) -}}
 {{- fail (printf "accelerator %q has no entry in presets" .Values.accelerator) -}}
 {{- end -}}
+{{- if ne .Values.connector.kind "vllm-ascend" -}}
+{{- $p := int .Values.prefill.tensorParallelSize -}}
+{{- $d := int .Values.decode.tensorParallelSize -}}
+{{- if or (mod (max $p $d) (min $p $d)) -}}
+{{- fail (printf "prefill.tensorParallelSize %d and decode.tensorParallelSize %d cannot disaggregate: one must divide the other for prefill's KV heads to map onto decode's ranks" $p $d) -}}
+{{- end -}}
+{{- $heads := int .Values.model.kvHeads -}}
+{{- if $heads -}}
+{{- range $side, $tp := dict "prefill" $p "decode" $d -}}
+{{- if or (and (le $tp $heads) (mod $heads $tp)) (and (gt $tp $heads) (mod $tp $heads)) -}}
+{{- fail (printf "%s.tensorParallelSize %d cannot split model.kvHeads %d (each rank must hold whole KV heads, or the heads whole multiples of ranks)" $side $tp $heads) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The revision every engine registers (connector key "revision"): P and D of different
+revisions are never paired. model.revision, else the model and the image tag. */}}
+{{- define "pdgate.revision" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag -}}
+{{- default (printf "%s@%s" .Values.model.name $tag) .Values.model.revision | trunc 128 -}}
 {{- end -}}
