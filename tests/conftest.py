@@ -49,8 +49,12 @@ def metaserver_factory(
     """Start ``pd-metaserver`` processes: ``metaserver_factory("memory", "--token", "t")``."""
     started: list[MetaserverProcess] = []
 
-    def start(store: str = "memory", *extra: str, port: int | None = None) -> MetaserverProcess:
-        proc = MetaserverProcess(store, *extra, log_dir=tmp_path, port=port)
+    def start(
+        store: str = "memory", *extra: str, port: int | None = None, ready_timeout_s: float = 30.0
+    ) -> MetaserverProcess:
+        proc = MetaserverProcess(
+            store, *extra, log_dir=tmp_path, port=port, ready_timeout_s=ready_timeout_s
+        )
         started.append(proc)
         return proc
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import httpx
 import pytest
 
 from tests.metaserver.test_api import instance_json, spec_json
+from tests.support.procs import VENV_BIN
 from tests.support.services import MetaserverProcess, RedisSentinelGroup, RedisServer
 
 
@@ -155,3 +157,45 @@ async def test_sentinel_failover_moves_the_metaserver_to_the_promoted_replica(
         got = await asyncio.wait_for(waiter, 30)
         assert got.status_code == 200 and got.json()["transfer_id"] == "after"
         print(f"failover: writes back {took:.1f}s after the kill, {len(statuses) - 1} 503s")
+
+
+async def test_workers_share_one_port_and_wake_each_others_long_polls(
+    redis_server: RedisServer, metaserver_factory: Callable[..., MetaserverProcess]
+) -> None:
+    """``--workers 3``: three processes answer on one port over one Redis; a long-poll is woken
+    by a write whichever process each of the two connections landed on (a new connection per
+    request, so the kernel spreads them)."""
+    ns = ("--namespace", f"wk{time.monotonic_ns()}")
+    # three processes importing the app at once on two busy cores: give them time to start
+    ms = metaserver_factory(redis_server.url, *ns, "--workers", "3", ready_timeout_s=120)
+    async with httpx.AsyncClient(
+        timeout=30, limits=httpx.Limits(max_keepalive_connections=0)
+    ) as http:
+        assert (
+            await http.put(f"{ms.url}/v1/instances/decode-0", json=instance_json())
+        ).status_code == 201
+        for i in range(6):  # a new connection each time: the kernel spreads them
+            tid = f"w{i}"
+            waiter = asyncio.create_task(
+                http.get(f"{ms.url}/v1/bindings/{tid}", params={"wait": 20})
+            )
+            await asyncio.sleep(0.2)
+            assert not waiter.done()
+            assert (
+                await http.put(f"{ms.url}/v1/bindings/{tid}", json=spec_json())
+            ).status_code == 201
+            got = await asyncio.wait_for(waiter, 10)
+            assert got.status_code == 200 and got.json()["transfer_id"] == tid
+    log = ms.proc.log_path.read_text() if ms.proc.log_path else ""
+    assert "3 process(es)" in log
+
+
+def test_workers_refuse_the_memory_store() -> None:
+    proc = subprocess.run(
+        [str(VENV_BIN / "pd-metaserver"), "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "--workers needs a shared store" in proc.stderr and "Traceback" not in proc.stderr

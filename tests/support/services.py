@@ -133,12 +133,19 @@ class RedisSentinelGroup:
 
 
 class MetaserverProcess:
-    def __init__(self, store: str, *extra: str, log_dir: Path, port: int | None = None) -> None:
+    def __init__(
+        self,
+        store: str,
+        *extra: str,
+        log_dir: Path,
+        port: int | None = None,
+        ready_timeout_s: float = 30.0,
+    ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [str(VENV_BIN / "pd-metaserver"), "--port", str(self.port), "--store", store, *extra]
         self.proc = Process(argv, log=log_dir / f"metaserver-{self.port}.log")
-        wait_http(self.url + "/health", proc=self.proc)
+        wait_http(self.url + "/health", proc=self.proc, timeout=ready_timeout_s)
 
     def stop(self) -> None:
         self.proc.stop()
