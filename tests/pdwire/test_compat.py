@@ -7,18 +7,8 @@ from typing import Any
 import pytest
 
 from pdwire.compat import identity_problem, instances_problem, pairing_problem
-from pdwire.models import InstanceSpec, KVIdentity
-
-KV = KVIdentity(
-    model="sha256:" + "a" * 32,
-    dtype="bfloat16",
-    kv_cache_dtype="bfloat16",
-    block_size=16,
-    head_size=128,
-    num_kv_heads=8,
-    num_layers=32,
-    protocol=1,
-)
+from pdwire.models import InstanceSpec
+from tests.support.identity import KV
 
 
 def _spec(role: str, tp: int = 1, revision: str | None = None, **kv: Any) -> InstanceSpec:

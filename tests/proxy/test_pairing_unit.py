@@ -11,19 +11,10 @@ from pdwire.models import KVIdentity
 from proxy.config import Flow
 from proxy.mock import MockBackend, Reply
 from tests.proxy.inmemory import D_URL, P_URL, InMemoryProxy
+from tests.support.identity import KV
 
 P2_URL = "http://p1:8101"
 D2_URL = "http://d1:8201"
-KV = KVIdentity(
-    model="sha256:" + "a" * 32,
-    dtype="bfloat16",
-    kv_cache_dtype="bfloat16",
-    block_size=16,
-    head_size=128,
-    num_kv_heads=8,
-    num_layers=32,
-    protocol=1,
-)
 
 
 def registered(
