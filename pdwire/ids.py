@@ -10,11 +10,13 @@ ID_BODY = r"[A-Za-z0-9._:-]{1,128}"  # the pattern without its anchors, to build
 ID_PATTERN = rf"^{ID_BODY}$"  # transfer ids and instance ids alike
 TRANSFER_ID_PATTERN = ID_PATTERN
 INSTANCE_ID_PATTERN = ID_PATTERN
-_ID = re.compile(ID_PATTERN)
+_ID = re.compile(ID_BODY)
 
 
 def valid_id(value: object) -> bool:
-    return isinstance(value, str) and _ID.match(value) is not None
+    """The whole value is an id (``fullmatch``: ``re.match`` with ``$`` lets a trailing newline
+    through, which then broke the Redis store's change messages)."""
+    return isinstance(value, str) and _ID.fullmatch(value) is not None
 
 
 class IdMaker:
