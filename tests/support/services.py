@@ -145,7 +145,11 @@ class MetaserverProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [str(VENV_BIN / "pd-metaserver"), "--port", str(self.port), "--store", store, *extra]
         self.proc = Process(argv, log=log_dir / f"metaserver-{self.port}.log")
-        wait_http(self.url + "/health", proc=self.proc, timeout=ready_timeout_s)
+        try:
+            wait_http(self.url + "/health", proc=self.proc, timeout=ready_timeout_s)
+        except BaseException:
+            self.proc.stop()  # nobody else holds it yet: it would outlive the test
+            raise
 
     def stop(self) -> None:
         self.proc.stop()
