@@ -22,6 +22,41 @@ log = logging.getLogger("pdgate.connector.mooncake")
 # stuck behind the retried write.
 DEADLINE_ENV = ("MC_TRANSFER_TIMEOUT", "MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
 
+# Mooncake's tcp transport queues at most MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER slices (default
+# 1024) per peer; beyond that a slice waits briefly for admission and is then rejected, and
+# the whole batch fails at once with -1 ("TCP lane queue-full rejection" in its log). A push
+# into D's ranks of a head-split layout (P tp 1 into D tp 2, token-major blocks) is thousands
+# of 128-byte pieces. So tcp writes go to a peer one batch at a time from this process, each
+# at most half the queue (the other half: another process writing the same peer).
+QUEUE_ENV, QUEUE_DEFAULT = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", 1024
+SLICE_ENV, SLICE_DEFAULT = "MC_TCP_SLICE_SIZE", 64 * 1024
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    try:
+        value = int(raw) if raw else default
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+def batches(lengths: list[int], slice_bytes: int, max_slices: int) -> list[range]:
+    """Consecutive index ranges over ``lengths``, each at most ``max_slices`` slices of
+    ``slice_bytes`` (a piece longer than a slice counts as several; a piece larger than the
+    whole allowance goes alone)."""
+    out: list[range] = []
+    start, used = 0, 0
+    for i, n in enumerate(lengths):
+        cost = max(1, -(-n // slice_bytes))
+        if i > start and used + cost > max_slices:
+            out.append(range(start, i))
+            start, used = i, 0
+        used += cost
+    if start < len(lengths):
+        out.append(range(start, len(lengths)))
+    return out
+
 
 def late_landing_s(write_s: float, lane_s: float) -> float:
     """How long after it failed (or its sender froze) a write may still land: the write deadline,
@@ -66,6 +101,10 @@ class MooncakeTransport:
         lane_s = max(float(knobs[k]) for k in DEADLINE_ENV[1:])
         self._late_s = late_landing_s(float(knobs["MC_TRANSFER_TIMEOUT"]), lane_s)
         self._lock = threading.Lock()
+        self._peers: dict[str, threading.Lock] = {}  # tcp: one batch at a time per peer
+        self._tcp = protocol == "tcp"
+        self._slice = _env_int(SLICE_ENV, SLICE_DEFAULT)
+        self._max_slices = max(1, _env_int(QUEUE_ENV, QUEUE_DEFAULT) // 2)
         log.info(
             "mooncake transfer engine up at %s (%s; %s)",
             self._session,
@@ -91,6 +130,17 @@ class MooncakeTransport:
             raise TransferError(f"mooncake register_memory({ptr:#x}, {length}) -> {rc}")
 
     def write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
+        if not self._tcp:
+            self._write(session, src, dst, lengths)
+            return
+        with self._lock:
+            peer = self._peers.setdefault(session, threading.Lock())
+        with peer:
+            for r in batches(lengths, self._slice, self._max_slices):
+                lo, hi = r.start, r.stop
+                self._write(session, src[lo:hi], dst[lo:hi], lengths[lo:hi])
+
+    def _write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
         rc = self._engine.batch_transfer_sync_write(session, src, dst, lengths)
         if rc != 0:
             raise TransferError(f"mooncake write to {session} failed ({rc})")
