@@ -11,7 +11,7 @@ import pytest
 from tests.support.procs import REPO
 from tests.support.services import MetaserverProcess, RedisSentinelGroup, RedisServer
 
-pytest_plugins = ["tests.support.hangs"]
+pytest_plugins = ["tests.support.hangs", "tests.support.budget", "tests.support.rescues"]
 
 
 @pytest.fixture(scope="session")
