@@ -23,6 +23,7 @@ from connector.config import ConnectorSettings
 from connector.metadata import Destination, PdgateMetadata, RecvEntry, SendChunk
 from connector.transport import Transport, make_transport
 from connector.worker import ConnectorWorker
+from tests.connector import peer_start
 from tests.connector.vllm_kv import LAYOUTS as LAYOUTS
 from tests.connector.vllm_kv import planned
 from tests.support import kv_views
@@ -92,7 +93,7 @@ def run_d(a: argparse.Namespace) -> int:
             workers[key] = _worker("kv_consumer", port, layout, transport, r, a.d_tp)
             workers[key].register_kv_caches(caches[key])
             workers[key].start_step(PdgateMetadata(recvs=recvs))
-    print("READY", flush=True)
+    peer_start.ready(a)
     pending = {(key, f"d-{x}") for x in LAYOUTS for key in workers}
     failed: set[tuple[tuple[str, int], str]] = set()
     deadline = time.monotonic() + 90
@@ -121,6 +122,7 @@ def run_d(a: argparse.Namespace) -> int:
 
 
 def run_p(a: argparse.Namespace) -> int:
+    peer_start.wait_for_d(a)
     transport = make_transport("mooncake", "127.0.0.1", "tcp", "")
     workers: list[ConnectorWorker] = []  # shut down at the end: they share one engine
     per = HEADS // a.tp
@@ -171,6 +173,7 @@ def main() -> int:
     ap.add_argument("--out", default="")
     ap.add_argument("--tp", type=int, default=1, help="P's TP size")
     ap.add_argument("--d-tp", type=int, default=1, help="D's TP size")
+    peer_start.add_arguments(ap)
     a = ap.parse_args()
     return run_d(a) if a.role == "d" else run_p(a)
 

@@ -16,6 +16,7 @@ import torch
 from connector.config import ConnectorSettings
 from connector.metadata import Destination, PdgateMetadata, RecvEntry, SendChunk
 from connector.worker import ConnectorWorker
+from tests.connector import peer_start
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 
@@ -76,7 +77,7 @@ def run_d(a: argparse.Namespace) -> int:
     w = worker("kv_consumer", a.port, "d-engine", a.timeout)
     caches = allocate(a.blocks, 2, a.block_size, a.head, LAYERS)
     w.register_kv_caches(caches)
-    print("READY", flush=True)
+    peer_start.ready(a)
     dst = [int(x) for x in a.dst.split(",")]
     meta = PdgateMetadata(recvs=[RecvEntry("dreq", a.tid, dst)])
     w.start_step(meta)
@@ -102,6 +103,7 @@ def run_p(a: argparse.Namespace) -> int:
     for name, value in expected(a.seed, tuple(caches[LAYERS[0]].shape), LAYERS).items():
         caches[name].copy_(value)
     print("STARTED", flush=True)  # imports (vLLM's take 20-30 s on a busy 2-core machine) done
+    peer_start.wait_for_d(a)
     dest = Destination("dec", "d-engine", "127.0.0.1", a.d_port, 1, 2, False, a.block_size)
     chunks = [
         [(int(x.split(":")[0]), int(x.split(":")[1])) for x in c.split(",") if x]
@@ -144,6 +146,7 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--head", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=30.0)
+    peer_start.add_arguments(ap)
     a = ap.parse_args()
     return run_d(a) if a.role == "d" else run_p(a)
 

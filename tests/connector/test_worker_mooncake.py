@@ -18,6 +18,8 @@ from tests.support.procs import Process, free_port
 
 pytest.importorskip("mooncake.engine")
 
+pytestmark = pytest.mark.slow  # two processes that import vLLM per test: not in `make test-fast`
+
 PEER = [sys.executable, "-m", "tests.connector.mooncake_peer"]
 
 
@@ -36,44 +38,23 @@ def _wait_line(proc: Process, text: str, timeout: float = 60.0) -> str:
 def _run(tmp_path: Path, chunks: list[list[tuple[int, int]]], seed: int) -> dict[str, torch.Tensor]:
     port = free_port()
     out = tmp_path / "d.pt"
+    ready = tmp_path / "d.ready"
     dst = [d for chunk in chunks for _, d in chunk]
+    spec = ";".join(",".join(f"{s}:{t}" for s, t in chunk) for chunk in chunks)
+    # both start at once (each imports vLLM); P pushes once D has written ``ready``
     d = Process(
-        [
-            *PEER,
-            "d",
-            "--port",
-            str(port),
-            "--tid",
-            f"t{seed}",
-            "--dst",
-            ",".join(map(str, dst)),
-            "--out",
-            str(out),
-            "--timeout",  # D's load deadline runs from READY, while P still imports vLLM
-            "120",
-        ],
+        [*PEER, "d", "--port", str(port), "--tid", f"t{seed}", "--dst", ",".join(map(str, dst)),
+         "--out", str(out), "--ready-file", str(ready), "--timeout", "120"],
         log=tmp_path / "d.log",
-    )
-    p: Process | None = None
+    )  # fmt: skip
+    p = Process(
+        [*PEER, "p", "--d-port", str(port), "--tid", f"t{seed}", "--chunks", spec,
+         "--seed", str(seed), "--after", str(ready)],
+        log=tmp_path / "p.log",
+    )  # fmt: skip
     try:
-        _wait_line(d, "READY", timeout=120)
-        spec = ";".join(",".join(f"{s}:{t}" for s, t in chunk) for chunk in chunks)
-        p = Process(
-            [
-                *PEER,
-                "p",
-                "--d-port",
-                str(port),
-                "--tid",
-                f"t{seed}",
-                "--chunks",
-                spec,
-                "--seed",
-                str(seed),
-            ],
-            log=tmp_path / "p.log",
-        )
-        _wait_line(p, "STARTED", timeout=120)
+        _wait_line(d, "READY", timeout=240)
+        _wait_line(p, "STARTED", timeout=240)
         _wait_line(p, "SENT")
         assert _wait_line(d, "RECEIVED").startswith("RECEIVED ok")
         deadline = time.monotonic() + 20
@@ -83,8 +64,7 @@ def _run(tmp_path: Path, chunks: list[list[tuple[int, int]]], seed: int) -> dict
         return got
     finally:
         d.stop()
-        if p is not None:
-            p.stop()
+        p.stop()
 
 
 def _assert_placed(
@@ -114,19 +94,22 @@ def test_mooncake_push_several_chunks_tail_and_skipped_cached_blocks(tmp_path: P
 
 def test_mooncake_handshake_to_a_dead_decoder_fails_without_hanging(tmp_path: Path) -> None:
     port = free_port()
+    dead = tmp_path / "d.dead"  # P pushes once D has been killed
     d = Process(
         [*PEER, "d", "--port", str(port), "--tid", "tdead", "--dst", "1"], log=tmp_path / "d.log"
     )
-    try:
-        _wait_line(d, "READY", timeout=120)
-    finally:
-        d.stop(signal.SIGKILL)
     p = Process(
-        [*PEER, "p", "--d-port", str(port), "--tid", "tdead", "--chunks", "0:1"],
+        [*PEER, "p", "--d-port", str(port), "--tid", "tdead", "--chunks", "0:1",
+         "--after", str(dead)],
         log=tmp_path / "p.log",
-    )
+    )  # fmt: skip
     try:
-        _wait_line(p, "STARTED", timeout=120)  # its imports are not what is timed
+        try:
+            _wait_line(d, "READY", timeout=240)
+        finally:
+            d.stop(signal.SIGKILL)
+        dead.write_text("killed\n")
+        _wait_line(p, "STARTED", timeout=240)  # its imports are not what is timed
         line = _wait_line(p, "SENT", timeout=30)  # P releases its blocks: no hang
         assert "writes=0" in line
     finally:
@@ -146,29 +129,21 @@ def test_mooncake_push_between_every_pair_of_vllm_layouts(
 
     port = free_port_range(len(L.LAYOUTS) * d_tp)
     out = tmp_path / "d.pt"
+    ready = tmp_path / "d.ready"
+    layout_peer = [sys.executable, "-m", "tests.connector.layout_peer"]
+    # both start at once (each imports vLLM); P pushes once D has written ``ready``
     d = Process(
-        [
-            sys.executable,
-            "-m",
-            "tests.connector.layout_peer",
-            "d",
-            "--port",
-            str(port),
-            "--out",
-            str(out),
-            "--d-tp",
-            str(d_tp),
-        ],
+        [*layout_peer, "d", "--port", str(port), "--out", str(out), "--d-tp", str(d_tp),
+         "--ready-file", str(ready)],
         log=tmp_path / "d.log",
-    )
-    p: Process | None = None
+    )  # fmt: skip
+    p = Process(
+        [*layout_peer, "p", "--d-port", str(port), "--tp", str(p_tp), "--d-tp", str(d_tp),
+         "--after", str(ready)],
+        log=tmp_path / "p.log",
+    )  # fmt: skip
     try:
-        _wait_line(d, "READY", timeout=120)
-        p = Process(
-            [sys.executable, "-m", "tests.connector.layout_peer", "p"]
-            + ["--d-port", str(port), "--tp", str(p_tp), "--d-tp", str(d_tp)],
-            log=tmp_path / "p.log",
-        )
+        _wait_line(d, "READY", timeout=240)
         assert _wait_line(d, "RECEIVED", timeout=150) == "RECEIVED pending=0 failed=0"
         deadline = time.monotonic() + 30
         while d.alive() and time.monotonic() < deadline:
@@ -176,8 +151,7 @@ def test_mooncake_push_between_every_pair_of_vllm_layouts(
         got: dict[tuple[str, str], torch.Tensor] = torch.load(out)
     finally:
         d.stop()
-        if p is not None:
-            p.stop()
+        p.stop()
     for li, name in enumerate(L.LAYERS):
         want = L.logical_kv(li)
         for y in L.LAYOUTS:
