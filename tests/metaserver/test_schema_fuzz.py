@@ -14,6 +14,8 @@ from metaserver import MetaserverSettings, create_app
 from metaserver.store import MemoryStore
 from pdwire.feed import FEED_PATH
 
+pytestmark = pytest.mark.slow  # schemathesis over every route: not in `make test-fast`
+
 APP = create_app(
     MetaserverSettings(max_wait_s=0.05), store=MemoryStore(binding_ttl_s=60, retain_s=60)
 )

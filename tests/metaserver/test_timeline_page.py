@@ -23,6 +23,8 @@ from tests.fakes import FakeVLLM
 from tests.support.procs import REPO, VENV_BIN, Process, free_port, wait_http
 from tests.support.services import MetaserverProcess, RedisServer
 
+pytestmark = pytest.mark.slow  # drives a real headless browser: not in `make test-fast`
+
 TOKEN = "ui-s3cret"
 ARTIFACTS = REPO / ".artifacts"
 PROMPT = "Explain prefill and decode disaggregation in one long paragraph. " * 6
