@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
-from tests.support.services import MetaserverProcess
+from tests.support.services import InThreadMetaserver
 
 
 @pytest.fixture
-def metaserver(metaserver_factory: Callable[..., MetaserverProcess]) -> Iterator[MetaserverProcess]:
-    yield metaserver_factory("memory", "--token", "t0ken")
+def metaserver() -> Iterator[InThreadMetaserver]:
+    """A fresh metaserver (memory store, token ``t0ken``) per test, served from a thread."""
+    ms = InThreadMetaserver(token="t0ken")
+    try:
+        yield ms
+    finally:
+        ms.stop()

@@ -12,7 +12,7 @@ import pytest
 from connector.scheduler.registrar import Registrar
 from pdwire.client import MetaserverClient
 from pdwire.models import InstanceRole, InstanceSpec, KVEndpoint
-from tests.support.services import MetaserverProcess
+from tests.support.services import InThreadMetaserver
 
 TOKEN = "t0ken"
 
@@ -27,7 +27,7 @@ def _spec() -> InstanceSpec:
 
 
 def test_registrar_registers_and_reports_a_heartbeat_that_came_after_expiry(
-    metaserver: MetaserverProcess, caplog: pytest.LogCaptureFixture
+    metaserver: InThreadMetaserver, caplog: pytest.LogCaptureFixture
 ) -> None:
     beats = itertools.chain([0.0, 2.0, 30.0], itertools.count(31.0))  # 3rd beat 28 s late
     reg = Registrar(

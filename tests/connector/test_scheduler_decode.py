@@ -19,7 +19,7 @@ from pdwire.trace import format_traceparent
 from tests.connector import harness as H
 from tests.connector.slow_proxy import SlowProxy
 from tests.support.otlp import otlp_receiver
-from tests.support.services import MetaserverProcess
+from tests.support.services import InThreadMetaserver
 
 TOKEN = "t0ken"
 
@@ -67,7 +67,7 @@ def make_decoder(tiny_model: Path) -> Iterator[Callable[..., Scheduler]]:
 
 
 def test_decode_matching_is_side_effect_free(
-    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_decoder: Callable[..., Scheduler]
 ) -> None:
     s = make_decoder(metaserver.url)
     conn = H.connector_of(s)
@@ -85,7 +85,7 @@ def test_decode_matching_is_side_effect_free(
 
 
 def test_decode_binding_carries_blocks_endpoint_and_identity(
-    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_decoder: Callable[..., Scheduler]
 ) -> None:
     s = make_decoder(metaserver.url)
     req = H.request(H.prompt(40), _recv_params("tid-bind"))
@@ -110,7 +110,7 @@ def test_decode_binding_carries_blocks_endpoint_and_identity(
 
 
 def test_decode_prefix_cache_hit_is_not_requested_from_prefill(
-    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_decoder: Callable[..., Scheduler]
 ) -> None:
     s = make_decoder(metaserver.url)
     shared = H.prompt(40, seed=1)
@@ -131,7 +131,7 @@ def test_decode_prefix_cache_hit_is_not_requested_from_prefill(
 
 
 def test_decode_schedule_never_waits_for_a_slow_metaserver(
-    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_decoder: Callable[..., Scheduler]
 ) -> None:
     slow = SlowProxy(metaserver.url, delay_s=2.0)
     try:
@@ -164,7 +164,7 @@ def test_decode_schedule_never_waits_for_a_slow_metaserver(
 
 
 def test_decode_rejected_binding_fails_the_load_at_once(
-    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_decoder: Callable[..., Scheduler]
 ) -> None:
     # registered at another KV endpoint than the binding names -> 422 from the metaserver
     s = make_decoder(metaserver.url, register=False)
@@ -206,7 +206,7 @@ def _abort_and_watch(s: Scheduler, req_id: str, seconds: float) -> list[str]:
 
 
 def test_decode_abort_before_p_took_the_binding_frees_the_blocks_at_once(
-    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_decoder: Callable[..., Scheduler]
 ) -> None:
     s = make_decoder(metaserver.url)
     before = H.free_blocks(s)
@@ -229,7 +229,7 @@ def test_decode_abort_before_p_took_the_binding_frees_the_blocks_at_once(
 
 @pytest.mark.parametrize("ended_by_proxy", [False, True])
 def test_decode_abort_after_p_took_the_binding_keeps_blocks_until_worker_releases(
-    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler], ended_by_proxy: bool
+    metaserver: InThreadMetaserver, make_decoder: Callable[..., Scheduler], ended_by_proxy: bool
 ) -> None:
     s = make_decoder(metaserver.url)
     before = H.free_blocks(s)
@@ -255,7 +255,7 @@ def test_decode_abort_after_p_took_the_binding_keeps_blocks_until_worker_release
 
 
 def test_decode_finished_load_is_not_ended_again(
-    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_decoder: Callable[..., Scheduler]
 ) -> None:
     s = make_decoder(metaserver.url)
     req = H.request(H.prompt(40), _recv_params("tid-loaded"), max_tokens=50)
@@ -272,7 +272,7 @@ def test_decode_finished_load_is_not_ended_again(
 
 
 def test_decode_request_loads_then_decodes_and_is_not_claimed_twice(
-    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_decoder: Callable[..., Scheduler]
 ) -> None:
     s = make_decoder(metaserver.url)
     conn = H.connector_of(s)
@@ -292,7 +292,7 @@ def test_decode_request_loads_then_decodes_and_is_not_claimed_twice(
 
 
 def test_decode_times_a_loaded_request_from_its_kv_ready_to_its_first_step(
-    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_decoder: Callable[..., Scheduler]
 ) -> None:
     s = make_decoder(metaserver.url)
     conn = H.connector_of(s)
@@ -320,7 +320,7 @@ def test_decode_times_a_loaded_request_from_its_kv_ready_to_its_first_step(
 
 
 def test_decode_failed_load_is_recomputed_locally(
-    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_decoder: Callable[..., Scheduler]
 ) -> None:
     s = make_decoder(metaserver.url)
     req = H.request(H.prompt(40), _recv_params("tid-fail"), max_tokens=2)
@@ -336,7 +336,7 @@ def test_decode_failed_load_is_recomputed_locally(
 
 
 def test_decode_load_failed_for_a_silent_p_recomputes_in_other_blocks_until_the_deadline(
-    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_decoder: Callable[..., Scheduler]
 ) -> None:
     if not features().bind_manager:
         pytest.skip("this vLLM never hands the connector its KVCacheManager: silence_s is off")
@@ -375,7 +375,7 @@ def test_decode_load_failed_for_a_silent_p_recomputes_in_other_blocks_until_the_
 
 
 def test_decode_traced_binding_records_a_bind_span(
-    metaserver: MetaserverProcess,
+    metaserver: InThreadMetaserver,
     make_decoder: Callable[..., Scheduler],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -413,7 +413,7 @@ def test_decode_traced_binding_records_a_bind_span(
 
 
 def test_decode_stats_time_the_binding_write_and_count_blocks_held_until_loaded(
-    metaserver: MetaserverProcess, make_decoder: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_decoder: Callable[..., Scheduler]
 ) -> None:
     s = make_decoder(metaserver.url)
     conn = H.connector_of(s)

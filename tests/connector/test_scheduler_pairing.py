@@ -25,7 +25,7 @@ from tests.connector.test_scheduler_prefill import (
     _step_until_scheduled,
     make_prefiller,
 )
-from tests.support.services import MetaserverProcess
+from tests.support.services import InThreadMetaserver
 
 __all__ = ["make_prefiller"]  # the fixture, shared with test_scheduler_prefill.py
 
@@ -59,7 +59,7 @@ def _failed_event(url: str, tid: str, timeout_s: float = 10.0) -> dict[str, Any]
 
 
 def test_prefill_registers_its_kv_identity_and_revision(
-    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
 ) -> None:
     """What D's P compares: the weights' fingerprint and the KV cache's shape, as loaded."""
     make_prefiller(metaserver.url, revision="model-v2")
@@ -81,7 +81,7 @@ def test_prefill_registers_its_kv_identity_and_revision(
     ids=["revision", "weights", "shape"],
 )
 def test_prefill_refuses_a_decoder_that_cannot_use_its_kv_and_says_so_once(
-    metaserver: MetaserverProcess,
+    metaserver: InThreadMetaserver,
     make_prefiller: Callable[..., Scheduler],
     caplog: pytest.LogCaptureFixture,
     d_fields: dict[str, Any],
@@ -115,7 +115,7 @@ def test_prefill_refuses_a_decoder_that_cannot_use_its_kv_and_says_so_once(
 
 
 def test_prefill_pushes_to_a_decoder_with_its_identity_and_revision(
-    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
 ) -> None:
     s = make_prefiller(metaserver.url, revision="model-v2")
     me = _p_registration(metaserver.url)

@@ -15,7 +15,7 @@ from vllm.v1.request import RequestStatus
 from connector.metadata import SendChunk
 from pdwire.version import PROTOCOL_VERSION
 from tests.connector import harness as H
-from tests.support.services import MetaserverProcess
+from tests.support.services import InThreadMetaserver
 
 TOKEN = "t0ken"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -117,7 +117,7 @@ def _pushes(meta: Any, req_id: str) -> list[SendChunk]:
 
 
 def test_prefill_chunks_push_complete_blocks_and_tail_last(
-    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
 ) -> None:
     _register_decoder(metaserver.url)
     s = make_prefiller(metaserver.url, batched=40)  # chunks 0-40, 40-80, 80-100
@@ -145,7 +145,7 @@ def test_prefill_chunks_push_complete_blocks_and_tail_last(
 
 
 def test_prefill_skips_blocks_decode_already_caches(
-    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
 ) -> None:
     _register_decoder(metaserver.url)
     s = make_prefiller(metaserver.url, batched=64)
@@ -163,7 +163,7 @@ def test_prefill_skips_blocks_decode_already_caches(
 
 
 def test_prefill_keeps_blocks_until_every_push_ended(
-    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
 ) -> None:
     _register_decoder(metaserver.url)
     s = make_prefiller(metaserver.url, batched=64)
@@ -187,7 +187,7 @@ def test_prefill_keeps_blocks_until_every_push_ended(
 
 
 def test_prefill_concurrent_mode_asks_later_until_binding_arrives(
-    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
 ) -> None:
     _register_decoder(metaserver.url)
     s = make_prefiller(metaserver.url, batched=64, concurrent=True)
@@ -206,7 +206,7 @@ def test_prefill_concurrent_mode_asks_later_until_binding_arrives(
 
 
 def test_prefill_refuses_destinations_the_registry_does_not_vouch_for(
-    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
 ) -> None:
     _register_decoder(metaserver.url)
     s = make_prefiller(metaserver.url, batched=64, registry_grace_s=0.5)
@@ -234,7 +234,7 @@ def test_prefill_refuses_destinations_the_registry_does_not_vouch_for(
 
 
 def test_prefill_pushes_once_a_lapsed_decoder_registers_again_within_the_grace(
-    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
 ) -> None:
     _register_decoder(metaserver.url)
     s = make_prefiller(metaserver.url, batched=64, heartbeat_s=0.2, registry_grace_s=30)
@@ -256,7 +256,7 @@ def test_prefill_pushes_once_a_lapsed_decoder_registers_again_within_the_grace(
 
 
 def test_prefill_does_not_refuse_on_an_old_no_from_the_registry(
-    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
 ) -> None:
     s = make_prefiller(metaserver.url, batched=64, heartbeat_s=60, registry_grace_s=0)
     _register_decoder(metaserver.url)
@@ -276,7 +276,7 @@ def test_prefill_does_not_refuse_on_an_old_no_from_the_registry(
 
 
 def test_prefill_abort_mid_prefill_holds_blocks_until_workers_release(
-    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
 ) -> None:
     _register_decoder(metaserver.url)
     s = make_prefiller(metaserver.url, batched=40)
@@ -294,7 +294,7 @@ def test_prefill_abort_mid_prefill_holds_blocks_until_workers_release(
 
 
 def test_prefill_abort_before_binding_arrived_holds_nothing(
-    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
 ) -> None:
     s = make_prefiller(metaserver.url, batched=64, concurrent=True)
     req = H.request(H.prompt(50), _send_params("tid-never", None), max_tokens=1)
@@ -306,7 +306,7 @@ def test_prefill_abort_before_binding_arrived_holds_nothing(
 
 
 def test_prefill_never_pushes_after_decodes_deadline(
-    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
 ) -> None:
     _register_decoder(metaserver.url)
     s = make_prefiller(metaserver.url, batched=64, kv_load_timeout_s=1.0)
@@ -322,7 +322,7 @@ def test_prefill_never_pushes_after_decodes_deadline(
 
 
 def test_prefill_obeys_the_deadline_the_binding_states(
-    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
 ) -> None:
     """D states its deadline in the binding: P (whose own kv_load_timeout_s is far longer)
     stops writing before it, so P and D need not share the setting."""
@@ -339,7 +339,7 @@ def test_prefill_obeys_the_deadline_the_binding_states(
 
 
 def test_prefill_refuses_a_decoder_of_another_protocol_version(
-    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
 ) -> None:
     """A D of another pdgate release (its binding says protocol 1): no push, and P's answer
     says why (push: none), so the proxy lets D compute the prompt at once."""
@@ -360,7 +360,7 @@ def test_prefill_refuses_a_decoder_of_another_protocol_version(
 
 
 def test_prefill_pushes_to_a_decoder_with_more_tp_ranks(
-    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
 ) -> None:
     """P tp=1 feeds D tp=2 (each D rank gets its half of P's heads): the push is planned."""
     _register_decoder(metaserver.url)
@@ -375,7 +375,7 @@ def test_prefill_pushes_to_a_decoder_with_more_tp_ranks(
 
 
 def test_prefill_refuses_a_tp_pairing_that_cannot_map_heads_before_computing(
-    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
 ) -> None:
     """D tp=3 cannot hold D's 2 KV heads evenly: no push is planned, the binding says why, and
     the request is still served (its KV just never leaves P)."""
@@ -399,7 +399,7 @@ def test_prefill_refuses_a_tp_pairing_that_cannot_map_heads_before_computing(
 
 
 def test_prefill_takes_the_lease_before_its_first_push(
-    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler]
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
 ) -> None:
     _register_decoder(metaserver.url)
     s = make_prefiller(metaserver.url, batched=40)
@@ -419,7 +419,7 @@ def test_prefill_takes_the_lease_before_its_first_push(
 
 @pytest.mark.parametrize("ended", ["aborted", "failed"])
 def test_prefill_pushes_nothing_into_a_binding_that_ended_before_p_took_it(
-    metaserver: MetaserverProcess, make_prefiller: Callable[..., Scheduler], ended: str
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler], ended: str
 ) -> None:
     _register_decoder(metaserver.url)
     s = make_prefiller(metaserver.url, batched=64)

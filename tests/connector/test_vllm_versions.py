@@ -13,6 +13,9 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,32 +29,53 @@ MODULES = [
 ]
 
 
+@dataclass(frozen=True)
+class Outcome:
+    probe: subprocess.CompletedProcess[str]
+    run: subprocess.CompletedProcess[str] | None  # None: the probe found the wrong vLLM
+
+
+def _check(version: str) -> Outcome:
+    """Import the version's vLLM (it must be the one found), then run the modules on it."""
+    src = REPO / ".cache" / "vllm-src" / version
+    env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{REPO}"}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import vllm; print(vllm.__version__, vllm.__file__)"],
+        env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    last = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else ""
+    if not last.startswith(f"{version} {src}"):
+        return Outcome(probe, None)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *MODULES],
+        env=env, capture_output=True, text=True, timeout=900, cwd=REPO,
+    )  # fmt: skip
+    return Outcome(probe, run)
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> Iterator[dict[str, Future[Outcome]]]:
+    """Every version's check, started at once and run two at a time: each child pytest is
+    one process, mostly on one core, and the machine has two."""
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="vllm-version") as pool:
+        futures = {v: pool.submit(_check, v) for v in OTHER}
+        yield futures
+        for f in futures.values():
+            f.cancel()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("version", OTHER)
-def test_connector_scheduler_half_on_other_vllm_releases(version: str) -> None:
+def test_connector_scheduler_half_on_other_vllm_releases(
+    version: str, outcomes: dict[str, Future[Outcome]]
+) -> None:
     src = REPO / ".cache" / "vllm-src" / version
     assert (src / "vllm" / "__init__.py").exists(), (
         f"{src} is missing: `make test` fetches it (tests/support/vllm_src.py {version})"
     )
-    env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{REPO}"}
-    probe = subprocess.run(
-        [sys.executable, "-c", "import vllm; print(vllm.__version__, vllm.__file__)"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
-    last = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else ""
-    assert last.startswith(f"{version} {src}"), probe.stdout + probe.stderr
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *MODULES],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=REPO,
-    )
+    out = outcomes[version].result()
+    assert out.run is not None, out.probe.stdout + out.probe.stderr
+    run = out.run
     tail = run.stdout[-3000:] + run.stderr[-2000:]
     assert run.returncode == 0, tail
     passed = re.search(r"(\d+) passed", run.stdout)

@@ -153,3 +153,45 @@ class MetaserverProcess:
 
     def stop(self) -> None:
         self.proc.stop()
+
+
+class InThreadMetaserver:
+    """The metaserver's own app (``create_app``, memory store) served by uvicorn on a loopback
+    socket from a thread of this process: real HTTP, a fresh store each time, and none of a
+    ``pd-metaserver`` process's 3-4 s of start-up (importing FastAPI) per test. For tests that
+    only talk to it; a test that kills or restarts the metaserver uses ``MetaserverProcess``."""
+
+    def __init__(self, token: str = "", ready_timeout_s: float = 30.0) -> None:
+        import socket
+        import threading
+
+        import uvicorn
+
+        from metaserver.app import create_app
+        from metaserver.config import MetaserverSettings
+
+        app = create_app(MetaserverSettings(store="memory", token=token))
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = int(self._sock.getsockname()[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            app, loop="asyncio", log_level="warning", access_log=False, lifespan="on"
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True,
+            name=f"metaserver-{self.port}",
+        )  # fmt: skip
+        self._thread.start()
+        deadline = time.monotonic() + ready_timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the in-thread metaserver on {self.url} did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
