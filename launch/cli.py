@@ -87,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds D waits for pushed KV before recomputing",
     )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for every vLLM engine, as vLLM spells it (repeatable): "
+        "--engine-arg=--enforce-eager --engine-arg=--seed=1",
+    )
     p.add_argument("--log-dir", type=Path, help="child logs (default: a temporary directory)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument(
@@ -124,6 +132,7 @@ def options_from(args: argparse.Namespace, redis_url: str | None) -> LaunchOptio
         tp_prefill=args.tp_prefill,
         tp_decode=args.tp_decode,
         kv_load_timeout_s=args.kv_load_timeout,
+        extra_engine_args=tuple(args.engine_arg),
     )
 
 

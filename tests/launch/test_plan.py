@@ -127,6 +127,17 @@ def test_plan_default_flow_follows_the_connector() -> None:
     assert kv_config(build_plan(plain).children[1].argv)["kv_connector"] == "PdgateConnector"
 
 
+def test_plan_engine_args_reach_every_engine_and_nothing_else() -> None:
+    from launch.cli import build_parser, options_from
+
+    argv = ["--model", "m", "--decode", "2", "--engine-arg=--enforce-eager"]
+    o = options_from(build_parser().parse_args([*argv, "--engine-arg=--seed=1"]), None)
+    plan = build_plan(o)
+    for child in plan.children:
+        has = "--enforce-eager" in child.argv and "--seed=1" in child.argv
+        assert has == (child.kind == "engine"), child.name
+
+
 def test_plan_ascend_connector_runs_unchanged_vllm_ascend_engines() -> None:
     from launch.cli import build_parser, options_from
 
