@@ -18,8 +18,11 @@ from pdwire.ascend import (
     binding_of_record,
     prompt_count,
 )
+from tests.support.procs import REPO
+from tests.support.vllm_src import ASCEND_DEST
 
 LAYERWISE = "vllm_ascend/distributed/kv_transfer/kv_p2p/mooncake_layerwise_connector.py"
+VLLM_ASCEND = "0.25.1rc1"  # the Makefile's VLLM_ASCEND
 
 
 def test_ascend_request_ids_follow_vllm_openai_server() -> None:
@@ -85,10 +88,19 @@ def _posted_keys(source: str) -> set[str]:
     raise AssertionError("kv_transfer_params = dict(...) not found")
 
 
-@pytest.mark.skipif(
-    not os.environ.get("VLLM_ASCEND_SRC"), reason="set VLLM_ASCEND_SRC to a vllm-ascend checkout"
-)
 def test_ascend_binding_fields_match_vllm_ascend_source() -> None:
-    """Against the real connector's source: the body D posts has exactly our model's fields."""
-    source = (Path(os.environ["VLLM_ASCEND_SRC"]) / LAYERWISE).read_text()
+    """Against the real connector's source: the body D posts has exactly our model's fields.
+    ``make test`` fetches the pinned release (the Makefile's VLLM_ASCEND); ``VLLM_ASCEND_SRC``
+    points at another checkout instead."""
+    root = Path(os.environ.get("VLLM_ASCEND_SRC") or ASCEND_DEST / VLLM_ASCEND)
+    assert (root / LAYERWISE).exists(), (
+        f"{root / LAYERWISE} is missing: `make test` fetches it "
+        f"(tests/support/vllm_src.py vllm-ascend=={VLLM_ASCEND})"
+    )
+    source = (root / LAYERWISE).read_text()
     assert _posted_keys(source) == set(AscendBinding.model_fields)
+
+
+def test_ascend_pinned_release_is_the_makefiles() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    assert f"VLLM_ASCEND := {VLLM_ASCEND}\n" in makefile
