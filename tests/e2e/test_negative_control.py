@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.client import client, complete
-from tests.e2e.conftest import LOG_DIR, Engines
+from tests.e2e.conftest import LOG_DIR, Monolithic
 from tests.e2e.observe import newest_binding
 from tests.e2e.stack import BLOCK_SIZE, Deployment, base_options, deployment, running
 from tests.e2e.test_equality import assert_same, prompt_ids
@@ -62,10 +62,12 @@ async def latest_binding(dep: Deployment) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("corrupted", [False], indirect=True, ids=["verify-off"])
-async def test_e2e_corrupted_push_breaks_equality(corrupted: Deployment, engines: Engines) -> None:
+async def test_e2e_corrupted_push_breaks_equality(
+    corrupted: Deployment, monolithic: Monolithic
+) -> None:
     prompt = prompt_ids(PROMPT_TOKENS, seed=4242)
-    ref = await complete(client(engines.mono_url), engines.model, prompt)
-    got = await complete(client(corrupted.proxy), engines.model, prompt)
+    ref = await complete(client(monolithic.ready()), monolithic.model, prompt)
+    got = await complete(client(corrupted.proxy), monolithic.model, prompt)
     assert len(ref.token_ids) == 16 and len(got.token_ids) == 16
     assert got.token_ids != ref.token_ids, "corrupted KV went unnoticed by the equality check"
     binding = await latest_binding(corrupted)
@@ -77,11 +79,11 @@ async def test_e2e_corrupted_push_breaks_equality(corrupted: Deployment, engines
 
 @pytest.mark.parametrize("corrupted", [True], indirect=True, ids=["verify-on"])
 async def test_e2e_verify_kv_catches_corrupted_push(
-    corrupted: Deployment, engines: Engines
+    corrupted: Deployment, monolithic: Monolithic
 ) -> None:
     prompt = prompt_ids(PROMPT_TOKENS, seed=4343)
-    ref = await complete(client(engines.mono_url), engines.model, prompt)
-    got = await complete(client(corrupted.proxy), engines.model, prompt)
+    ref = await complete(client(monolithic.ready()), monolithic.model, prompt)
+    got = await complete(client(corrupted.proxy), monolithic.model, prompt)
     assert_same(got, ref)  # D recomputed instead of decoding from the corrupted KV
     binding = await latest_binding(corrupted)
     assert binding["state"] == "done" and binding["num_prompt_tokens"] == PROMPT_TOKENS
