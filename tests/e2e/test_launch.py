@@ -16,7 +16,7 @@ import pytest
 
 from launch.supervisor import group_alive
 from tests.e2e.conftest import LOG_DIR
-from tests.e2e.stack import EAGER
+from tests.e2e.stack import ENGINE_ARGS
 from tests.support.procs import VENV_BIN, free_port_block
 
 pytestmark = pytest.mark.e2e
@@ -31,7 +31,7 @@ def test_e2e_pd_launch_serves_then_stops_everything_on_ctrl_c(tiny_model: Path) 
         str(VENV_BIN / "pd-launch"), "--model", str(tiny_model), "--port", ports[0],
         "--metaserver-port", ports[1], "--engine-base-port", ports[2],
         "--side-channel-base-port", ports[3], "--log-dir", str(LOG_DIR / "pd-launch"),
-        "--max-model-len", "1024", *(f"--engine-arg={a}" for a in EAGER),
+        "--max-model-len", "1024", *(f"--engine-arg={a}" for a in ENGINE_ARGS),
     ]  # fmt: skip
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
