@@ -21,9 +21,8 @@ CHUNK_TOKENS = 56
 MAX_MODEL_LEN = 2048
 # Extra vLLM arguments of every engine here, the reference included (they must match). Not
 # --enforce-eager: it cut the chaos deployment's start from 8 to 5 minutes (torch.compile's
-# cache never reloads on this torch), but eager engines missed the chaos suite's targets (D
-# computing a 1,600-token prompt after P was killed: first token 13.1 s after the kill,
-# against 0.5 s compiled and a 5 s target).
+# cache never reloads on this torch), but the one chaos run with eager engines missed two
+# targets (P killed: first token 13.1 s after, target 5 s) for reasons not established.
 ENGINE_ARGS: tuple[str, ...] = ()
 
 
