@@ -52,7 +52,7 @@ test: install vllm-src lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 # for iterating: no engines and none of the slow-marked modules (`make test` runs everything)
-test-fast: install lint
+test-fast: install vllm-src lint
 	$(BIN)/pytest -m "not e2e and not slow" $(PYTEST_ARGS)
 
 bench: install
