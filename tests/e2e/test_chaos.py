@@ -65,10 +65,15 @@ from tests.support.services import RedisSentinelGroup, RedisServer
 pytestmark = [
     pytest.mark.e2e,
     # clients here hang up by cancelling their request; the openai client's transport (httpx2)
-    # leaves such a socket to the garbage collector, whose ResourceWarning then lands in
-    # whichever test is running (a run: "ERROR at setup" of the hang-ups scenario)
+    # leaves such a socket (or its asyncio transport) to the garbage collector, whose
+    # ResourceWarning then lands in whichever test is running (two runs: "ERROR at setup" of
+    # the hang-ups scenario, one for each form)
     pytest.mark.filterwarnings(
         "ignore:Exception ignored in. <socket.socket:pytest.PytestUnraisableExceptionWarning"
+    ),
+    pytest.mark.filterwarnings(
+        "ignore:Exception ignored in. <function _SelectorTransport.__del__"
+        ":pytest.PytestUnraisableExceptionWarning"
     ),
 ]
 
