@@ -19,6 +19,8 @@ from tests.e2e.chaos import ReliabilityTable
 from tests.e2e.client import close_all
 from tests.e2e.pauses import PauseWatch
 from tests.e2e.stack import (
+    ENGINE_ARGS,
+    PROXY_ARGS,
     READY_TIMEOUT_S,
     Deployment,
     base_options,
@@ -124,14 +126,13 @@ def engines(
     # (heartbeats 10 s late), and a Mooncake write then hit the connector's default 10 s
     # deadline, a real failure the suites here do not test for. The fault suites keep 10 s.
     # Traced as operators trace: the proxy, vLLM and the connector export OTLP/HTTP.
-    base = base_options(tiny_model)
     quick = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # spans exported within 0.1 s, not 5 s
     opts = base_options(
         tiny_model, redis_url=redis_server.url, prefill=2, decode=2,
         extra_connector_config={"write_timeout_s": STALL_TOLERANT_WRITE_TIMEOUT_S},
-        extra_engine_args=(*base.extra_engine_args, "--otlp-traces-endpoint", traces.url),
+        extra_engine_args=(*ENGINE_ARGS, "--otlp-traces-endpoint", traces.url),
         extra_engine_env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", **quick},
-        extra_proxy_args=(*base.extra_proxy_args, "--otlp-traces-endpoint", traces.url),
+        extra_proxy_args=(*PROXY_ARGS, "--otlp-traces-endpoint", traces.url),
     )  # fmt: skip
     plan = build_plan(opts)
     next(c for c in plan.children if c.name == "proxy").env.update(quick)
@@ -161,6 +162,7 @@ def reliability(request: pytest.FixtureRequest) -> Iterator[ReliabilityTable]:
 _BEGAN = pytest.StashKey[float]()
 _SHARED: list[Deployment] = []  # the 2P2D deployment, once started
 SHARED_FIXTURE = "engines"
+_LAST_USER = pytest.StashKey[str]()  # the node id of the last test that uses it
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -180,15 +182,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     rest = [i for i in items[first:] if i not in chosen]
     ordered = [i for i in e2e if module(i) in users] + [i for i in e2e if module(i) not in users]
     items[first:] = ordered + rest
+    using = [i for i in ordered if SHARED_FIXTURE in getattr(i, "fixturenames", ())]
+    if using:
+        config.stash[_LAST_USER] = using[-1].nodeid
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """Stop the 2P2D deployment after the last test that uses it (its fixture's own stop at
     the session's end then finds nothing left to stop)."""
-    if not _SHARED or SHARED_FIXTURE not in getattr(item, "fixturenames", ()):
-        return
-    remaining = item.session.items[item.session.items.index(item) + 1 :]
-    if any(SHARED_FIXTURE in getattr(i, "fixturenames", ()) for i in remaining):
+    if not _SHARED or item.nodeid != item.config.stash.get(_LAST_USER, None):
         return
     for pd in _SHARED:
         pd.supervisor.stop()

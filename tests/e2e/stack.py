@@ -24,6 +24,7 @@ MAX_MODEL_LEN = 2048
 # cache never reloads on this torch), but the one chaos run with eager engines missed two
 # targets (P killed: first token 13.1 s after, target 5 s) for reasons not established.
 ENGINE_ARGS: tuple[str, ...] = ()
+PROXY_ARGS = ("--disagg-min-tokens", "0", "--decode-policy", "prefix")
 
 
 def base_options(model: Path, **over: object) -> LaunchOptions:
@@ -39,7 +40,7 @@ def base_options(model: Path, **over: object) -> LaunchOptions:
         block_size=BLOCK_SIZE,
         kv_load_timeout_s=60.0,
         extra_engine_args=ENGINE_ARGS,
-        extra_proxy_args=("--disagg-min-tokens", "0", "--decode-policy", "prefix"),
+        extra_proxy_args=PROXY_ARGS,
     )
     return replace(opts, **over)  # type: ignore[arg-type]
 
