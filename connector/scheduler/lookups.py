@@ -21,6 +21,9 @@ from pdwire.models import Binding, BindingState, Instance, InstanceRole
 log = logging.getLogger("pdgate.connector.lookups")
 
 Verdict = bool | None  # True trusted, False rejected, None not known yet
+# Between tries to take a binding while the metaserver does not answer: a stalled or failing
+# over metaserver (a Redis Sentinel failover takes seconds) should delay a push, not cancel it.
+CLAIM_PAUSE_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +43,14 @@ class Lookups:
         instance_ttl_s: float,
         doubt_ttl_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self._factory = client_factory
         self._wait = binding_wait_s
         self._ttl = instance_ttl_s
         self._doubt_ttl = min(doubt_ttl_s, instance_ttl_s)
         self._clock = clock
+        self._wall = wall
         self._lock = threading.Lock()
         self._bindings: dict[str, Binding | Exception] = {}
         self._binding_pending: set[str] = set()
@@ -86,27 +91,44 @@ class Lookups:
             self._claims.pop(transfer_id, None)
 
     # -- the lease: P takes a transfer before it writes anything -----------------------------
-    def claim(self, transfer_id: str, actor: str) -> Claim | None:
+    def claim(self, transfer_id: str, actor: str, until: float = 0.0) -> Claim | None:
         """P's ``bound → prefill_started`` (started once; ``None`` while under way). Lost when
         the binding already ended (D or the proxy aborted it, the deadline passed): then D may
-        have freed the blocks, so nothing may be written into them."""
+        have freed the blocks, so nothing may be written into them. While the metaserver does
+        not answer, it is tried again until ``until`` (wall clock; 0: the client's own retries
+        only): the deadline P may write by, so a late claim never leads to a late write."""
         with self._lock:
             if transfer_id in self._claims:
                 return self._claims[transfer_id]
             self._claims[transfer_id] = None
-        self._spawn(self._claim(transfer_id, actor))
+        self._spawn(self._claim(transfer_id, actor, until))
         return None
 
-    async def _claim(self, transfer_id: str, actor: str) -> None:
-        try:
-            await self._http().post_event(transfer_id, BindingState.PREFILL_STARTED, actor)
-            result = Claim(True)
-        except ConflictError as exc:
-            result = Claim(False, f"the binding ended before P took it ({exc.detail})")
-        except NotFoundError:
-            result = Claim(False, "the binding is gone (expired or deleted) before P took it")
-        except Exception as exc:  # unreachable metaserver: without the lease, no push
-            result = Claim(False, f"could not take the binding: {exc}")
+    async def _claim(self, transfer_id: str, actor: str, until: float) -> None:
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                await self._http().post_event(transfer_id, BindingState.PREFILL_STARTED, actor)
+                result = Claim(True)
+            except ConflictError as exc:
+                result = Claim(False, f"the binding ended before P took it ({exc.detail})")
+            except NotFoundError:
+                result = Claim(False, "the binding is gone (expired or deleted) before P took it")
+            except Exception as exc:  # unreachable metaserver: without the lease, no push
+                if self._wall() + CLAIM_PAUSE_S < until:
+                    if tries == 1:
+                        log.warning(
+                            "taking binding %s: %s; trying again until D's deadline",
+                            transfer_id,
+                            exc,
+                        )
+                    await asyncio.sleep(CLAIM_PAUSE_S)
+                    continue
+                result = Claim(False, f"could not take the binding: {exc}")
+            if tries > 1:
+                log.info("binding %s: %d tries to take it", transfer_id, tries)
+            break
         with self._lock:
             if transfer_id in self._claims:
                 self._claims[transfer_id] = result

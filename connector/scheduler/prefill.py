@@ -180,7 +180,8 @@ class PrefillSide:
             return 0, False
         if self._refuse(state, tid, binding):
             return 0, False
-        claim = self._lookups.claim(tid, self._actor)
+        until = Destination.of(binding, self._window).deadline
+        claim = self._lookups.claim(tid, self._actor, until)
         if claim is None:
             return None, False
         if not claim.won:
