@@ -6,7 +6,8 @@ metaserver the flag is set on its registration, so every proxy replica honours i
 ``--discovery-interval``; otherwise (a static URL the registry does not know, id
 ``host:port``) only this proxy does. ``GET /v1/instances`` lists ids and drains.
 
-Protected by ``--admin-key`` keys, or by the ``--api-key`` keys when none is set.
+Off (403) unless ``--admin-key`` keys are set; those must differ from the ``--api-key`` keys
+(a client key never drains the fleet).
 """
 
 from __future__ import annotations
@@ -15,22 +16,23 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from proxy.errors import Unauthorized
+from proxy.errors import Forbidden, Unauthorized
 from proxy.handler import _authorized
 from proxy.runtime import Runtime
 
 
 def admin_routes(api: FastAPI, rt: Runtime) -> None:
     def check_admin(request: Request) -> None:
-        if rt.admin_keys:
-            auth = request.headers.get("authorization")
-            if not _authorized(auth.encode() if auth else None, rt.admin_keys):
-                raise Unauthorized("missing or invalid admin key")
+        if not rt.admin_keys:
+            raise Forbidden("admin calls are off: start the proxy with --admin-key")
+        auth = request.headers.get("authorization")
+        if not _authorized(auth.encode() if auth else None, rt.admin_keys):
+            raise Unauthorized("missing or invalid admin key")
 
     @api.post(
         "/admin/instances/{instance_id}/drain",
         summary="Drain an instance: no new requests, in-flight ones finish",
-        responses={400: {}, 401: {}, 404: {}, 503: {}},
+        responses={400: {}, 401: {}, 403: {}, 404: {}, 503: {}},
     )
     async def drain(request: Request, instance_id: str) -> dict[str, Any]:
         check_admin(request)
@@ -39,7 +41,7 @@ def admin_routes(api: FastAPI, rt: Runtime) -> None:
     @api.delete(
         "/admin/instances/{instance_id}/drain",
         summary="Undrain an instance: it is selected again",
-        responses={400: {}, 401: {}, 404: {}, 503: {}},
+        responses={400: {}, 401: {}, 403: {}, 404: {}, 503: {}},
     )
     async def undrain(request: Request, instance_id: str) -> dict[str, Any]:
         check_admin(request)

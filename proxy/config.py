@@ -134,7 +134,8 @@ class ProxySettings(LayeredSettings):
     api_keys: KeyList = Field(default_factory=list, description="accepted bearer keys")
     admin_keys: KeyList = Field(
         default_factory=list,
-        description="bearer keys of the /admin endpoints (empty: the --api-key keys)",
+        description="bearer keys of the /admin endpoints (empty: /admin is off); each must "
+        "differ from every --api-key",
     )
 
     @field_validator("prefill", "decode", "api_keys", "admin_keys", mode="before")
@@ -152,6 +153,11 @@ class ProxySettings(LayeredSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> ProxySettings:
+        shared = {k.get_secret_value() for k in self.api_keys} & {
+            k.get_secret_value() for k in self.admin_keys
+        }
+        if shared:
+            raise ValueError("an --admin-key must differ from every --api-key")
         needs_p = self.flow != Flow.DIRECT
         if self.discovery == Discovery.STATIC:
             if not self.decode:

@@ -51,6 +51,11 @@ class Unauthorized(ProxyError):
     kind = "authentication_error"
 
 
+class Forbidden(ProxyError):
+    status = 403
+    kind = "permission_error"
+
+
 class NotFound(ProxyError):
     status = 404
     kind = "not_found_error"

@@ -11,6 +11,7 @@ marks, posted in the background (``proxy.events``).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -266,10 +267,14 @@ def _end_span(
     span.end(None if outcome == "ok" else (error or outcome))
 
 
-def _authorized(auth: bytes | None, keys: frozenset[str]) -> bool:
+def _authorized(auth: bytes | None, keys: frozenset[bytes]) -> bool:
+    """Whether ``auth`` is ``Bearer <one of keys>``, compared in constant time (every key is
+    compared, so the time says nothing about which prefix matched)."""
     if auth is None or not auth.startswith(b"Bearer "):
         return False
-    return auth[7:].decode("latin-1").strip() in keys
+    got = auth[7:].strip()
+    hits = [hmac.compare_digest(got, key) for key in keys]
+    return any(hits)
 
 
 def _flow_of(raw: bytes) -> Flow:

@@ -56,9 +56,9 @@ class Runtime:
         self.admission = Admission(settings.max_inflight)
         self.prefill_policy = make_policy(settings.prefill_policy)
         self.decode_policy = make_policy(settings.decode_policy)
-        self.api_keys = frozenset(k.get_secret_value() for k in settings.api_keys)
-        admin = frozenset(k.get_secret_value() for k in settings.admin_keys)
-        self.admin_keys = admin or self.api_keys
+        self.api_keys = frozenset(k.get_secret_value().encode() for k in settings.api_keys)
+        # never the API keys: any client could then drain the whole fleet
+        self.admin_keys = frozenset(k.get_secret_value().encode() for k in settings.admin_keys)
         self.drains = DrainControl(self.registry, None)  # local drains until ``start``
         self.session: aiohttp.ClientSession | None = None
         self.metaserver: AsyncMetaserverClient | None = None

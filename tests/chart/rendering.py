@@ -39,7 +39,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
     "auth-existing-secret": {
         "auth": {"existingSecret": "pd-token", "existingSecretKey": "tok"},
-        "proxy": {"apiKeys": {"existingSecret": "client-keys"}},
+        "proxy": {
+            "apiKeys": {"existingSecret": "client-keys"},
+            "adminKeys": {"existingSecret": "admin-keys"},
+        },
         "metaserver": {"protectReads": True},
     },
     "auth-given-token": {"auth": {"token": "s3cr3t-given-token"}},
@@ -68,7 +71,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 }
 
 # Secrets the scenarios expect to exist already (created by the user, not by the chart).
-USER_SECRETS = {"pd-token", "client-keys", "my-redis", "hf-token"}
+USER_SECRETS = {"pd-token", "client-keys", "admin-keys", "my-redis", "hf-token"}
 
 
 def load_chart() -> helm.Chart:

@@ -87,6 +87,9 @@ def test_wiring_proxy_cli_accepts_the_rendered_flags(
             assert settings.metaserver_token.get_secret_value() == "user-token"
     if name == "auth-existing-secret":
         assert [k.get_secret_value() for k in settings.api_keys] == ["k1", "k2"]
+        assert [k.get_secret_value() for k in settings.admin_keys] == ["a1"]
+    else:
+        assert settings.admin_keys == []  # /admin is off
 
 
 # --- metaserver -----------------------------------------------------------------------------
@@ -206,7 +209,7 @@ def test_wiring_secrets_are_referenced_never_inlined(scenario: tuple[str, Render
                     assert ref["key"] in rendered_secrets[ref["name"]]["data"], ref
                 else:
                     assert ref["name"] in USER_SECRETS, ref
-            if any(t in item["name"] for t in ("TOKEN", "PASSWORD", "API_KEYS")):
+            if any(t in item["name"] for t in ("TOKEN", "PASSWORD", "API_KEYS", "ADMIN_KEYS")):
                 assert "value" not in item, (w["metadata"]["name"], item["name"])
     text = r.text()
     for secret in rendered_secrets.values():

@@ -24,6 +24,7 @@ def fake_secrets(r: Rendered) -> dict[str, dict[str, str]]:
     }
     secrets["pd-token"] = {"tok": "user-token"}
     secrets["client-keys"] = {"api-keys": "k1,k2"}
+    secrets["admin-keys"] = {"admin-keys": "a1"}
     secrets["my-redis"] = {"url": "redis://:pw@kv:6379/0"}
     secrets["hf-token"] = {"token": "hf-user-token"}
     return secrets

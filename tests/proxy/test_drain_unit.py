@@ -173,11 +173,23 @@ async def test_admin_drain_calls_answer_and_are_protected() -> None:
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
-async def test_admin_calls_take_the_client_keys_when_no_admin_key_is_set() -> None:
-    client, _ = _admin_app(api_keys=["client-key"])
-    async with client:
-        assert (await client.post("/admin/instances/d0:8200/drain")).status_code == 401
-        r = await client.post(
-            "/admin/instances/d0:8200/drain", headers={"authorization": "Bearer client-key"}
-        )
-        assert r.status_code == 200
+async def test_admin_calls_are_off_without_an_admin_key() -> None:
+    # before: the client keys opened /admin, so any client could drain every instance
+    for settings in ({"api_keys": ["client-key"]}, {}):
+        client, app = _admin_app(**settings)
+        async with client:
+            for auth in ({}, {"authorization": "Bearer client-key"}):
+                r = await client.post("/admin/instances/d0:8200/drain", headers=auth)
+                assert r.status_code == 403
+                assert r.json()["error"]["type"] == "permission_error"
+                assert "--admin-key" in r.json()["error"]["message"]
+            listed = await client.get(
+                "/v1/instances", headers={"authorization": "Bearer client-key"}
+            )
+            assert listed.status_code == 200  # the rest of the proxy is unchanged
+        assert all(i.available() for i in app.runtime.registry.instances())
+
+
+def test_an_admin_key_must_differ_from_the_client_keys() -> None:
+    with pytest.raises(ValueError, match="--admin-key must differ from every --api-key"):
+        ProxySettings(flow="direct", decode=[D_URL], api_keys=["k1", "k2"], admin_keys=["k2"])
