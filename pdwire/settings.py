@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -22,13 +23,16 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+_SECRET_PARAM = re.compile(r"(?i)([?&][^=&#]*(?:password|secret|token|key)[^=&#]*=)[^&#]*")
+
 
 def redact_url(url: str) -> str:
-    """``redis://user:secret@host`` → ``redis://***@host``."""
+    """``redis://user:secret@host/0?sentinel_password=x`` → ``redis://***@host/0?sentinel_password=***``:
+    credentials and every query parameter named like a password, secret, token or key."""
     scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
-        return url
-    return f"{scheme}://***@{rest.rpartition('@')[2]}"
+    if sep and "@" in rest.partition("?")[0]:
+        url = f"{scheme}://***@{rest.rpartition('@')[2]}"
+    return _SECRET_PARAM.sub(r"\1***", url)
 
 
 class LayeredSettings(BaseSettings):

@@ -52,6 +52,7 @@ from metaserver.store.base import (
 from metaserver.store.redis_batch import ScriptBatcher
 from metaserver.store.redis_pool import close_pool, make_pool
 from pdwire.models import BindingState, MarkKind
+from pdwire.settings import redact_url
 
 log = logging.getLogger("pdgate.metaserver.redis")
 _LATENCY_SAMPLES = 1000
@@ -70,7 +71,7 @@ class RedisStore(Store):
         retries: int = 3,
         socket_timeout_s: float = 2.0,
     ) -> None:
-        self.description = f"redis ({_redact(url)}, namespace {namespace!r})"
+        self.description = f"redis ({redact_url(url)}, namespace {namespace!r})"
         self._ns = namespace
         self._ttl_ms = str(int(binding_ttl_s * 1000))
         self._retain_ms = str(int(retain_s * 1000))
@@ -440,13 +441,6 @@ def _instance(instance_id: str, h: list[Any]) -> StoredInstance | None:
     return StoredInstance(
         instance_id, spec, role.decode(), float(reg), float(hb), float(exp), bool(drain)
     )
-
-
-def _redact(url: str) -> str:
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.rpartition('@')[2]}"
 
 
 _RECANCEL_S = 0.1

@@ -11,6 +11,8 @@ import httpx
 import pytest
 
 from metaserver.cli import load_settings
+from metaserver.store.redis import RedisStore
+from pdwire.settings import redact_url
 from tests.metaserver.conftest import binding_spec, decode_instance
 from tests.support.procs import VENV_BIN, Process, free_port, wait_http
 from tests.support.services import MetaserverProcess
@@ -88,3 +90,24 @@ def test_cli_stats_scan_limit_bounds_what_stats_counts(
         assert httpx.put(f"{ms.url}/v1/bindings/t{i}", json=spec).status_code == 201
     stats = httpx.get(f"{ms.url}/v1/stats").json()
     assert stats["bindings_scanned"] == 2 and stats["bindings_by_state"]["bound"] == 2
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://user:pw-1@redis:6379/0",
+        "redis+sentinel://:pw-1@s1:26379,s2:26379/mymaster/2?sentinel_password=pw-2",
+        "redis://redis:6379/0?password=pw-1&socket_timeout=1",
+        "redis://redis:6379/0?Sentinel_Password=pw-2&x_token=pw-3",
+    ],
+)
+def test_store_urls_are_shown_without_any_secret(url: str) -> None:
+    # before: the Sentinel password (a query parameter) was in /ready and the start-up log
+    store = RedisStore(url, namespace="n", binding_ttl_s=60, retain_s=60)
+    shown = [redact_url(url), store.description]
+    for text in shown:
+        assert "pw-" not in text, text
+        assert "***" in text
+    assert redact_url("redis://redis:6379/0?socket_timeout=1") == (
+        "redis://redis:6379/0?socket_timeout=1"
+    )
