@@ -92,6 +92,12 @@ def pull_prefill_leg() -> dict[str, Any]:
     }
 
 
+def _object(params: object) -> None:
+    """vLLM passes whatever JSON value a client put there (through ``vllm_xargs`` too)."""
+    if params is not None and not isinstance(params, dict):
+        raise ParamsError(f"kv_transfer_params must be an object, not {type(params).__name__}")
+
+
 def _tid(params: dict[str, Any]) -> str:
     tid = params.get("transfer_id")
     if not valid_id(tid):
@@ -103,6 +109,7 @@ def _tid(params: dict[str, Any]) -> str:
 def parse_decode_leg(params: dict[str, Any] | None) -> RecvParams | None:
     """Params asking this (decode) instance to receive a remote prefill, else ``None`` (no
     params, or another connector's: prefill-first's pull params have no ``transfer_id``)."""
+    _object(params)
     if not params or params.get("do_remote_prefill") is not True:
         return None
     if "transfer_id" not in params:
@@ -112,6 +119,7 @@ def parse_decode_leg(params: dict[str, Any] | None) -> RecvParams | None:
 
 def parse_prefill_leg(params: dict[str, Any] | None) -> SendParams | None:
     """Params asking this (prefill) instance to push to a decode instance, else ``None``."""
+    _object(params)
     if not params or params.get("do_remote_decode") is not True or "transfer_id" not in params:
         return None
     tid = _tid(params)

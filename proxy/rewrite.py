@@ -45,9 +45,15 @@ class ClientRequest:
             body = _decode.decode(raw)
         except msgspec.DecodeError as exc:
             raise BadRequest(f"request body is not valid JSON: {exc}") from None
+        except RecursionError:  # msgspec's depth limit: a 400, not a 500 and a traceback
+            raise BadRequest("request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object")
+        # KV transfer parameters are the proxy's to set; vLLM also reads them from vllm_xargs
         body.pop("kv_transfer_params", None)
+        xargs = body.get("vllm_xargs")
+        if isinstance(xargs, dict):
+            xargs.pop("kv_transfer_params", None)
         return cls(body, chat)
 
     def for_decode(self, kv: dict[str, Any] | msgspec.Raw | None) -> bytes:

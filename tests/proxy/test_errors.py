@@ -20,7 +20,10 @@ async def test_malformed_json_is_400_without_backend_call(
         not_object = await http.post("/v1/chat/completions", content=b"[1, 2]")
         no_messages = await http.post("/v1/chat/completions", json={"model": "m"})
         bad_stream = await http.post("/v1/completions", json={"prompt": "x", "stream": "yes"})
-    for r in (bad, not_object, no_messages, bad_stream):
+        nested = await http.post(
+            "/v1/completions", content=b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+        )
+    for r in (bad, not_object, no_messages, bad_stream, nested):
         assert r.status_code == 400
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and err["message"]

@@ -1,0 +1,45 @@
+"""What the proxy refuses or removes from a client's body before any engine sees it."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from pdwire.errors import ParamsError
+from pdwire.params import parse_decode_leg, parse_prefill_leg
+from proxy.errors import BadRequest
+from proxy.rewrite import ClientRequest
+
+
+def test_kv_transfer_params_are_stripped_also_from_vllm_xargs() -> None:
+    # before: vLLM copies vllm_xargs into the sampling params' extra_args, where the
+    # connector reads kv_transfer_params, so a client could still hand an engine its own
+    evil = {"do_remote_prefill": True, "transfer_id": "victim-1"}
+    raw = msgspec.json.encode(
+        {
+            "model": "m",
+            "prompt": "hi",
+            "kv_transfer_params": evil,
+            "vllm_xargs": {"kv_transfer_params": evil, "my_arg": 3},
+        }
+    )
+    req = ClientRequest.parse(raw, chat=False)
+    sent = msgspec.json.decode(req.for_decode(None))
+    assert "kv_transfer_params" not in sent
+    assert sent["vllm_xargs"] == {"my_arg": 3}  # the client's own extra args pass
+
+
+def test_a_deeply_nested_body_is_a_400() -> None:
+    # before: msgspec's RecursionError escaped as a 500 with a traceback per request
+    raw = b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(BadRequest, match="nested too deeply"):
+        ClientRequest.parse(raw, chat=False)
+
+
+@pytest.mark.parametrize("value", ["boom", 3, ["do_remote_prefill"], True])
+def test_kv_transfer_params_that_are_not_an_object_are_refused(value: object) -> None:
+    # an engine behind no proxy gets whatever a client sends; the connector then computes
+    # locally (ParamsError is caught per request) instead of crashing the engine core
+    for parse in (parse_decode_leg, parse_prefill_leg):
+        with pytest.raises(ParamsError, match="must be an object"):
+            parse(value)  # type: ignore[arg-type]
