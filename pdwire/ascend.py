@@ -30,7 +30,7 @@ from pdwire.ids import ID_PATTERN
 from pdwire.models import MAX_BLOCKS_PER_GROUP, MAX_KV_GROUPS, MAX_TP_SIZE, BlockId, Host, Port
 
 BATCH_KEY = "batch_kv_transfer_params"  # vllm_ascend ... sfa_pd_rd2h/protocol.py
-MAX_BATCH = 256  # prompts of one completions request the flow accepts
+MAX_BATCH = 256  # prompts of one completions request (the proxy refuses more, in every flow)
 COMPAT_PATH = "/v1/ascend/metaserver"  # the metaserver's endpoint D posts to
 # the record fields the metaserver adds around D's dict (metaserver.store.base.StoredBinding)
 _RECORD_FIELDS = ("transfer_id", "state", "created_at", "updated_at", "events")

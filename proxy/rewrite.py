@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from pdwire.ascend import MAX_BATCH
 from proxy.errors import BadRequest
 
 _decode = msgspec.json.Decoder()
@@ -93,6 +94,9 @@ def _prompt_of(body: dict[str, Any], chat: bool) -> tuple[str, int | None]:
     if isinstance(prompt, str):
         return prompt, None
     if isinstance(prompt, list) and prompt:
+        batch = isinstance(prompt[0], (str, list))
+        if batch and len(prompt) > MAX_BATCH:  # each prompt is a binding, a task, a D request
+            raise BadRequest(f"at most {MAX_BATCH} prompts per request, not {len(prompt)}")
         if all(isinstance(p, str) for p in prompt):
             return "\n".join(prompt), None
         if all(isinstance(p, int) for p in prompt):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from pdwire.ascend import MAX_BATCH
 from pdwire.errors import ParamsError
 from pdwire.params import parse_decode_leg, parse_prefill_leg
 from proxy.errors import BadRequest
@@ -43,3 +44,21 @@ def test_kv_transfer_params_that_are_not_an_object_are_refused(value: object) ->
     for parse in (parse_decode_leg, parse_prefill_leg):
         with pytest.raises(ParamsError, match="must be an object"):
             parse(value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "prompt", [["a"] * (MAX_BATCH + 1), [[1, 2]] * (MAX_BATCH + 1)], ids=["texts", "token-lists"]
+)
+def test_more_prompts_than_a_batch_are_refused(prompt: list[object]) -> None:
+    # before: every prompt became a binding and a proxy task (the ascend flow: a long-poll
+    # each), so one 16 MiB body of short prompts held millions of them
+    with pytest.raises(BadRequest, match=f"at most {MAX_BATCH} prompts"):
+        ClientRequest.parse(msgspec.json.encode({"model": "m", "prompt": prompt}), chat=False)
+    ok = ClientRequest.parse(
+        msgspec.json.encode({"model": "m", "prompt": prompt[:MAX_BATCH]}), chat=False
+    )
+    assert ok.prompt is not None
+    many_tokens = ClientRequest.parse(
+        msgspec.json.encode({"model": "m", "prompt": list(range(5000))}), chat=False
+    )
+    assert many_tokens.tokens == 5000  # one prompt of token ids is not a batch
