@@ -13,7 +13,7 @@ refuse each other with that reason instead of failing on a field they do not kno
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -42,6 +42,16 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
         return self.layouts[self.layer_layouts[layer]]
 
 
+# The largest message a D rank reads: a Signal with ``verify_kv`` digests is about 21 bytes per
+# piece written (a 128k-token prompt of an 80-layer model, heads split: about 30 MB); ZeroMQ
+# drops the connection of a peer that sends more, before it is buffered whole
+MAX_FRAME_BYTES = 256 << 20
+
+# The longest a failed write may still land: Mooncake's write and lane deadlines at the
+# connector's limit for write_timeout_s (600 s), plus 2 s (transport/mooncake.py)
+MAX_SETTLE_S = 2 * 600 + 2.0
+
+
 class Refused(msgspec.Struct, tag="refused", frozen=True):
     reason: str
     protocol: int = UNVERSIONED
@@ -56,8 +66,9 @@ class Signal(msgspec.Struct, tag="signal", frozen=True):
     # with ``verify_kv``: (D layer index, D address, length, crc32) of every piece written
     digests: list[tuple[int, int, int, int]] = []
     # a write of this transfer failed (then was retried, or the transfer failed): its pieces
-    # may still land for this many seconds, so D must not use or free the blocks before then
-    settle_s: float = 0.0
+    # may still land for this many seconds, so D must not use or free the blocks before then;
+    # bounded, so that no message can keep D's blocks forever (D drops a Signal above it)
+    settle_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_SETTLE_S)] = 0.0
 
 
 class Alive(msgspec.Struct, tag="alive", frozen=True):

@@ -99,7 +99,13 @@ class Recorder:
             tr.trace.error = error
         digests = self._signer.digests(tr) if self._signer is not None and not error else []
         sig = wire.Signal(
-            tr.transfer_id, self._me, not error, tr.route.expected, error, digests, tr.settle_s
+            tr.transfer_id,
+            self._me,
+            not error,
+            tr.route.expected,
+            error,
+            digests,
+            min(tr.settle_s, wire.MAX_SETTLE_S),
         )
         if not self._signals.send(tr.dest.host, tr.d_port, sig):
             tr.error = tr.error or "signal not sent"

@@ -46,6 +46,7 @@ class SideChannelServer:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
         bind_host = "*" if host in ("0.0.0.0", "") else _host(host)
         self._sock.bind(f"tcp://{bind_host}:{port}")
         self.port = port
