@@ -102,6 +102,7 @@ class RedisStore(Store):
         self._waiters = LocalWaiters()
         self._listener: asyncio.Task[None] | None = None
         self.subscribed = asyncio.Event()  # set once Redis confirms the change subscription
+        self.bad_messages = 0  # change messages that could not be read (dropped, logged)
 
     # ---- keys -----------------------------------------------------------------------------
     def _bkey(self, transfer_id: str) -> str:
@@ -147,10 +148,7 @@ class RedisStore(Store):
                 async for message in pubsub.listen():
                     kind = message.get("type")
                     if kind == "message":
-                        if message["channel"] == self._created_raw:
-                            self._waiters.created(_created(message["data"]))
-                        else:
-                            self._waiters.notify(message["data"].decode())
+                        self._deliver(message)
                     elif kind == "subscribe" and (confirmed := confirmed + 1) == 2:
                         self.subscribed.set()
                         if delay > 0.05:
@@ -171,11 +169,29 @@ class RedisStore(Store):
                 self.subscribed.clear()
                 self._waiters.lost()
                 log.warning("change subscription lost (%s); retrying in %.2fs", exc, delay)
+            except Exception:  # a bug here must not end every long-poll's wake-ups for good
+                self.subscribed.clear()
+                self._waiters.lost()
+                log.exception("change listener failed; subscribing again in %.2fs", delay)
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
+            self._waiters.notify_all()
+
+    def _deliver(self, message: dict[str, Any]) -> None:
+        """Wake the waiters a change message names. Anyone who can PUBLISH on the channel can
+        send anything: a message that cannot be read is counted and logged, and every waiter
+        is woken to read its binding again (a wake-up it needed may have been in it)."""
+        try:
+            if message["channel"] == self._created_raw:
+                self._waiters.created(_created(message["data"]))
+            else:
+                self._waiters.notify(message["data"].decode())
+        except Exception as exc:
+            self.bad_messages += 1
+            log.warning("unreadable change message %.80r dropped (%r)", message.get("data"), exc)
             self._waiters.notify_all()
 
     # ---- bindings -------------------------------------------------------------------------

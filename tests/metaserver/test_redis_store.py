@@ -1,6 +1,6 @@
 """``RedisStore.close`` ends however soon after ``start`` it comes: its change listener may be
 in the middle of subscribing, where a cancel can be lost (Python 3.11's ``wait_for`` inside
-redis-py)."""
+redis-py). The change listener outlives any message published on its channels."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import asyncio
 import random
 import time
 
+import httpx
+import redis.asyncio as aioredis
+
+from metaserver.app import create_app
+from metaserver.config import MetaserverSettings
 from metaserver.store.redis import RedisStore, _cancel_until_done
+from tests.metaserver.test_api import register, spec_json
 from tests.support.services import RedisServer
 
 CLOSES = 120
@@ -47,3 +53,36 @@ async def test_redis_store_cancel_until_done_outlasts_a_swallowed_cancel() -> No
     await asyncio.wait_for(_cancel_until_done(task), 5)
     assert swallowed.is_set() and task.cancelled()
     assert time.monotonic() - started < 2
+
+
+async def test_redis_change_listener_outlives_unreadable_messages(
+    redis_server: RedisServer,
+) -> None:
+    # before: a message the listener could not parse (a transfer id ending in a newline broke
+    # the "created" message) ended the listener without a word, and from then on every
+    # long-poll on a binding written meanwhile waited its whole wait
+    store = RedisStore(
+        str(redis_server.url), namespace="garbage", binding_ttl_s=60.0, retain_s=120.0
+    )
+    await store.start()
+    app = create_app(MetaserverSettings(), store=store)
+    raw = aioredis.from_url(str(redis_server.url))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ms") as api:
+        try:
+            await register(api)
+            await asyncio.wait_for(store.subscribed.wait(), 10)
+            for tid in ("t1", "t2"):
+                poll = asyncio.ensure_future(api.get(f"/v1/bindings/{tid}", params={"wait": 10}))
+                await asyncio.sleep(0.3)
+                for channel in ("garbage:created", "garbage:changes"):
+                    await raw.publish(channel, b"\xff\xfe no id\n")
+                await asyncio.sleep(0.3)
+                started = time.monotonic()
+                assert (await api.put(f"/v1/bindings/{tid}", json=spec_json())).status_code == 201
+                r = await asyncio.wait_for(poll, 15)
+                assert r.status_code == 200 and r.json()["transfer_id"] == tid
+                assert time.monotonic() - started < 2.0  # woken by the write, not the wait's end
+            assert store.bad_messages >= 3
+        finally:
+            await raw.aclose()
+            await store.close()
