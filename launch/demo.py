@@ -22,15 +22,17 @@ def run_demo(plan: LaunchPlan, out: Callable[[str], None]) -> None:
     raw = client.chat.completions.with_raw_response.create(
         model=name,
         messages=[{"role": "user", "content": question}],
-        max_tokens=24,
+        max_tokens=48,
         temperature=0,
         extra_headers={"x-request-id": "pdgate-demo-1"},
     )
     reply = raw.parse()
     out(f"<<< {reply.choices[0].message.content!r}")
+    tiny = Path(model).name.startswith("tiny-")
+    note = "; a tiny random model: the words are noise, the path they took is the point"
     out(
-        f"    (usage: {reply.usage.prompt_tokens if reply.usage else '?'} prompt tokens; "
-        "a tiny random model — the words are noise, the path they took is the point)"
+        f"    (usage: {reply.usage.prompt_tokens if reply.usage else '?'} prompt tokens"
+        f"{note if tiny else ''})"
     )
     listed = httpx.get(plan.metaserver_url + "/v1/bindings", params={"limit": 1}, timeout=10)
     bindings = listed.json()["bindings"]

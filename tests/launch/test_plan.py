@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -179,3 +180,19 @@ def test_plan_ascend_connector_needs_npu_and_its_flow() -> None:
         build_plan(LaunchOptions(model="m", device="npu", connector="ascend", flow="decode-first"))
     with pytest.raises(ValueError, match="--connector ascend"):
         build_plan(LaunchOptions(model="m", device="npu", flow="ascend-layerwise"))
+
+
+def test_plan_smollm2_by_its_short_name_serves_the_built_checkpoint(tmp_path: Path) -> None:
+    # building it (download and dequantize, about 2 minutes) is make demo's; here the
+    # short name must resolve to a finished build, and never to a half-built one
+    from launch import smollm2
+    from launch.cli import build_parser, options_from
+
+    built = tmp_path / smollm2.FOLDER
+    built.mkdir()
+    (built / "config.json").write_text("{}")
+    assert smollm2.ready(tmp_path) is None  # no weights yet: not ready
+    (built / smollm2.WEIGHTS).write_bytes(b"")
+    argv = ["--model", "smollm2", "--model-cache", str(tmp_path)]
+    opts = options_from(build_parser().parse_args(argv), None)
+    assert opts.model == str(built)
