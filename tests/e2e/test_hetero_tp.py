@@ -288,8 +288,8 @@ async def test_e2e_hetero_tp_completion_equals_monolithic(
     # Every answer is compared with the monolithic engine's. A prompt P did not push whole is
     # sent again, with another prompt, only when the machine stood still meanwhile: the whole
     # of it STALL_S or more (every CPU's watcher missed it; a CI run saw 10-50 s), or one CPU
-    # CPU_STALL_S or more (a run here: 23.6 s on one CPU, and the metaserver, on it, answered
-    # nobody). Peers then miss their deadlines by design and D computes what it lacks. Each
+    # CPU_STALL_S or more (its watcher missed it while the other CPU's ran; up to 23.4 s in a
+    # run here). Peers then miss their deadlines by design and D computes what it lacks. Each
     # such try is a rescue, listed at the end of the run; without a measured stop a prompt D
     # had to compute fails here.
     dep = hetero.dep
