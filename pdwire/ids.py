@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 
@@ -11,6 +10,7 @@ ID_PATTERN = rf"^{ID_BODY}$"  # transfer ids and instance ids alike
 TRANSFER_ID_PATTERN = ID_PATTERN
 INSTANCE_ID_PATTERN = ID_PATTERN
 _ID = re.compile(ID_BODY)
+RANDOM_BYTES = 16  # per id
 
 
 def valid_id(value: object) -> bool:
@@ -20,12 +20,13 @@ def valid_id(value: object) -> bool:
 
 
 class IdMaker:
-    """Unique ids without per-call randomness: a random per-process prefix plus a counter
-    (each attempt of a request gets a new transfer id)."""
+    """Ids nobody can guess: a random per-process prefix (what the proxy's binding feed asks
+    for) and 128 random bits per id (each attempt of a request gets a new transfer id). A
+    counter made the next transfer id one more than the one a client saw in its answer, and
+    anyone who could reach a D's side channel could then name a transfer before its P did."""
 
     def __init__(self, kind: str) -> None:
         self.prefix = f"{kind}-{os.urandom(6).hex()}-"  # what every id of this maker starts with
-        self._count = itertools.count(1)
 
     def next(self) -> str:
-        return f"{self.prefix}{next(self._count)}"
+        return f"{self.prefix}{os.urandom(RANDOM_BYTES).hex()}"

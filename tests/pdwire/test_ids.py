@@ -20,7 +20,12 @@ def test_ids_invalid_whole_value_only(value: object) -> None:
     assert not valid_id(value)
 
 
-def test_ids_made_are_valid_and_unique() -> None:
+def test_ids_made_are_valid_unique_and_unguessable() -> None:
     make = IdMaker("pd")
     ids = [make.next() for _ in range(100)]
     assert all(valid_id(i) for i in ids) and len(set(ids)) == 100
+    assert all(i.startswith(make.prefix) for i in ids)  # the binding feed's subscription
+    # 128 random bits after the prefix, not a counter one above the id a client saw
+    suffixes = [i.removeprefix(make.prefix) for i in ids]
+    assert all(len(s) == 32 and int(s, 16) >= 0 for s in suffixes)
+    assert sorted(suffixes) != suffixes
