@@ -30,7 +30,7 @@ from launch.plan import build_plan
 from tests.e2e.chaos import STALL_S
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import LOG_DIR, STALL_TOLERANT_HEARTBEAT, Monolithic
-from tests.e2e.engine_metrics import prompt_tokens_by_source
+from tests.e2e.engine_metrics import prompt_tokens_by_source, wait_all_idle
 from tests.e2e.observe import newest_binding
 from tests.e2e.pauses import PauseWatch
 from tests.e2e.stack import (
@@ -77,11 +77,18 @@ def omp_bind_per_rank(ranks: int) -> str:
 
 
 # Each P rank is pinned to one of the machine's two cores, which the other engines share too: a
-# rank's keep-alive thread then went 3.7 s without a beat while P was pushing normally, and D
-# failed the load for silence (default 3 s) and recomputed the 700-token prompt
-PINNED_RANK_SILENCE = {"silence_s": 15.0}
-# One CPU standing still this long (its watcher missed it while the other CPU ran) stops any
-# process on it past the Mooncake write deadline (10 s here) or a metaserver call's attempts.
+# rank's keep-alive thread went 3.7 s without a beat while P was pushing normally. And with a
+# TP=2 engine up, this machine paused as a whole again and again (a CI run: 13-17 s pauses
+# three times in four minutes, every try of a prompt hit by one), while D's silence timer, P's
+# write deadline (10 s) and D's load deadline ran on. Here they outlast such a pause, so a
+# pause delays a push instead of failing it: what the module checks is where the heads go.
+RIDE_OUT_PAUSES = {"silence_s": 60.0, "write_timeout_s": 30, "write_retries": 2}
+# D's load deadline here (60 s elsewhere): in a CI run with no pause of any CPU, P with TP=2 on
+# this 2-core machine, beside D, the reference engine and the proxy, had not finished the
+# 700-token prompt's prefill and push 60 s after D bound it (13 chunks of 56 tokens)
+HETERO_LOAD_TIMEOUT_S = 180.0
+# One CPU standing still this long (its watcher missed it while the other CPU ran) can stop a
+# process on it past a peer's deadline or a metaserver call's attempts.
 CPU_STALL_S = 5.0
 
 
@@ -104,7 +111,8 @@ async def hetero(
         tiny_model,
         tp_prefill=p_tp,
         tp_decode=d_tp,
-        extra_connector_config=STALL_TOLERANT_HEARTBEAT | PINNED_RANK_SILENCE,
+        extra_connector_config=STALL_TOLERANT_HEARTBEAT | RIDE_OUT_PAUSES,
+        kv_load_timeout_s=HETERO_LOAD_TIMEOUT_S,
     )
     plan = build_plan(opts)
     wide = "prefill" if p_tp > 1 else "decode"  # the engine with two ranks
@@ -120,7 +128,14 @@ async def hetero(
         ref = await complete(client(monolithic.ready()), monolithic.model, prompt)
         got = await complete(client(d.proxy, timeout=600), monolithic.model, prompt)
         assert_same(got, ref)
+        # and P done with it: a CI run sent the first case while P was still in that first
+        # forward pass, and P pushed the case after D's deadline
+        await wait_all_idle(engines_of(d), timeout_s=600)
         yield Hetero(d, p_tp, d_tp)
+
+
+def engines_of(dep: Deployment) -> dict[str, str]:
+    return {name: dep.url_of(name) for name in ("prefill-0", "decode-0")}
 
 
 def rank0_bytes(model: Path, prompt_len: int, p_tp: int, d_tp: int) -> int:
@@ -237,6 +252,7 @@ async def through_pd(
     hetero: Deployment, mono: Monolithic, length: int, seed: int, pauses: PauseWatch
 ) -> Run:
     """One prompt through ``hetero`` and the monolithic engine; the answers must be equal."""
+    await wait_all_idle(engines_of(hetero), timeout_s=600)  # nothing left of the last prompt
     began = time.monotonic()
     prompt = prompt_ids(length, seed=seed)
     d_url = hetero.url_of("decode-0")
