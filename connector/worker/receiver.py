@@ -145,9 +145,10 @@ class RecvTracker:
                 entry.alive_at = now
 
     def take_silent(self) -> set[str]:
-        """Req ids failed for P's silence since the last call: P may only be frozen and write
-        again later, so their blocks must stay out of use until the deadline (plus the
-        late-landing hold)."""
+        """Req ids failed since the last call while P may still write: for P's silence (P may
+        only be frozen), or at the deadline after P had spoken (a write in flight can land
+        later). Their blocks must stay out of use until the deadline plus the late-landing
+        hold."""
         with self._lock:
             silent, self._quarantine = self._quarantine, set()
         return silent
@@ -249,12 +250,20 @@ class RecvTracker:
             self.expired += 1
             recv.cause = "timeout"
             got = len(entry.by_sender) if entry is not None else 0
+            # P said something, so it was pushing: a write it started before its cutoff (D's
+            # deadline less a margin) can land up to its write deadline plus the late-landing
+            # hold later, into blocks vLLM would otherwise recompute or reuse at once (a CI
+            # run: a retried write landed after the recompute, and D's answer was wrong)
+            pushing = entry is not None
+            if pushing:
+                self._quarantine.add(recv.req_id)
             log.warning(
-                "transfer %s (%s): %d done signal(s) by the %.0fs deadline; failing the load",
+                "transfer %s (%s): %d done signal(s) by the %.0fs deadline; failing the load%s",
                 recv.transfer_id,
                 recv.req_id,
                 got,
                 self._timeout,
+                "; its blocks stay out of use for the late-landing hold" if pushing else "",
             )
             return False
         return None

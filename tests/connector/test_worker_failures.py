@@ -152,6 +152,22 @@ def test_receiver_fails_a_load_whose_p_went_silent_and_asks_to_quarantine_it() -
     assert t.poll() == ({"r2"}, {"r2"}) and t.take_silent() == set()
 
 
+def test_receiver_quarantines_a_load_failed_at_the_deadline_while_p_was_pushing() -> None:
+    # before: only silence quarantined; at the deadline the blocks went straight back to vLLM,
+    # and a write P had in flight landed after D recomputed into them (wrong tokens in CI)
+    clock = FakeClock()
+    t = RecvTracker(30.0, clock)
+    t.expect("r1", "t1")  # P is pushing: it keeps sending keep-alives
+    t.expect("r2", "t2")  # one of P's two ranks signalled, the other did not
+    t.expect("r3", "t3")  # P never said a word: nothing of it can land
+    for _ in range(3):
+        clock.now += 10
+        t.on_alive(wire.Alive("p/0", ["t1"]))
+    t.on_signal(_sig("t2", "p/0", expected=2))
+    assert t.poll() == ({"r1", "r2", "r3"}, {"r1", "r2", "r3"}) and t.expired == 3
+    assert t.take_silent() == {"r1", "r2"}
+
+
 def test_receiver_names_the_p_rank_and_reason_of_a_failed_push(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
