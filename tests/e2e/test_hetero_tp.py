@@ -266,7 +266,13 @@ async def through_pd(
         ref = await complete(client(mono_url), mono.model, prompt, stream=length > 100)
         asking = "the P/D deployment"
         answer = asyncio.ensure_future(
-            complete(client(hetero.proxy), mono.model, prompt, stream=length > 100)
+            # D answers by its load deadline at the latest (computing the prompt itself)
+            complete(
+                client(hetero.proxy, timeout=HETERO_LOAD_TIMEOUT_S + 120),
+                mono.model,
+                prompt,
+                stream=length > 100,
+            )
         )
         if not (await asyncio.wait([answer], timeout=STACKS_AFTER_S))[0]:
             stacks = await asyncio.to_thread(dump_stacks, hetero)
