@@ -63,7 +63,7 @@ bench: install
 
 demo: install
 	$(BIN)/pd-launch --model smollm2 --model-cache .cache/models --prefill 1 --decode 1 --demo \
-	  --port 18000 --metaserver-port 18300 --engine-base-port 18100 --side-channel-base-port 25600
+	  --engine-arg=--enforce-eager --port 18000 --metaserver-port 18300 --engine-base-port 18100 --side-channel-base-port 25600
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
