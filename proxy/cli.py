@@ -94,6 +94,7 @@ def build_parser() -> SettingsParser[ProxySettings]:
     opt("--max-connections", "max_connections", int)
     opt("--http-client", "http_client", choices=["native", "aiohttp"])
     opt("--keepalive", "keepalive_s", float)
+    opt("--client-keepalive", "client_keepalive_s", float)
     opt("--otlp-traces-endpoint", "otlp_traces_endpoint", metavar="URL")
     return p
 
@@ -148,6 +149,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "log_level": settings.log_level,
         "access_log": False,
         "timeout_graceful_shutdown": 30,
+        "timeout_keep_alive": settings.client_keepalive_s,
         "backlog": 4096,
         "proxy_headers": False,
         "server_header": False,

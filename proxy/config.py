@@ -121,6 +121,13 @@ class ProxySettings(LayeredSettings):
     keepalive_s: float = Field(
         4.0, gt=0, description="reuse an idle backend connection at most this long"
     )
+    client_keepalive_s: float = Field(
+        75.0,
+        gt=0,
+        description="keep an idle client connection open this long; longer than clients keep "
+        "theirs (httpx and the openai client: 5 s), so a client never sends a request on a "
+        "connection the proxy is closing",
+    )
 
     # observability
     otlp_traces_endpoint: str | None = Field(
