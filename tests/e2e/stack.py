@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.plan import Child, LaunchOptions, LaunchPlan, build_plan
+from launch.plan import CPU_SINGLE_PROCESS_WORKER, Child, LaunchOptions, LaunchPlan, build_plan
 from launch.supervisor import ChildFailed, Supervisor
 from tests.support.procs import free_port, free_port_block
 
@@ -63,6 +63,7 @@ def monolithic_child(
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_WAIT_POLICY": "PASSIVE",  # as pd-launch's CPU preset: it shares the cores
+        **CPU_SINGLE_PROCESS_WORKER,  # as pd-launch's single-rank CPU engines
     }
     del opts
     return Child("monolithic", argv, f"http://127.0.0.1:{port}/health", env, kind="engine")

@@ -29,6 +29,17 @@ def test_plan_tp_per_role_reaches_each_engine_and_side_ports_do_not_overlap() ->
         used |= ports
 
 
+def test_plan_cpu_single_rank_engines_keep_their_worker_in_the_engine_core() -> None:
+    """One vLLM import fewer per one-rank cpu engine; a TP engine keeps a process per rank, and
+    the other devices keep vLLM's own choice."""
+    plan = build_plan(LaunchOptions(model="m", prefill=1, decode=1, tp_prefill=2, tp_decode=1))
+    env = {c.name: c.env for c in plan.children if c.kind == "engine"}
+    assert env["decode-0"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env["prefill-0"]
+    cuda = build_plan(LaunchOptions(model="m", device="cuda"))
+    assert all("VLLM_ENABLE_V1_MULTIPROCESSING" not in c.env for c in cuda.children)
+
+
 def test_plan_tp_flags_of_pd_launch() -> None:
     args = build_parser().parse_args(["--model", "m", "--tp-prefill", "2", "--tp-decode", "1"])
     opts = options_from(args, None)
