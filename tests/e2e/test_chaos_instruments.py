@@ -44,32 +44,50 @@ def _wait_for_lines(watch: PauseWatch, cpus: list[int], timeout_s: float = 10) -
 
 
 def test_pause_watch_counts_only_what_every_cpu_missed(tmp_path: Path) -> None:
+    """The reading of the watchers' files, on gaps written here (no process, no clock)."""
+    watch = PauseWatch(tmp_path)
+    watch.cpus = [0, 1]
+    # CPU 0 alone missed 10-13 (load on it, not a pause); both missed 20.0-21.5 and 30.0-30.4
+    watch._file(0).write_text("10.0 13.0\n19.9 21.5\n30.0 30.6\n")
+    watch._file(1).write_text("20.0 21.7\n29.8 30.4\n")
+    assert watch.pauses() == [(20.0, 21.5), (30.0, 30.4)]
+    assert watch.pauses(since=21.0, until=30.2) == [(21.0, 21.5), (30.0, 30.2)]
+    assert watch.paused_s(0.0, 40.0) == pytest.approx(1.9)
+    assert watch.cpu_stalls() == {0: pytest.approx(3.0), 1: pytest.approx(1.7)}
+    assert watch.cpu_stalls(since=11.0, until=12.0) == {0: pytest.approx(1.0), 1: 0.0}
+    assert watch.describe(0.0, 40.0) == "; the machine paused 1.5s (and 1 shorter, 0.4s in all)"
+    short = "; the machine paused under 1s each time (1 shorter, 0.4s in all)"
+    assert watch.describe(25.0, 40.0) == short
+    assert watch.describe(0.0, 15.0) == ""
+
+
+def test_pause_watch_sees_its_watchers_stopped(tmp_path: Path) -> None:
+    """The live watchers: each one stopped alone shows as that CPU's stall, all stopped at once
+    (what a paused VM looks like) as a pause. The machine may pause on its own meanwhile, so
+    this looks for the pause it made rather than for the only one."""
     with PauseWatch(tmp_path, min_gap_s=0.3) as watch:
         time.sleep(0.2)
-        if len(watch.procs) > 1:  # one CPU's watcher stopped alone: load, not a pause
-            os.kill(watch.procs[0].pid, signal.SIGSTOP)
-            time.sleep(0.6)
-            os.kill(watch.procs[0].pid, signal.SIGCONT)
-            _wait_for_lines(watch, watch.cpus[:1])
-            assert watch.pauses() == []
-        stopped = time.monotonic()
-        for p in watch.procs:  # every watcher stopped at once: what a paused VM looks like
+        lone = watch.procs[0]
+        since = time.monotonic()
+        os.kill(lone.pid, signal.SIGSTOP)
+        time.sleep(0.6)
+        os.kill(lone.pid, signal.SIGCONT)
+        _wait_for_lines(watch, watch.cpus[:1])
+        assert watch.cpu_stalls(since=since)[watch.cpus[0]] >= 0.5
+        for p in watch.procs:  # every watcher stopped at once
             os.kill(p.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
         time.sleep(PAUSE_S)
+        resumed = time.monotonic()
         for p in watch.procs:
             os.kill(p.pid, signal.SIGCONT)
-        resumed = time.monotonic()
-        _wait_for_lines(watch, watch.cpus)
-        while not watch.pauses(since=stopped):
+        deadline = time.monotonic() + 10
+        # (a watcher may still tick once between the signal's sending and its stop)
+        while not any(lo <= stopped + 0.05 and resumed <= hi for lo, hi in watch.pauses()):
+            assert time.monotonic() < deadline, (watch.pauses(), stopped, resumed)
             time.sleep(0.02)
-        (lo, hi), *rest = watch.pauses(since=stopped)
-    assert rest == []
-    assert stopped - 0.1 <= lo and hi <= resumed + 0.1, (lo, hi, stopped, resumed)
-    assert PAUSE_S - 0.1 <= hi - lo <= resumed - stopped + 0.1
-    assert watch.paused_s(lo + 0.2, hi) == pytest.approx(hi - lo - 0.2)
-    assert watch.describe(stopped, resumed + 1) == f"; the machine paused {hi - lo:.1f}s"
-    assert "under 1s each time (1 shorter" in watch.describe(stopped, lo + 0.5)
-    assert watch.describe(resumed + 1, resumed + 2) == ""
+    assert watch.paused_s(stopped, resumed) == pytest.approx(resumed - stopped, abs=0.05)
+    assert "the machine paused" in watch.describe(stopped, resumed)
 
 
 def test_overlap_keeps_what_both_lists_cover() -> None:
