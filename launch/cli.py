@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="one more argument for every vLLM engine, as vLLM spells it (repeatable): "
         "--engine-arg=--enforce-eager --engine-arg=--seed=1",
     )
+    p.add_argument(
+        "--proxy-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for pd-proxy (repeatable): --proxy-arg=--decode-policy=prefix",
+    )
     p.add_argument("--log-dir", type=Path, help="child logs (default: a temporary directory)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument(
@@ -148,6 +155,7 @@ def options_from(args: argparse.Namespace, redis_url: str | None) -> LaunchOptio
         tp_decode=args.tp_decode,
         kv_load_timeout_s=args.kv_load_timeout,
         extra_engine_args=tuple(args.engine_arg),
+        extra_proxy_args=tuple(args.proxy_arg),
     )
 
 

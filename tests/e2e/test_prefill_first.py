@@ -1,40 +1,128 @@
-"""prefill-first with a pull connector: vLLM's own NixlConnector on both engines (UCX, host
-memory), the proxy relaying P's kv_transfer_params to D. Greedy output equals the monolithic
-engine's, and D's prompt tokens really come from P's KV (D computes none of them)."""
+"""prefill-first with a pull connector, on a deployment ``pd-launch`` starts as a user does.
+
+vLLM's own NixlConnector on both engines (UCX, host memory), the proxy relaying P's
+kv_transfer_params to D: greedy output equals the monolithic engine's, and D's prompt tokens
+really come from P's KV (D computes none of them). The same run checks pd-launch itself, last:
+it reported progress, printed a curl that works, and Ctrl-C stops every process it started (no
+orphans). Every other end-to-end deployment is built from pd-launch's own plan
+(``tests/e2e/stack.py``); this one goes through its command line."""
 
 from __future__ import annotations
 
 import asyncio
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
 import pytest
 
+from launch.supervisor import group_alive
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import LOG_DIR, Monolithic
 from tests.e2e.engine_metrics import prompt_tokens_by_source
-from tests.e2e.stack import BLOCK_SIZE, Deployment, base_options, deployment, running
+from tests.e2e.stack import (
+    BLOCK_SIZE,
+    CHUNK_TOKENS,
+    ENGINE_ARGS,
+    MAX_MODEL_LEN,
+    PROXY_ARGS,
+    READY_TIMEOUT_S,
+)
 from tests.e2e.test_equality import assert_same, prompt_ids
 from tests.support import rescues
+from tests.support.procs import VENV_BIN, free_port_block
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 12
 WARMUP_TIMEOUT_S = 45.0  # a 64-token warm-up answers in a few seconds when the pull works
+READY_LINE = "Ctrl-C stops everything"
+
+
+@dataclass
+class Launched:
+    """A running ``pd-launch`` and what it printed."""
+
+    proc: subprocess.Popen[str]
+    proxy: str
+    urls: dict[str, str]  # engine name -> base URL
+    lines: list[str] = field(default_factory=list)
+    reader: threading.Thread | None = None
+
+    def url_of(self, name: str) -> str:
+        return self.urls[name]
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    def interrupt(self) -> int:
+        """Ctrl-C, as a user stops it; its exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                return self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self.reader is not None:
+            self.reader.join(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")
-def nixl_pd(tiny_model: Path) -> Iterator[Deployment]:
-    """1P1D with NixlConnector engines and the proxy in the prefill-first flow."""
-    opts = base_options(tiny_model, connector="nixl", flow="prefill-first")
-    dep = deployment(opts, LOG_DIR / "nixl")
-    with running(dep, "the NIXL deployment") as d:
-        yield d
+def nixl_pd(tiny_model: Path) -> Iterator[Launched]:
+    """``pd-launch --connector nixl``: 1P1D, the proxy in the prefill-first flow, engine settings
+    as the monolithic reference's. One block of ports: pd-launch counts engine and side-channel
+    ports up from their bases, and two independent free ports can meet (a CI run: decode-0's
+    HTTP port was taken)."""
+    base = free_port_block(16)
+    argv = [
+        str(VENV_BIN / "pd-launch"), "--model", str(tiny_model), "--connector", "nixl",
+        "--port", str(base), "--metaserver-port", str(base + 1),
+        "--engine-base-port", str(base + 2), "--side-channel-base-port", str(base + 8),
+        "--log-dir", str(LOG_DIR / "pd-launch"), "--ready-timeout", str(READY_TIMEOUT_S),
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", str(CHUNK_TOKENS),
+        "--block-size", str(BLOCK_SIZE), *(f"--engine-arg={a}" for a in ENGINE_ARGS),
+        *(f"--proxy-arg={a}" for a in PROXY_ARGS),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    urls = {"prefill-0": f"http://127.0.0.1:{base + 2}", "decode-0": f"http://127.0.0.1:{base + 3}"}
+    launched = Launched(proc, f"http://127.0.0.1:{base}", urls)
+    up = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            launched.lines.append(line.rstrip())
+            print(f"[pd-launch] {line.rstrip()}", file=sys.stderr, flush=True)
+            if READY_LINE in line:
+                up.set()
+
+    launched.reader = threading.Thread(target=read, daemon=True)
+    launched.reader.start()
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not up.wait(0.5):  # a pd-launch that exited (a child failed) is not waited for
+            ended = proc.poll() is not None or time.monotonic() > deadline
+            assert not ended, "pd-launch never became ready:\n" + "\n".join(launched.lines[-30:])
+        yield launched
+    finally:
+        launched.interrupt()
 
 
 @pytest.fixture(scope="module")
-async def nixl(nixl_pd: Deployment, monolithic: Monolithic) -> Deployment:
+async def nixl(nixl_pd: Launched, monolithic: Monolithic) -> Launched:
     """The deployment once D has pulled KV from P at least once. D's first pull starts with a
     NIXL handshake whose reply vLLM awaits only 5 s; on a loaded host it can time out, and D
     then recomputes that one request. Later requests reuse the handshake. The first pull can
@@ -83,7 +171,7 @@ async def sources_after(url: str, before: dict[str, float], tokens: int) -> dict
     ids=["json", "sse"],
 )
 async def test_e2e_prefill_first_nixl_equals_monolithic_with_pulled_kv(
-    nixl: Deployment, monolithic: Monolithic, stream: bool, length: int
+    nixl: Launched, monolithic: Monolithic, stream: bool, length: int
 ) -> None:
     prompt = prompt_ids(length, seed=500 + length)  # fresh prompt: nothing cached on D
     p_url, d_url = nixl.url_of("prefill-0"), nixl.url_of("decode-0")
@@ -101,3 +189,24 @@ async def test_e2e_prefill_first_nixl_equals_monolithic_with_pulled_kv(
     assert delta(p_after, p_before, "local_compute") == length  # P computed the prompt …
     assert delta(d_after, d_before, "external_kv_transfer") == length  # … D pulled all of it
     assert delta(d_after, d_before, "local_compute") == 0  # and recomputed nothing
+
+
+def test_e2e_pd_launch_printed_a_working_curl_and_ctrl_c_stops_everything(
+    nixl_pd: Launched,
+) -> None:
+    """Last in this module: it stops the deployment."""
+    text = nixl_pd.text()
+    pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", text)]
+    assert len(pids) == 4, text  # metaserver, prefill-0, decode-0, proxy
+    assert "prefill-0 is ready" in text and "decode-0 is ready" in text
+    lines = nixl_pd.lines
+    curl = next(i for i, line in enumerate(lines) if line.strip().startswith("curl -s"))
+    command = lines[curl].strip().rstrip("\\") + " " + lines[curl + 1].strip()
+    answer = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=120)
+    assert '"choices"' in answer.stdout, answer.stdout + answer.stderr
+    assert nixl_pd.interrupt() == 0
+    assert "all processes stopped" in nixl_pd.text()
+    deadline = time.monotonic() + 10
+    while any(group_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, "pd-launch left processes behind"
+        time.sleep(0.1)

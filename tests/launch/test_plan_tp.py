@@ -40,6 +40,13 @@ def test_plan_cpu_single_rank_engines_keep_their_worker_in_the_engine_core() -> 
     assert all("VLLM_ENABLE_V1_MULTIPROCESSING" not in c.env for c in cuda.children)
 
 
+def test_plan_proxy_args_of_pd_launch_reach_the_proxy_last() -> None:
+    args = ["--model", "m", "--proxy-arg=--decode-policy=prefix", "--proxy-arg=--retries=1"]
+    opts = options_from(build_parser().parse_args(args), None)
+    proxy = next(c for c in build_plan(opts).children if c.name == "proxy")
+    assert proxy.argv[-2:] == ["--decode-policy=prefix", "--retries=1"]
+
+
 def test_plan_tp_flags_of_pd_launch() -> None:
     args = build_parser().parse_args(["--model", "m", "--tp-prefill", "2", "--tp-decode", "1"])
     opts = options_from(args, None)
