@@ -15,6 +15,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import SettingsConfigDict
 
 from connector.errors import ConfigError
+from connector.seal import load_keys
 from pdwire.settings import LayeredSettings
 
 TOKEN_ENV = "PDGATE_METASERVER_TOKEN"
@@ -87,6 +88,19 @@ class ConnectorSettings(LayeredSettings):
         le=60,
         description="P: while a push is open, tell D it is alive this often (0: never)",
     )
+    side_channel_secret_file: str = Field(
+        "",
+        description="file holding the side channel's key(s), one per line: the first seals "
+        "every P <-> D message, any of them opens one (rotation); every P and D of a "
+        "deployment reads the same file. '' = the side channel is unauthenticated",
+    )
+    side_channel_max_skew_s: float = Field(
+        60.0,
+        ge=1,
+        le=3600,
+        description="a sealed side-channel message sent further than this from the receiver's "
+        "clock is refused (the replay window: keep the hosts' clocks in sync)",
+    )
     silence_s: float = Field(
         3.0,
         ge=0,
@@ -118,6 +132,13 @@ class ConnectorSettings(LayeredSettings):
         if v and not v.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
         return v.rstrip("/")
+
+    @field_validator("side_channel_secret_file")
+    @classmethod
+    def _readable_secret(cls, v: str) -> str:
+        if v:
+            load_keys(v)  # a clear error at start, not at the first handshake
+        return v
 
     @model_validator(mode="after")
     def _test_hooks(self) -> ConnectorSettings:

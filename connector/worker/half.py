@@ -15,6 +15,7 @@ from connector.config import ConnectorSettings
 from connector.device import Device, make_device
 from connector.errors import ConfigError
 from connector.metadata import PdgateMetadata
+from connector.seal import channel_of
 from connector.stats import StatsCollector
 from connector.tracing import ConnectorTracer, Value, build_tracer, sampled
 from connector.transport import Transport, make_transport
@@ -87,6 +88,10 @@ class ConnectorWorker:
         self.epoch = secrets.token_hex(8)
         self.protocol = PROTOCOL_VERSION  # what this rank speaks in its handshakes
         self.device = device or make_device(settings.device)
+        # seals every side-channel frame with the deployment's secret (none: unauthenticated)
+        self.channel = channel_of(
+            settings.side_channel_secret_file, settings.side_channel_max_skew_s
+        )
         self._transport = transport
         self._clock = clock
         self._events = events
@@ -161,6 +166,7 @@ class ConnectorWorker:
                 self._welcome,
                 self.tracker.on_signal if self._loads is None else self._on_signal,
                 self.tracker.on_alive,
+                self.channel,
             )
         if self.role in ("kv_producer", "kv_both"):
             self.sender = self._make_sender(self.memory, verify)
@@ -187,7 +193,15 @@ class ConnectorWorker:
             if verify and not s.verify_kv:  # arrival digests describe the bytes sent
                 checksums = self.tamper.sent_checksums(checksums)
         callbacks = SenderCallbacks(on_end=self._report_end, on_first_write=self._report_pushing)
-        return Sender(transport, memory, options, callbacks, checksums=checksums, stats=self.stats)
+        return Sender(
+            transport,
+            memory,
+            options,
+            callbacks,
+            checksums=checksums,
+            stats=self.stats,
+            channel=self.channel,
+        )
 
     def _digests_on(self) -> bool:
         """P signs its pieces with ``verify_kv``, and always when the transport's writes finish

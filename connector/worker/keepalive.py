@@ -20,6 +20,7 @@ import threading
 import time
 
 from connector import wire
+from connector.seal import OPEN, Channel
 from connector.worker.ledger import Ledger
 from connector.worker.side_channel import SignalClient
 
@@ -29,7 +30,8 @@ MIN_GAP_S = 0.05  # between two beats, however many transfers open
 
 
 class KeepAlive:
-    def __init__(self, me: str, ledger: Ledger, interval_s: float) -> None:
+    def __init__(self, me: str, ledger: Ledger, interval_s: float, channel: Channel = OPEN) -> None:
+        self._channel = channel
         self._me = me
         self._ledger = ledger
         self._interval = interval_s
@@ -48,7 +50,7 @@ class KeepAlive:
         self._wake.set()
 
     def _run(self) -> None:
-        client = SignalClient()
+        client = SignalClient(self._channel)
         gap = min(MIN_GAP_S, self._interval)
         try:
             while True:

@@ -13,6 +13,7 @@ import time
 
 from connector import wire
 from connector.errors import TransferError
+from connector.seal import OPEN, Channel
 from connector.stats import StatsCollector
 from connector.worker.batch import Write
 from connector.worker.handshake import HandshakeCache
@@ -35,6 +36,7 @@ class Recorder:
         on_first_write: Outcome | None,
         stats: StatsCollector | None = None,
         announce: bool = False,
+        channel: Channel = OPEN,
     ) -> None:
         self._me = me  # "<engine id>/<rank>": the signals' sender
         self._ledger = ledger
@@ -45,10 +47,11 @@ class Recorder:
         self._signals: SignalClient | None = None
         self._stats = stats or StatsCollector()
         self._announce = announce  # keep-alives on: D hears of a transfer at its first write
+        self._channel = channel
 
     def open(self) -> None:
         """On the sender thread (ZeroMQ sockets stay on the thread that made them)."""
-        self._signals = SignalClient()
+        self._signals = SignalClient(self._channel)
 
     def close(self) -> None:
         if self._signals is not None:

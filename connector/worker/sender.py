@@ -16,10 +16,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from connector import tp
 from connector.device import Event, host_checksums
 from connector.metadata import SendChunk
+from connector.seal import OPEN, Channel
 from connector.stats import StatsCollector
 from connector.transport import Transport
 from connector.worker import digest
@@ -30,7 +32,7 @@ from connector.worker.ledger import Ledger
 from connector.worker.loop import SenderLoop
 from connector.worker.memory import KVMemory
 from connector.worker.record import Recorder
-from connector.worker.side_channel import refuses
+from connector.worker.side_channel import handshake, refuses
 from connector.worker.signing import Signer
 from connector.worker.transfer import EndTask, LayerTask, Outcome, Task, Transfer
 from connector.worker.writer import RetryingWriter
@@ -85,9 +87,11 @@ class Sender:
         checksums: digest.Checksums = host_checksums,
         wall_clock: Callable[[], float] = time.time,
         stats: StatsCollector | None = None,
+        channel: Channel = OPEN,
     ) -> None:
         """``checksums`` reads P's KV for ``verify`` (host or device memory); ``wall_clock``
-        is compared with D's load deadline; ``stats`` counts what the push does."""
+        is compared with D's load deadline; ``stats`` counts what the push does; ``channel``
+        seals what goes to D's side channel (handshakes, signals, keep-alives)."""
         self.options = options
         self.stats = stats or StatsCollector()
         self._memory = memory
@@ -96,6 +100,7 @@ class Sender:
             options.engine_id,
             options.handshake_timeout_s,
             self._wake,
+            ask=partial(handshake, channel=channel),
             check=self._pairable,
             stats=self.stats,
         )
@@ -110,11 +115,12 @@ class Sender:
             callbacks.on_first_write,
             self.stats,
             announce=options.keepalive_s > 0,
+            channel=channel,
         )
         self._loop = SenderLoop(
             memory, self._ledger, self.handshakes, self._writer, recorder, wall_clock
         )
-        self.keepalive = KeepAlive(options.me, self._ledger, options.keepalive_s)
+        self.keepalive = KeepAlive(options.me, self._ledger, options.keepalive_s, channel)
         self.keepalive.start()
         self._loop.start()
 

@@ -2,7 +2,8 @@
 
 D rank r binds a ROUTER socket on ``side_channel_port + r``. P asks for the handshake from a
 pool thread (own socket, timeout) and sends signals from its sender thread through one DEALER
-per D rank (fire-and-forget; ZeroMQ queues while connecting).
+per D rank (fire-and-forget; ZeroMQ queues while connecting). With a side-channel secret every
+frame is sealed and checked (``connector/seal.py``); D drops what does not open, by reason.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from connector import wire
 from connector.errors import HandshakeError
+from connector.seal import OPEN, Channel, Unsealed
 from pdwire.version import mismatch
 
 log = logging.getLogger("pdgate.connector.side_channel")
@@ -41,6 +43,7 @@ class SideChannelServer:
         make_welcome: Callable[[wire.Hello], wire.Welcome | wire.Refused],
         on_signal: Callable[[wire.Signal], None],
         on_alive: Callable[[wire.Alive], None] | None = None,
+        channel: Channel = OPEN,
     ) -> None:
         zmq = _zmq()
         self._ctx = zmq.Context()
@@ -53,8 +56,10 @@ class SideChannelServer:
         self._welcome = make_welcome
         self._on_signal = on_signal
         self._on_alive = on_alive
+        self._channel = channel
         self._stop = threading.Event()
         self.bad_messages = 0
+        self.rejected: dict[str, int] = {}  # frames that did not open, by reason
         self._thread = threading.Thread(target=self._run, name=f"pdgate-side-{port}", daemon=True)
         self._thread.start()
 
@@ -68,9 +73,14 @@ class SideChannelServer:
             frames = self._sock.recv_multipart()
             if len(frames) < 2:
                 continue
-            ident, payload = frames[0], frames[-1]
+            ident, frame = frames[0], frames[-1]
             try:
-                msg = wire.decode(payload)
+                opened = self._channel.open(frame)
+            except Unsealed as exc:
+                self._reject(exc)
+                continue
+            try:
+                msg = wire.decode(opened.payload)
             except Exception:
                 self.bad_messages += 1
                 continue
@@ -79,7 +89,8 @@ class SideChannelServer:
                     reply: wire.Message = self._welcome(msg)
                 except Exception as exc:
                     reply = wire.Refused(str(exc))
-                self._sock.send_multipart([ident, wire.encode(reply)])
+                sealed, _ = self._channel.seal(wire.encode(reply), reply_to=opened.nonce)
+                self._sock.send_multipart([ident, sealed])
             elif isinstance(msg, wire.Signal):
                 try:
                     self._on_signal(msg)
@@ -93,15 +104,29 @@ class SideChannelServer:
         self._sock.close(0)
         self._ctx.term()
 
+    def _reject(self, exc: Unsealed) -> None:
+        """Count a frame that did not open; log the first of each reason and every 1000th."""
+        n = self.rejected[exc.reason] = self.rejected.get(exc.reason, 0) + 1
+        if n == 1 or n % 1000 == 0:
+            log.warning(
+                "side channel :%d dropped a frame (%s); %d so far for that reason",
+                self.port,
+                exc,
+                n,
+            )
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(2.0)
 
 
-def handshake(host: str, port: int, hello: wire.Hello, timeout_s: float) -> wire.Welcome:
+def handshake(
+    host: str, port: int, hello: wire.Hello, timeout_s: float, channel: Channel = OPEN
+) -> wire.Welcome:
     """Ask D rank at ``host:port`` for its KV description (blocking; run it off-thread). A
     port that refuses connections fails at once: ZeroMQ would keep reconnecting quietly
-    until ``timeout_s``."""
+    until ``timeout_s``. With a sealing ``channel`` only D's sealed answer to this very
+    question is taken."""
     started = time.monotonic()
     if refuses(host, port, min(1.0, timeout_s)):
         raise HandshakeError(f"{host}:{port} refuses connections (no D side channel there)")
@@ -112,12 +137,19 @@ def handshake(host: str, port: int, hello: wire.Hello, timeout_s: float) -> wire
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(f"tcp://{_host(host)}:{port}")
-        sock.send(wire.encode(hello))
+        question, nonce = channel.seal(wire.encode(hello))
+        sock.send(question)
         if not sock.poll(int(left_s * 1000)):
-            raise HandshakeError(f"no handshake answer from {host}:{port} in {timeout_s}s")
-        raw = sock.recv()
+            hint = " (a D with another side-channel secret, or none, drops the question)"
+            raise HandshakeError(f"no handshake answer from {host}:{port} in {timeout_s}s{hint}")
+        frame = sock.recv()
     finally:
         sock.close(0)
+    try:
+        raw = channel.open(frame, reply_to=nonce).payload
+    except Unsealed as exc:
+        what = f"{host}:{port} answered the handshake unauthenticated: {exc}"
+        raise HandshakeError(what) from None
     kind, version = wire.protocol_of(raw)
     if kind == "welcome" and (why := mismatch(version, f"D at {host}:{port}", hello.protocol)):
         raise HandshakeError(why)  # checked first: another release's Welcome may not decode
@@ -146,10 +178,11 @@ class SignalClient:
     """Done/failed signals and keep-alives to D ranks (use from one thread: ZeroMQ sockets are
     not shared)."""
 
-    def __init__(self) -> None:
+    def __init__(self, channel: Channel = OPEN) -> None:
         zmq = _zmq()
         self._ctx = zmq.Context.instance()
         self._socks: dict[tuple[str, int], Any] = {}
+        self._channel = channel
 
     def send(self, host: str, port: int, signal: wire.Signal | wire.Alive) -> bool:
         zmq = _zmq()
@@ -160,7 +193,7 @@ class SignalClient:
             sock.connect(f"tcp://{_host(host)}:{port}")
             self._socks[(host, port)] = sock
         try:
-            sock.send(wire.encode(signal), zmq.NOBLOCK)
+            sock.send(self._channel.seal(wire.encode(signal))[0], zmq.NOBLOCK)
             return True
         except zmq.Again:
             log.warning("signal queue to %s:%d full; dropped %s", host, port, signal)
