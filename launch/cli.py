@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import shutil
 import signal
 import sys
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from connector.seal import load_keys
 from launch import smollm2
 from launch.plan import LaunchOptions, LaunchPlan, build_plan, default_flow
 from launch.supervisor import ChildFailed, Printer, Supervisor
@@ -89,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--local-redis", action="store_true", help="start a redis-server for the metaserver"
     )
     p.add_argument("--token", help="metaserver write token (passed to every part)")
+    p.add_argument(
+        "--side-channel-secret-file",
+        metavar="PATH",
+        help="key file sealing the P <-> D side channel (one key per line; pdgate connector). "
+        "Default: a fresh random key in a private directory, removed at exit",
+    )
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--block-size", type=int)
@@ -125,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def options_from(args: argparse.Namespace, redis_url: str | None) -> LaunchOptions:
+def options_from(
+    args: argparse.Namespace, redis_url: str | None, secret_file: str = ""
+) -> LaunchOptions:
     model = args.model
     if model == smollm2.NAME and not Path(model).exists():
         model = str(smollm2.make_smollm2(args.model_cache, lambda line: print(line, flush=True)))
@@ -146,6 +157,7 @@ def options_from(args: argparse.Namespace, redis_url: str | None) -> LaunchOptio
         side_channel_base_port=args.side_channel_base_port,
         redis_url=redis_url,
         token=args.token,
+        side_channel_secret_file=args.side_channel_secret_file or secret_file,
         flow=args.flow or default_flow(args.connector),
         connector=args.connector,
         max_model_len=args.max_model_len,
@@ -185,13 +197,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     def out(line: str) -> None:
         print(line, flush=True)
 
+    if args.side_channel_secret_file:
+        try:
+            load_keys(args.side_channel_secret_file)
+        except ValueError as exc:
+            raise SystemExit(f"pd-launch: {exc}") from None
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pd-launch-"))
     redis_sup: Supervisor | None = None
     redis_url = args.redis
     if args.local_redis:
         redis_sup, redis_url = start_local_redis(log_dir, out)
+    secret_dir = None
+    if args.connector == "pdgate" and not args.side_channel_secret_file:
+        secret_dir = tempfile.TemporaryDirectory(prefix="pd-launch-secret-")  # mode 0700
     try:
-        plan = build_plan(options_from(args, redis_url))
+        secret = new_secret_file(Path(secret_dir.name)) if secret_dir is not None else ""
+        plan = build_plan(options_from(args, redis_url, secret))
     except ValueError as exc:  # e.g. --connector nixl with a push flow
         if redis_sup is not None:
             redis_sup.stop()
@@ -225,8 +246,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         sup.stop()
         if redis_sup is not None:
             redis_sup.stop()
+        if secret_dir is not None:
+            secret_dir.cleanup()
         out(f"all processes stopped (logs in {log_dir})")
     sys.exit(code)
+
+
+def new_secret_file(directory: Path) -> str:
+    """A file with one fresh random side-channel key (readable by this user only)."""
+    path = directory / "side-channel.key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    return str(path)
 
 
 def start_local_redis(log_dir: Path, out: Printer) -> tuple[Supervisor, str]:

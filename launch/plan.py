@@ -91,6 +91,8 @@ class LaunchOptions:
     side_channel_base_port: int = 5600
     redis_url: str | None = None
     token: str | None = None
+    # pdgate connector: the side channel's key file ('' = unauthenticated side channel)
+    side_channel_secret_file: str = ""
     flow: str = "decode-first"
     max_model_len: int = 2048
     max_num_batched_tokens: int | None = None
@@ -193,6 +195,11 @@ def kv_transfer_config(
         "kv_load_timeout_s": o.kv_load_timeout_s,
         "heartbeat_s": 2.0,
         "concurrent": True,  # P can fetch bindings itself: the proxy may pick the flow per request
+        **(
+            {"side_channel_secret_file": o.side_channel_secret_file}
+            if o.side_channel_secret_file
+            else {}
+        ),
         **o.extra_connector_config,
     }
     return json.dumps(

@@ -196,3 +196,29 @@ def test_plan_smollm2_by_its_short_name_serves_the_built_checkpoint(tmp_path: Pa
     argv = ["--model", "smollm2", "--model-cache", str(tmp_path)]
     opts = options_from(build_parser().parse_args(argv), None)
     assert opts.model == str(built)
+
+
+def test_plan_side_channel_secret_reaches_every_pdgate_engine(tmp_path: Path) -> None:
+    opts = LaunchOptions(model="m", prefill=2, decode=1, side_channel_secret_file="/s/key")
+    engines = [c for c in build_plan(opts).children if c.kind == "engine"]
+    for child in engines:
+        extra = kv_config(child.argv)["kv_connector_extra_config"]
+        assert isinstance(extra, dict) and extra["side_channel_secret_file"] == "/s/key"
+    plain = kv_config(build_plan(LaunchOptions(model="m")).children[1].argv)
+    assert "side_channel_secret_file" not in plain["kv_connector_extra_config"]  # type: ignore[operator]
+
+
+def test_pd_launch_makes_a_private_key_or_refuses_a_bad_one_before_starting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from connector.seal import load_keys
+    from launch import cli
+
+    made = Path(cli.new_secret_file(tmp_path))
+    assert made.stat().st_mode & 0o777 == 0o600 and len(load_keys(made)) == 1
+    (other := tmp_path / "other").mkdir()
+    assert made.read_text() != Path(cli.new_secret_file(other)).read_text()
+    short = tmp_path / "short.key"
+    short.write_text("short\n")
+    with pytest.raises(SystemExit, match="shorter than 16 bytes"):
+        cli.main(["--model", "m", "--side-channel-secret-file", str(short)])
