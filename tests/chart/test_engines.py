@@ -178,3 +178,31 @@ def test_engine_drain_can_be_turned_off() -> None:
             pod_spec(r.get("StatefulSet", f"{FULLNAME}-{role}"))["terminationGracePeriodSeconds"]
             == 30
         )
+
+
+def test_engine_side_channel_secret_is_mounted_and_named_in_the_connector_config() -> None:
+    from tests.chart.rendering import render
+
+    values = {
+        "connector": {"sideChannelSecret": {"existingSecret": "pd-side", "existingSecretKey": "k"}}
+    }
+    r = render(values)
+    for role in ROLES:
+        sts = r.get("StatefulSet", f"{FULLNAME}-{role}")
+        c = container(sts)
+        extra = json.loads(arg_after(c["args"], "--kv-transfer-config"))[
+            "kv_connector_extra_config"
+        ]
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "side-channel-secret")
+        assert mount["readOnly"] is True
+        assert extra["side_channel_secret_file"] == f"{mount['mountPath']}/k"
+        volume = next(v for v in pod_spec(sts)["volumes"] if v["name"] == "side-channel-secret")
+        assert volume["secret"]["secretName"] == "pd-side"
+        assert volume["secret"]["items"] == [{"key": "k", "path": "k"}]
+        assert volume["secret"]["defaultMode"] == 0o440
+    plain = render({})
+    for role in ROLES:
+        sts = plain.get("StatefulSet", f"{FULLNAME}-{role}")
+        raw = arg_after(container(sts)["args"], "--kv-transfer-config")
+        assert "side_channel_secret_file" not in raw
+        assert all(v["name"] != "side-channel-secret" for v in pod_spec(sts)["volumes"])

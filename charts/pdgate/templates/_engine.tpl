@@ -48,6 +48,9 @@ discovery, and a StatefulSet. Call with (dict "root" $ "role" "prefill"|"decode"
   "concurrent" (and (eq .role "prefill") (eq $v.proxy.flow "concurrent"))
   "revision" (include "pdgate.revision" $root)
 -}}
+{{- with $v.connector.sideChannelSecret.existingSecret }}
+{{- $_ := set $extra "side_channel_secret_file" (printf "%s/%s" (include "pdgate.engine.sideChannelDir" $root) $v.connector.sideChannelSecret.existingSecretKey) -}}
+{{- end }}
 {{- $extra = mergeOverwrite $extra (deepCopy $v.connector.extraConfig) -}}
 {{- $cfg := dict
   "kv_connector" $v.connector.name
@@ -61,6 +64,9 @@ discovery, and a StatefulSet. Call with (dict "root" $ "role" "prefill"|"decode"
 {{- toJson $cfg -}}
 {{- end -}}
 {{- end -}}
+
+{{/* Where engine pods see the side channel's key file (connector.sideChannelSecret). */}}
+{{- define "pdgate.engine.sideChannelDir" -}}/etc/pdgate/side-channel{{- end -}}
 
 {{- define "pdgate.engine" -}}
 {{- $root := .root -}}
@@ -263,12 +269,26 @@ spec:
             {{- end }}
             - name: model-cache
               mountPath: {{ $v.model.cache.mountPath }}
+            {{- if and (ne $v.connector.kind "vllm-ascend") $v.connector.sideChannelSecret.existingSecret }}
+            - name: side-channel-secret
+              mountPath: {{ include "pdgate.engine.sideChannelDir" $root }}
+              readOnly: true
+            {{- end }}
             {{- range $preset.hostPathMounts }}
             - name: {{ .name }}
               mountPath: {{ .path }}
               readOnly: true
             {{- end }}
       volumes:
+        {{- if and (ne $v.connector.kind "vllm-ascend") $v.connector.sideChannelSecret.existingSecret }}
+        - name: side-channel-secret
+          secret:
+            secretName: {{ $v.connector.sideChannelSecret.existingSecret }}
+            items:
+              - key: {{ $v.connector.sideChannelSecret.existingSecretKey }}
+                path: {{ $v.connector.sideChannelSecret.existingSecretKey }}
+            defaultMode: 0440
+        {{- end }}
         {{- if $v.engine.shm.enabled }}
         - name: shm
           emptyDir:
