@@ -126,8 +126,7 @@ class Sealer:
         """The frame for ``payload``, and its nonce."""
         nonce = self._nonces()
         header = _HEADER.pack(VERSION, self._seal_id, self._clock(), nonce, reply_to)
-        tag = hmac.new(self._seal_key, header + payload, hashlib.sha256).digest()
-        return header + tag + payload, nonce
+        return header + _tag(self._seal_key, header, payload) + payload, nonce
 
     def open(self, frame: bytes, reply_to: bytes | None = None) -> Opened:
         """``frame``'s payload, or ``Unsealed``. ``reply_to``: the nonce the frame must answer
@@ -138,11 +137,10 @@ class Sealer:
         key = self._keys.get(kid)
         if key is None:
             raise Unsealed("unknown_key", f"sealed with key id {kid.hex()}, not one of ours")
-        header = frame[: _HEADER.size]
-        tag = frame[_HEADER.size : OVERHEAD]
-        payload = frame[OVERHEAD:]
-        want = hmac.new(key, header + payload, hashlib.sha256).digest()
-        if not hmac.compare_digest(tag, want):
+        view = memoryview(frame)
+        payload = view[OVERHEAD:]
+        want = _tag(key, view[: _HEADER.size], payload)
+        if not hmac.compare_digest(view[_HEADER.size : OVERHEAD], want):
             raise Unsealed("bad_mac", "the frame's MAC does not match its content")
         now = self._clock()
         if not abs(now - sent_at) <= self._skew:  # (also refuses a NaN)
@@ -151,7 +149,13 @@ class Sealer:
             raise Unsealed("not_our_reply", "answers another request")
         if not self._replays.first_time(nonce, now):
             raise Unsealed("replayed", "nonce seen before")
-        return Opened(payload, nonce)
+        return Opened(bytes(payload), nonce)
+
+
+def _tag(key: bytes, header: bytes | memoryview, payload: bytes | memoryview) -> bytes:
+    mac = hmac.new(key, header, hashlib.sha256)
+    mac.update(payload)
+    return mac.digest()
 
 
 class OpenChannel:

@@ -7,7 +7,10 @@
 # network: they travel with the tree as cp312 wheels in .whl/ and a redis-server build with the
 # libraries it needs in .gpu/ (see the docs). Results go to $OUT (default: ./gpu-out).
 #
-#     bash tests/gpu/device_run.sh [--quick]
+#     bash tests/gpu/device_run.sh [--quick | --sealed]
+#
+# --sealed: only the side channel's authentication cost: push_layers.py's sealed cases, each
+# after its unsealed twin, three rounds (docs/benchmarks.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-out}
@@ -28,6 +31,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())'
 nproc
 "${REDIS_SERVER:-redis-server}" --version || echo "no redis-server"
+
+if [ "$QUICK" = --sealed ]; then
+  echo "== push_layers: side channel open vs sealed"
+  timeout 400 python3 tests/gpu/push_layers.py --only sealed --rounds 3 \
+    --json "$OUT/push_sealed.json" 2>"$OUT/push_sealed.err"
+  echo "push_layers exit $?"
+  tail -5 "$OUT/push_sealed.err"
+  exit 0
+fi
 
 echo "== push_layers"
 args=()

@@ -27,6 +27,7 @@ import collections
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -115,6 +116,7 @@ class Case:
     tamper: bool = False  # test_corrupt_push: D must detect a wrong block and fail the load
     d_tp: int = 1
     heads: int = 0  # KV heads (global); 0: ``--heads``
+    sealed: bool = False  # side channel sealed with a secret (connector/seal.py)
 
     @property
     def name(self) -> str:
@@ -122,6 +124,7 @@ class Case:
         kind += f"{self.heads}kv " if self.heads else ""
         extra = " +verify_kv" if self.verify else ""
         extra += " +corrupt" if self.tamper else ""
+        extra += " +sealed" if self.sealed else ""
         return f"{kind}{self.p}->{self.d} tp{self.p_tp}:{self.d_tp}{extra}"
 
 
@@ -148,7 +151,14 @@ CASES = [
     Case("LBHNC", "LBHNC", heads=2, d_tp=4),
     Case("LBNHC", "LBNHC", mla=True, d_tp=2),
     Case("LBNHC", "LBNHC", mla=True, p_tp=2, d_tp=4),
+    # the side channel sealed (HMAC of every handshake, keep-alive and signal): each beside
+    # its unsealed case above; +verify_kv sends the largest signals (a digest per piece)
+    Case("LBHNC", "LBHNC", sealed=True),
+    Case("LBHNC", "LBHNC", p_tp=2, sealed=True),
+    Case("LBHNC", "LBHNC", d_tp=2, sealed=True),
+    Case("LBHNC", "LBHNC", verify=True, sealed=True),
 ]
+SEALED_PAIRS = "2,21,8,22,14,23,12,24"  # (--only) each sealed case after its unsealed one
 
 
 class CudaCopy:
@@ -277,6 +287,7 @@ def run_case(case: Case, a: argparse.Namespace, watch: SyncWatch | None) -> Resu
         "PDGATE_CONNECTOR_VERIFY_KV": "1" if case.verify else "0",
         # a corrupt block never "lands": D need not wait long for it (default 10 s)
         "PDGATE_CONNECTOR_LANDING_WAIT_S": "0.5" if case.tamper else "10",
+        "PDGATE_CONNECTOR_SIDE_CHANNEL_SECRET_FILE": a.secret_file if case.sealed else "",
     }
     os.environ.update(env)
     d = C.make_instance(
@@ -474,11 +485,19 @@ def main() -> int:
     ap.add_argument("--head", type=int, default=128, help="head size")
     ap.add_argument("--layer-ms", type=float, default=1.0, help="compute per layer and chunk")
     ap.add_argument("--hidden", type=int, default=4096, help="width of the synthetic compute")
-    ap.add_argument("--only", default="", help="comma-separated case numbers (1-based)")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated case numbers (1-based, run in that order), or 'sealed': each "
+        "sealed case after its unsealed one",
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="run the chosen cases this many times")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     a.bounds = [round(a.tokens * f) for f in (0.245, 0.514, 0.807)] + [a.tokens]
     a.blocks = -(-a.tokens // BS) + 8
+    a.secret_file = str(Path(tempfile.mkdtemp()) / "side-channel.key")
+    Path(a.secret_file).write_text(os.urandom(32).hex() + "\n")
     watch = None
     if a.device == "cuda":
         assert torch.cuda.is_available(), "no CUDA device"
@@ -494,11 +513,11 @@ def main() -> int:
         f"{a.heads} KV heads x {a.head}, bf16; {a.repeat} matmul(s) per layer",
         flush=True,
     )
-    only = {int(x) for x in a.only.split(",") if x}
+    only = SEALED_PAIRS if a.only == "sealed" else a.only
+    order = [int(x) for x in only.split(",") if x] or list(range(1, len(CASES) + 1))
     results = []
-    for i, case in enumerate(CASES, 1):
-        if only and i not in only:
-            continue
+    for i in order * a.rounds:
+        case = CASES[i - 1]
         r = run_case(case, a, watch)
         results.append(r)
         print(json.dumps(asdict(r)), flush=True)
