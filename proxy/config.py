@@ -114,6 +114,12 @@ class ProxySettings(LayeredSettings):
     circuit_open_s: float = Field(10.0, gt=0, description="how long an open circuit rejects")
     max_inflight: int = Field(4096, ge=1, description="admission limit; above it: 429")
     max_body_bytes: int = Field(16 << 20, ge=1024, description="request bodies above it: 413")
+    max_choices: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="'n' or 'best_of' above it: 400 (each choice is a sequence D decodes)",
+    )
     max_connections: int = Field(1024, ge=1, description="pooled connections to backends")
     http_client: HttpClient = Field(
         HttpClient.NATIVE, description="data-path HTTP client: native (httptools) or aiohttp"

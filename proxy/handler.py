@@ -82,6 +82,7 @@ class CompletionsHandler:
         self._flow_default = rt.settings.flow
         self._flow_header = rt.settings.flow_header
         self._max_body = rt.settings.max_body_bytes
+        self._max_choices = rt.settings.max_choices
         self._marks = rt.settings.binding_marks  # the timeline's first_token / end marks
         self._counters: dict[tuple[str, Flow, str, int], Any] = {}
         self._histograms: dict[Flow, Any] = {}
@@ -163,7 +164,7 @@ class CompletionsHandler:
                 body = await read_body(receive, self._max_body)
             except BodyTooLarge as exc:
                 raise PayloadTooLarge(str(exc)) from None
-            req = ClientRequest.parse(body, endpoint == "chat")
+            req = ClientRequest.parse(body, endpoint == "chat", self._max_choices)
         except ClientDisconnected:
             if span is not None:
                 _end_span(span, "client_disconnected", 499, flow, None, None, "client went away")

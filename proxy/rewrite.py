@@ -21,12 +21,25 @@ CHARS_PER_TOKEN = 4
 _PREFILL_DROP = ("min_tokens", "min_completion_tokens", "stream_options", "best_of")
 
 
+DEFAULT_MAX_CHOICES = 16  # 'n' / 'best_of' above it: 400 (``--max-choices``)
+
+
 class ClientRequest:
     __slots__ = ("body", "chat", "include_usage", "prompt", "stream", "tokens")
 
-    def __init__(self, body: dict[str, Any], chat: bool) -> None:
+    def __init__(
+        self, body: dict[str, Any], chat: bool, max_choices: int = DEFAULT_MAX_CHOICES
+    ) -> None:
         self.body = body
         self.chat = chat
+        for key in ("n", "best_of"):  # each choice is a sequence D decodes (and holds KV for)
+            value = body.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise BadRequest(f"'{key}' must be a positive integer")
+            if value > max_choices:
+                raise BadRequest(f"'{key}' may be at most {max_choices}, not {value}")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("'stream' must be a boolean")
@@ -41,7 +54,7 @@ class ClientRequest:
         )
 
     @classmethod
-    def parse(cls, raw: bytes, chat: bool) -> ClientRequest:
+    def parse(cls, raw: bytes, chat: bool, max_choices: int = DEFAULT_MAX_CHOICES) -> ClientRequest:
         try:
             body = _decode.decode(raw)
         except msgspec.DecodeError as exc:
@@ -55,7 +68,7 @@ class ClientRequest:
         xargs = body.get("vllm_xargs")
         if isinstance(xargs, dict):
             xargs.pop("kv_transfer_params", None)
-        return cls(body, chat)
+        return cls(body, chat, max_choices)
 
     def for_decode(self, kv: dict[str, Any] | msgspec.Raw | None) -> bytes:
         if kv is None:

@@ -62,3 +62,28 @@ def test_more_prompts_than_a_batch_are_refused(prompt: list[object]) -> None:
         msgspec.json.encode({"model": "m", "prompt": list(range(5000))}), chat=False
     )
     assert many_tokens.tokens == 5000  # one prompt of token ids is not a batch
+
+
+@pytest.mark.parametrize(
+    ("extra", "error"),
+    [
+        ({"n": 17}, "'n' may be at most 16, not 17"),
+        ({"best_of": 1000}, "'best_of' may be at most 16, not 1000"),
+        ({"n": 0}, "'n' must be a positive integer"),
+        ({"n": "4"}, "'n' must be a positive integer"),
+        ({"n": True}, "'n' must be a positive integer"),
+    ],
+)
+def test_more_choices_than_allowed_are_a_400(extra: dict[str, object], error: str) -> None:
+    # before: n=100000 went to D as is, 100,000 sequences decoded for one request
+    raw = msgspec.json.encode({"model": "m", "prompt": "hi", **extra})
+    with pytest.raises(BadRequest, match=error):
+        ClientRequest.parse(raw, chat=False)
+
+
+def test_choices_up_to_the_cap_pass_and_the_cap_is_configurable() -> None:
+    def body(n: int) -> bytes:
+        return msgspec.json.encode({"model": "m", "prompt": "hi", "n": n})
+
+    assert ClientRequest.parse(body(16), chat=False).body["n"] == 16
+    assert ClientRequest.parse(body(17), chat=False, max_choices=32).body["n"] == 17
