@@ -35,6 +35,8 @@ def build_parser() -> SettingsParser[MetaserverSettings]:
     p.option("--max-wait", "max_wait_s", float)
     p.option("--stats-scan-limit", "stats_scan_limit", int)
     p.option("--log-level", "log_level")
+    p.option("--tls-cert", "tls_cert_file")
+    p.option("--tls-key", "tls_key_file")
     p.option("--workers", "workers", int)
     p.option("--ascend-decode", "ascend_decode", action="append", metavar="HOST:PORT[-PORT]")
     p.add_argument(
@@ -73,7 +75,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         app = _build(settings)
     log = logging.getLogger("pdgate.metaserver")
     log.info(
-        "pd-metaserver listening on http://%s:%d (store: %s, writes %s, %d process(es))",
+        "pd-metaserver listening on %s://%s:%d (store: %s, writes %s, %d process(es))",
+        settings.scheme,
         settings.host,
         settings.port,
         redact_url(settings.store),
@@ -96,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         date_header=False,
         # a worker busy importing or starting on a loaded machine is not a dead one
         timeout_worker_healthcheck=30,
+        **settings.uvicorn_tls(),
     )
 
 

@@ -8,9 +8,10 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from pdwire.settings import LayeredSettings, redact_url
+from pdwire.tls import TlsListener
 
 
-class MetaserverSettings(LayeredSettings):
+class MetaserverSettings(LayeredSettings, TlsListener):
     model_config = SettingsConfigDict(env_prefix="PD_METASERVER_", extra="forbid")
 
     host: str = Field("127.0.0.1", description="address to listen on")

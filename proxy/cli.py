@@ -96,6 +96,8 @@ def build_parser() -> SettingsParser[ProxySettings]:
     opt("--http-client", "http_client", choices=["native", "aiohttp"])
     opt("--keepalive", "keepalive_s", float)
     opt("--client-keepalive", "client_keepalive_s", float)
+    opt("--tls-cert", "tls_cert_file")
+    opt("--tls-key", "tls_key_file")
     opt("--otlp-traces-endpoint", "otlp_traces_endpoint", metavar="URL")
     return p
 
@@ -133,7 +135,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     log = logging.getLogger("pdgate.proxy")
     log.info(
-        "pd-proxy on http://%s:%d: flow %s, discovery %s, policies P=%s D=%s, %d worker(s)",
+        "pd-proxy on %s://%s:%d: flow %s, discovery %s, policies P=%s D=%s, %d worker(s)",
+        settings.scheme,
         settings.host,
         settings.port,
         settings.flow.value,
@@ -151,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "access_log": False,
         "timeout_graceful_shutdown": 30,
         "timeout_keep_alive": settings.client_keepalive_s,
+        **settings.uvicorn_tls(),
         "backlog": 4096,
         "proxy_headers": False,
         "server_header": False,

@@ -10,6 +10,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from pdwire.settings import LayeredSettings, redact_url
+from pdwire.tls import TlsListener
 
 
 class Flow(enum.StrEnum):
@@ -44,7 +45,7 @@ UrlList = Annotated[list[str], NoDecode]
 KeyList = Annotated[list[SecretStr], NoDecode]
 
 
-class ProxySettings(LayeredSettings):
+class ProxySettings(LayeredSettings, TlsListener):
     model_config = SettingsConfigDict(env_prefix="PD_PROXY_", extra="forbid")
 
     host: str = Field("127.0.0.1", description="address to listen on")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import ssl
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from metaserver.cli import load_settings
 from metaserver.store.redis import RedisStore
 from pdwire.settings import redact_url
 from tests.metaserver.conftest import binding_spec, decode_instance
+from tests.support.certs import self_signed
 from tests.support.procs import VENV_BIN, Process, free_port, wait_http
 from tests.support.services import MetaserverProcess
 
@@ -49,6 +52,7 @@ def test_cli_settings_redact_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--config", "/nonexistent.yaml"], "does not exist"),
         (["--store", "mongodb://x"], "unknown store"),
         (["--log-level", "loud"], "log_level"),
+        (["--tls-key", "key.pem"], "--tls-cert and --tls-key go together"),
     ],
 )
 def test_cli_rejects_bad_settings_with_clear_error(argv: list[str], message: str) -> None:
@@ -111,3 +115,25 @@ def test_store_urls_are_shown_without_any_secret(url: str) -> None:
     assert redact_url("redis://redis:6379/0?socket_timeout=1") == (
         "redis://redis:6379/0?socket_timeout=1"
     )
+
+
+def test_cli_serves_https_with_tls_cert_and_key(tmp_path: Path) -> None:
+    tls = self_signed(tmp_path)
+    port = free_port()
+    argv = [str(VENV_BIN / "pd-metaserver"), "--port", str(port)]
+    proc = Process([*argv, "--tls-cert", str(tls.cert), "--tls-key", str(tls.key)],
+                   log=tmp_path / "ms.log")  # fmt: skip
+    trusting = ssl.create_default_context(cafile=str(tls.cert))
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                r = httpx.get(f"https://127.0.0.1:{port}/ready", verify=trusting)
+                break
+            except httpx.ConnectError:
+                assert proc.alive() and time.monotonic() < deadline, proc.tail()
+                time.sleep(0.1)
+        assert r.status_code == 200
+        assert "listening on https://" in proc.tail()
+    finally:
+        proc.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from proxy.cli import build_parser, load_settings
 from proxy.config import Flow
 from tests.proxy.conftest import Cluster
 from tests.proxy.test_flows import PROMPT
+from tests.support.certs import self_signed
 from tests.support.procs import Process, free_port, wait_http
 
 CLIENT_IDLE_EXPIRY_S = 5.0  # httpx's default keepalive_expiry, the openai client's too
@@ -108,3 +110,42 @@ def test_pd_proxy_keeps_an_idle_client_connection_past_the_clients_own_expiry(
             assert _get_health(sock).startswith(b"HTTP/1.1 200")
     finally:
         proc.stop()
+
+
+def test_pd_proxy_serves_https_with_tls_cert_and_key(cluster: Cluster, tmp_path: Path) -> None:
+    tls = self_signed(tmp_path)
+    port = free_port()
+    argv = [sys.executable, "-m", "proxy.cli", "--port", str(port), "--log-level", "warning"]
+    argv += ["--decode", cluster.decode[0].url, "--flow", "direct"]
+    argv += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]
+    trusting = ssl.create_default_context(cafile=str(tls.cert))
+    proc = Process(argv, log=tmp_path / "proxy.log")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                r = httpx.get(f"https://127.0.0.1:{port}/health", verify=trusting)
+                break
+            except httpx.ConnectError:
+                assert proc.alive() and time.monotonic() < deadline, proc.tail()
+                time.sleep(0.1)
+        assert r.status_code == 200
+        with pytest.raises(httpx.HTTPError):  # plain HTTP is not served on that port
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    finally:
+        proc.stop()
+
+
+def test_tls_files_go_together_and_must_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tls = self_signed(tmp_path)
+    with pytest.raises(SystemExit):
+        load_settings(["--decode", "http://d", "--flow", "direct", "--tls-cert", str(tls.cert)])
+    assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_settings(
+            ["--decode", "http://d", "--flow", "direct", "--tls-cert", str(tls.key),
+             "--tls-key", str(tls.key)]
+        )  # fmt: skip
+    assert "cannot serve TLS with" in capsys.readouterr().err
