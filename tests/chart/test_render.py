@@ -93,7 +93,12 @@ def test_render_components_per_value_set(renders: dict[str, Rendered]) -> None:
     ]:
         assert base.has(kind, f"{FULLNAME}-{suffix}"), (kind, suffix)
     assert not base.of_kind("HorizontalPodAutoscaler")
-    assert not base.of_kind("ServiceMonitor") and not base.of_kind("NetworkPolicy")
+    assert not base.of_kind("ServiceMonitor")
+    # NetworkPolicies are on by default: engines' KV ports (Mooncake cannot authenticate a
+    # write) admit the release's engines only
+    assert {d["metadata"]["name"] for d in base.of_kind("NetworkPolicy")} == {
+        f"{FULLNAME}-{c}" for c in ("proxy", "metaserver", "redis", "prefill", "decode")
+    }
     assert not base.of_kind("Role") and not base.of_kind("ClusterRole")
 
     for ext in ("external-redis-url", "external-redis-secret", "cpu-1p1d-memory"):
@@ -171,3 +176,9 @@ def test_chart_packages_and_the_archive_renders_the_same(tmp_path: Any) -> None:
     again = packed.render(values, name="rel", namespace=NAMESPACE)
     for path, text in same.items():
         assert again[path] == text, path
+
+
+def test_render_network_policies_can_be_turned_off() -> None:
+    from tests.chart.rendering import render
+
+    assert not render({"networkPolicy": {"enabled": False}}).of_kind("NetworkPolicy")
