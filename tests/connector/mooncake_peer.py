@@ -3,6 +3,9 @@ the benchmark). KV caches are allocated by vLLM's own ``allocate_kv_cache`` (CPU
 
     python -m tests.connector.mooncake_peer d --port N --tid T --dst 3,4,5 --out FILE
     python -m tests.connector.mooncake_peer p --d-port N --tid T --chunks "0:3,1:4;2:5"
+
+Several transfers in one pair of processes (one after the other): ``--tid T1,T2`` on both,
+D's ``--dst`` per transfer separated by ``/``, P's ``--chunks`` likewise.
 """
 
 from __future__ import annotations
@@ -78,13 +81,17 @@ def run_d(a: argparse.Namespace) -> int:
     caches = allocate(a.blocks, 2, a.block_size, a.head, LAYERS)
     w.register_kv_caches(caches)
     peer_start.ready(a)
-    dst = [int(x) for x in a.dst.split(",")]
-    meta = PdgateMetadata(recvs=[RecvEntry("dreq", a.tid, dst)])
+    tids = a.tid.split(",")
+    dsts = [[int(x) for x in d.split(",")] for d in a.dst.split("/")]
+    reqs = [f"dreq{i}" for i in range(len(tids))]
+    meta = PdgateMetadata(
+        recvs=[RecvEntry(r, t, d) for r, t, d in zip(reqs, tids, dsts, strict=True)]
+    )
     w.start_step(meta)
     t0 = time.monotonic()
     done: set[str] = set()
     failed: set[str] = set()
-    while "dreq" not in done:
+    while not done.issuperset(reqs):
         _, r, f = w.transfer_results(set())
         done |= r
         failed |= f
@@ -105,31 +112,35 @@ def run_p(a: argparse.Namespace) -> int:
     print("STARTED", flush=True)  # imports (vLLM's take 20-30 s on a busy 2-core machine) done
     peer_start.wait_for_d(a)
     dest = Destination("dec", "d-engine", "127.0.0.1", a.d_port, 1, 2, False, a.block_size)
+    t0 = time.monotonic()
+    for n, (tid, spec) in enumerate(zip(a.tid.split(","), a.chunks.split("/"), strict=True)):
+        _push(w, f"preq{n}", tid, dest, spec)
+    assert w.sender is not None
+    tr_bytes = w.sender.writes
+    print(f"SENT {time.monotonic() - t0:.3f}s writes={tr_bytes}", flush=True)
+    w.shutdown()
+    return 0
+
+
+def _push(w: ConnectorWorker, req: str, tid: str, dest: Destination, spec: str) -> None:
+    """One transfer, chunk by chunk and layer by layer; returns once it is sent."""
     chunks = [
         [(int(x.split(":")[0]), int(x.split(":")[1])) for x in c.split(",") if x]
-        for c in a.chunks.split(";")
+        for c in spec.split(";")
     ]
-    t0 = time.monotonic()
     for i, pairs in enumerate(chunks):
-        meta = PdgateMetadata(
-            sends=[SendChunk("preq", a.tid, dest, pairs, i == len(chunks) - 1, "")]
-        )
+        meta = PdgateMetadata(sends=[SendChunk(req, tid, dest, pairs, i == len(chunks) - 1, "")])
         w.start_step(meta)
         for name in LAYERS:
             w.save_layer(meta, name)
         w.end_step(meta)
     sent: set[str] = set()
     first = True
-    while "preq" not in sent:
-        s, _, _ = w.transfer_results({"preq"} if first else set())
+    while req not in sent:
+        s, _, _ = w.transfer_results({req} if first else set())
         first = False
         sent |= s
         time.sleep(0.002)
-    assert w.sender is not None
-    tr_bytes = w.sender.writes
-    print(f"SENT {time.monotonic() - t0:.3f}s writes={tr_bytes}", flush=True)
-    w.shutdown()
-    return 0
 
 
 def main() -> int:

@@ -35,20 +35,33 @@ def _wait_line(proc: Process, text: str, timeout: float = 60.0) -> str:
     raise AssertionError(f"no {text!r} from peer:\n{proc.tail()}")
 
 
-def _run(tmp_path: Path, chunks: list[list[tuple[int, int]]], seed: int) -> dict[str, torch.Tensor]:
+Chunks = list[list[tuple[int, int]]]  # per chunk: (P block, D block) pairs
+SEED = 1
+# Two transfers pushed one after the other by one pair of processes (each process imports
+# vLLM: sharing them saves a minute of this 2-core machine per test). D's blocks of the two
+# are disjoint. The first: one chunk. The second: blocks 0-1 are cached on D (never sent),
+# three chunks, the last with the tail block.
+SINGLE: Chunks = [[(0, 5), (1, 6), (2, 7), (3, 11)]]
+SEVERAL: Chunks = [[(2, 12), (3, 13)], [(4, 14), (5, 20), (6, 21)], [(7, 22)]]
+
+
+def _run(tmp_path: Path, transfers: list[Chunks], seed: int) -> dict[str, torch.Tensor]:
     port = free_port()
     out = tmp_path / "d.pt"
     ready = tmp_path / "d.ready"
-    dst = [d for chunk in chunks for _, d in chunk]
-    spec = ";".join(",".join(f"{s}:{t}" for s, t in chunk) for chunk in chunks)
+    tids = ",".join(f"t{seed}-{n}" for n in range(len(transfers)))
+    dst = "/".join(",".join(str(d) for chunk in t for _, d in chunk) for t in transfers)
+    spec = "/".join(
+        ";".join(",".join(f"{s}:{d}" for s, d in chunk) for chunk in t) for t in transfers
+    )
     # both start at once (each imports vLLM); P pushes once D has written ``ready``
     d = Process(
-        [*PEER, "d", "--port", str(port), "--tid", f"t{seed}", "--dst", ",".join(map(str, dst)),
+        [*PEER, "d", "--port", str(port), "--tid", tids, "--dst", dst,
          "--out", str(out), "--ready-file", str(ready), "--timeout", "120"],
         log=tmp_path / "d.log",
     )  # fmt: skip
     p = Process(
-        [*PEER, "p", "--d-port", str(port), "--tid", f"t{seed}", "--chunks", spec,
+        [*PEER, "p", "--d-port", str(port), "--tid", tids, "--chunks", spec,
          "--seed", str(seed), "--after", str(ready)],
         log=tmp_path / "p.log",
     )  # fmt: skip
@@ -67,12 +80,17 @@ def _run(tmp_path: Path, chunks: list[list[tuple[int, int]]], seed: int) -> dict
         p.stop()
 
 
-def _assert_placed(
-    got: dict[str, torch.Tensor], chunks: list[list[tuple[int, int]]], seed: int
-) -> None:
-    want = expected(seed, tuple(got[LAYERS[0]].shape), LAYERS)
+@pytest.fixture(scope="module")
+def pushed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """D's KV caches after P pushed SINGLE, then SEVERAL."""
+    return _run(tmp_path_factory.mktemp("mooncake"), [SINGLE, SEVERAL], seed=SEED)
+
+
+def _assert_placed(got: dict[str, torch.Tensor], chunks: Chunks) -> None:
+    """``chunks`` landed exactly, and no block either transfer did not write was touched."""
+    want = expected(SEED, tuple(got[LAYERS[0]].shape), LAYERS)
     pairs = [pair for chunk in chunks for pair in chunk]
-    written = {d for _, d in pairs}
+    written = {d for t in (SINGLE, SEVERAL) for chunk in t for _, d in chunk}
     for name in LAYERS:
         for s, d in pairs:
             assert torch.equal(got[name][d], want[name][s]), (name, s, d)
@@ -81,15 +99,14 @@ def _assert_placed(
                 assert not got[name][b].any(), (name, b)
 
 
-def test_mooncake_push_single_chunk_lands_exactly(tmp_path: Path) -> None:
-    chunks = [[(0, 5), (1, 6), (2, 7), (3, 11)]]
-    _assert_placed(_run(tmp_path, chunks, seed=1), chunks, seed=1)
+def test_mooncake_push_single_chunk_lands_exactly(pushed: dict[str, torch.Tensor]) -> None:
+    _assert_placed(pushed, SINGLE)
 
 
-def test_mooncake_push_several_chunks_tail_and_skipped_cached_blocks(tmp_path: Path) -> None:
-    # blocks 0-1 are cached on D (never sent); three chunks; the last carries the tail block
-    chunks = [[(2, 12), (3, 13)], [(4, 14), (5, 20), (6, 21)], [(7, 22)]]
-    _assert_placed(_run(tmp_path, chunks, seed=2), chunks, seed=2)
+def test_mooncake_push_several_chunks_tail_and_skipped_cached_blocks(
+    pushed: dict[str, torch.Tensor],
+) -> None:
+    _assert_placed(pushed, SEVERAL)
 
 
 def test_mooncake_handshake_to_a_dead_decoder_fails_without_hanging(tmp_path: Path) -> None:
