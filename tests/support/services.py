@@ -175,9 +175,12 @@ class InThreadMetaserver:
         self._sock.bind(("127.0.0.1", 0))
         self.port = int(self._sock.getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
+        # a long-poll its client gave up on is still held by the server until its wait ends:
+        # stopping waits for it at most a second (not the 10 s join below)
         config = uvicorn.Config(
-            app, loop="asyncio", log_level="warning", access_log=False, lifespan="on"
-        )
+            app, loop="asyncio", log_level="warning", access_log=False, lifespan="on",
+            timeout_graceful_shutdown=1,
+        )  # fmt: skip
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True,
