@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from launch.cli import new_secret_file
 from launch.plan import CPU_SINGLE_PROCESS_WORKER, Child, LaunchOptions, LaunchPlan, build_plan
 from launch.supervisor import ChildFailed, Supervisor
 from tests.support.procs import free_port, free_port_block
@@ -28,6 +30,17 @@ ENGINE_ARGS: tuple[str, ...] = ("--enforce-eager",)
 PROXY_ARGS = ("--disagg-min-tokens", "0", "--decode-policy", "prefix")
 
 
+_SECRET: list[str] = []
+
+
+def side_channel_secret() -> str:
+    """One key file for every deployment of the session: their side channels are sealed, as
+    pd-launch seals them by default."""
+    if not _SECRET:
+        _SECRET.append(new_secret_file(Path(tempfile.mkdtemp(prefix="pdgate-e2e-"))))
+    return _SECRET[0]
+
+
 def base_options(model: Path, **over: object) -> LaunchOptions:
     opts = LaunchOptions(
         model=str(model),
@@ -42,6 +55,7 @@ def base_options(model: Path, **over: object) -> LaunchOptions:
         kv_load_timeout_s=60.0,
         extra_engine_args=ENGINE_ARGS,
         extra_proxy_args=PROXY_ARGS,
+        side_channel_secret_file=side_channel_secret(),
     )
     return replace(opts, **over)  # type: ignore[arg-type]
 
