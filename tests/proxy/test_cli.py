@@ -81,6 +81,8 @@ def test_pd_proxy_process_serves_and_stops(cluster: Cluster, tmp_path: Path) -> 
 
 
 def _get_health(sock: socket.socket) -> bytes:
+    """One ``GET /health`` on ``sock``, its whole response read (status line to the last body
+    byte), or what came before the proxy closed the connection."""
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: proxy\r\n\r\n")
     reply = b""
     while b"\r\n\r\n" not in reply:
@@ -88,7 +90,18 @@ def _get_health(sock: socket.socket) -> bytes:
         if not chunk:
             return reply  # closed by the proxy
         reply += chunk
-    return reply
+    head, _, body = reply.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.lower().split(b"\r\n")
+        if line.startswith(b"content-length:")
+    )
+    while len(body) < length:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
 
 
 def test_pd_proxy_keeps_an_idle_client_connection_past_the_clients_own_expiry(
