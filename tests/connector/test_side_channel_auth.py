@@ -9,7 +9,6 @@ served."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from connector.seal import (
     load_keys,
 )
 from connector.worker.side_channel import SideChannelServer, SignalClient, handshake
-from tests.support.procs import free_port
+from tests.support.procs import free_port, until
 
 KEY = b"k" * 32
 OLD_KEY = b"o" * 32
@@ -186,15 +185,6 @@ def _raw_sender(port: int) -> tuple[zmq.Context[zmq.Socket[bytes]], zmq.Socket[b
     return ctx, sock
 
 
-def _until(cond: object, limit_s: float = 5.0) -> None:
-    end = time.monotonic() + limit_s
-    while time.monotonic() < end:
-        if callable(cond) and cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not met in time")
-
-
 def test_d_drops_forged_and_replayed_signals_and_takes_sealed_ones(sealed_d: Rank) -> None:
     ctx, forger = _raw_sender(sealed_d.port)
     p = SignalClient(Sealer([KEY]))
@@ -205,8 +195,8 @@ def test_d_drops_forged_and_replayed_signals_and_takes_sealed_ones(sealed_d: Ran
         forger.send(sealed)  # the same frame captured and sent again
         forger.send(Sealer([b"z" * 32]).seal(_signal("t-2"))[0])  # another deployment's key
         p.send("127.0.0.1", sealed_d.port, wire.Signal("t-3", "p/0", True, 1))
-        _until(lambda: [s.transfer_id for s in sealed_d.signals] == ["t-1", "t-3"])
-        _until(lambda: sum(sealed_d.server.rejected.values()) == 3)
+        until(lambda: [s.transfer_id for s in sealed_d.signals] == ["t-1", "t-3"])
+        until(lambda: sum(sealed_d.server.rejected.values()) == 3)
         assert sealed_d.server.rejected == {"unsealed": 1, "replayed": 1, "unknown_key": 1}
     finally:
         p.close()

@@ -3,7 +3,6 @@ or a frame too large to buffer, is dropped and counted, and the channel goes on 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import msgspec
@@ -12,7 +11,7 @@ import zmq
 
 from connector import wire
 from connector.worker.side_channel import SideChannelServer
-from tests.support.procs import free_port
+from tests.support.procs import free_port, until
 
 
 class Heard:
@@ -45,15 +44,6 @@ def _signal(tid: str, settle_s: float) -> bytes:
     return msgspec.msgpack.encode(raw | {"settle_s": settle_s})
 
 
-def _until(cond: object, limit_s: float = 5.0) -> None:
-    end = time.monotonic() + limit_s
-    while time.monotonic() < end:
-        if callable(cond) and cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not met in time")
-
-
 def test_a_signal_that_would_hold_blocks_forever_is_dropped(
     d_rank: tuple[SideChannelServer, Heard, zmq.Socket[bytes]],
 ) -> None:
@@ -61,7 +51,7 @@ def test_a_signal_that_would_hold_blocks_forever_is_dropped(
     server, heard, sock = d_rank
     sock.send(_signal("forged-1", 1e12))
     sock.send(_signal("t-2", wire.MAX_SETTLE_S))
-    _until(lambda: len(heard.signals) == 1)
+    until(lambda: len(heard.signals) == 1)
     assert [s.transfer_id for s in heard.signals] == ["t-2"]
     assert server.bad_messages == 1
     with pytest.raises(msgspec.ValidationError):
@@ -75,4 +65,4 @@ def test_a_frame_over_the_limit_is_refused_and_the_channel_serves_on(
     sock.send(b"\0" * (wire.MAX_FRAME_BYTES + 1))
     # ZeroMQ drops the connection on the oversized frame; the DEALER reconnects by itself
     sock.send(_signal("t-3", 0.0))
-    _until(lambda: [s.transfer_id for s in heard.signals] == ["t-3"], limit_s=10.0)
+    until(lambda: [s.transfer_id for s in heard.signals] == ["t-3"], limit_s=10.0)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import ssl
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -125,15 +124,8 @@ def test_cli_serves_https_with_tls_cert_and_key(tmp_path: Path) -> None:
                    log=tmp_path / "ms.log")  # fmt: skip
     trusting = ssl.create_default_context(cafile=str(tls.cert))
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                r = httpx.get(f"https://127.0.0.1:{port}/ready", verify=trusting)
-                break
-            except httpx.ConnectError:
-                assert proc.alive() and time.monotonic() < deadline, proc.tail()
-                time.sleep(0.1)
-        assert r.status_code == 200
+        wait_http(f"https://127.0.0.1:{port}/ready", proc=proc, verify=trusting)
+        assert httpx.get(f"https://127.0.0.1:{port}/ready", verify=trusting).status_code == 200
         assert "listening on https://" in proc.tail()
     finally:
         proc.stop()

@@ -134,15 +134,8 @@ def test_pd_proxy_serves_https_with_tls_cert_and_key(cluster: Cluster, tmp_path:
     trusting = ssl.create_default_context(cafile=str(tls.cert))
     proc = Process(argv, log=tmp_path / "proxy.log")
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                r = httpx.get(f"https://127.0.0.1:{port}/health", verify=trusting)
-                break
-            except httpx.ConnectError:
-                assert proc.alive() and time.monotonic() < deadline, proc.tail()
-                time.sleep(0.1)
-        assert r.status_code == 200
+        wait_http(f"https://127.0.0.1:{port}/health", proc=proc, verify=trusting)
+        assert httpx.get(f"https://127.0.0.1:{port}/health", verify=trusting).status_code == 200
         with pytest.raises(httpx.HTTPError):  # plain HTTP is not served on that port
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
     finally:

@@ -6,10 +6,11 @@ import os
 import random
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
@@ -93,19 +94,36 @@ class Process:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
-def wait_http(url: str, timeout: float = 30.0, proc: Process | None = None) -> None:
+def wait_http(
+    url: str,
+    timeout: float = 30.0,
+    proc: Process | None = None,
+    verify: ssl.SSLContext | bool = True,
+) -> None:
+    """Until ``url`` answers below 500 (``verify``: how an https URL's certificate is
+    checked)."""
     deadline = time.monotonic() + timeout
     last: object = None
     while time.monotonic() < deadline:
         if proc is not None and not proc.alive():
             raise RuntimeError(f"{proc.argv[0]} exited early:\n{proc.tail()}")
         try:
-            if httpx.get(url, timeout=1.0).status_code < 500:
+            if httpx.get(url, timeout=1.0, verify=verify).status_code < 500:
                 return
         except httpx.HTTPError as exc:
             last = exc
         time.sleep(0.05)
     raise TimeoutError(f"{url} not up after {timeout}s ({last})")
+
+
+def until(cond: Callable[[], bool], limit_s: float = 5.0) -> None:
+    """Poll ``cond`` every 10 ms until it holds; fail after ``limit_s``."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError("condition not met in time")
 
 
 def wait_port(port: int, timeout: float = 10.0) -> None:
