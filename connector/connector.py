@@ -135,7 +135,7 @@ class PdgateConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         # vLLM (0.24+) keeps stepping the engine while this is true, requests or not. vLLM
         # names it for push transfers; here it is D's quarantined blocks, which go back only
-        # at a step once their hold ends.
+        # at a step once their hold ends, and P's leases still to close.
         return self.scheduler is not None and self.scheduler.has_pending_work()
 
     def get_finished_count(self) -> int | None:

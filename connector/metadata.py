@@ -66,6 +66,21 @@ class SendChunk:
     traceparent: str = ""  # the proxy's prefill-leg span (tracing on; connector/tracing.py)
 
 
+# what D is told of an ``Abandoned`` lease
+ABANDONED = "P's request ended before it pushed anything (aborted or failed)"
+
+
+@dataclass(frozen=True, slots=True)
+class Abandoned:
+    """A lease P took for a request vLLM already dropped before any of its blocks went to the
+    workers: signal D a failed end (nothing was written) and forget it (connector/scheduler/
+    leases.py)."""
+
+    transfer_id: str
+    dest: Destination
+    traceparent: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class RecvEntry:
     req_id: str
@@ -82,6 +97,7 @@ class PdgateMetadata(KVConnectorMetadata):
     failed_recvs: list[str] = field(default_factory=list)  # req ids whose binding was rejected
     # aborted req ids whose binding ended before P took it: no push can come, free at once
     released_recvs: list[str] = field(default_factory=list)
+    abandoned: list[Abandoned] = field(default_factory=list)  # leases to close (P)
 
 
 @dataclass(frozen=True)

@@ -227,10 +227,12 @@ class ConnectorScheduler:
                 self.stats.add("blocks_held", -held, label="prefill")
 
     def has_pending_work(self) -> bool:
-        """Blocks a silent P may still write are quarantined: vLLM must keep stepping an
-        engine with no request left, since the quarantine ends (and the blocks go back) only
-        at a step, and an idle vLLM takes none."""
-        return self.decode is not None and self.decode.quarantined_blocks > 0
+        """vLLM must keep stepping an engine with no request left while blocks a silent P may
+        still write are quarantined (the quarantine ends, and the blocks go back, only at a
+        step), and while P has leases to close (``LeaseCloser``): an idle vLLM takes no step."""
+        if self.decode is not None and self.decode.quarantined_blocks > 0:
+            return True
+        return self.prefill is not None and self.prefill.leases.pending
 
     def get_finished_count(self) -> int:
         # Every worker rank reports each finished id exactly once (replica ranks that push

@@ -9,7 +9,9 @@ request this step, so it holds no blocks.
 
 The lease: P writes nothing into D's blocks before its compare-and-set ``bound →
 prefill_started`` won in the metaserver. D (or the proxy) ending the binding first makes P push
-nothing, and lets D free its blocks at once.
+nothing, and lets D free its blocks at once. A lease P took is always closed: a request that
+ends before any of its blocks went to the workers hands it to ``LeaseCloser`` (D is told at
+once); one that ends mid-push is ended by the workers (``WorkerHalf.transfer_results``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from connector import tp
 from connector.errors import LayoutError
-from connector.metadata import Destination, PdgateMetadata, SendChunk
+from connector.metadata import Abandoned, Destination, PdgateMetadata, SendChunk
+from connector.scheduler.leases import LeaseCloser
 from connector.scheduler.lookups import Lookups
 from connector.stats import StatsCollector
 from connector.tracing import ConnectorTracer, Event, Value
@@ -72,6 +75,7 @@ class _Request:
     push: _Push | None = None  # set up by ``after_alloc``
     no_push: str | None = None  # why P will push nothing for it
     doubted_at: float | None = None  # when the registry first said no (``registry_grace_s``)
+    claiming: Binding | None = None  # P asked for the lease on this binding
     claimed: Binding | None = None  # P holds the lease (its ``prefill_started`` won)
     trace: _Trace | None = None
 
@@ -114,6 +118,7 @@ class PrefillSide:
         self._manager: KVCacheManager | None = None
         self.untrusted = 0
         self.lost_claims = 0  # transfers ended (aborted, failed) before P could take them
+        self.leases = LeaseCloser(lookups, actor)
 
     def bind(self, manager: KVCacheManager) -> None:
         self._manager = manager
@@ -181,6 +186,7 @@ class PrefillSide:
         if self._refuse(state, tid, binding):
             return 0, False
         until = Destination.of(binding, self._window).deadline
+        state.claiming = binding
         claim = self._lookups.claim(tid, self._actor, until)
         if claim is None:
             return None, False
@@ -312,6 +318,7 @@ class PrefillSide:
             state.trace.events.append(Event("push_set_up", self._wall(), attributes))
 
     def fill(self, meta: PdgateMetadata, out: SchedulerOutput) -> None:
+        self.leases.fill(meta)
         for req_id in out.preempted_req_ids or ():
             push = self._push_of(req_id)
             if push is not None and not push.closed:
@@ -357,20 +364,38 @@ class PrefillSide:
         if state is None:  # ``matched`` never saw it (aborted while waiting)
             state = _Request(_parse_quietly(request))
         push = state.push
-        if push is not None:
+        if push is not None and push.emitted:  # the workers end it (and report when settled)
             self._lookups.forget_binding(push.transfer_id)
-            out = push.emitted, push_report(push.transfer_id, None)
+            out = True, push_report(push.transfer_id, None)
         else:
             params, why = state.params, state.no_push
             if params is None and why is None:
                 return False, None
             tid = params.transfer_id if params is not None else None
-            if tid is not None:  # its binding and lease answers, fetched or still on their way
-                self._lookups.forget_binding(tid)
-            out = False, push_report(tid, why or "finished before a push was set up")
+            if tid is not None:
+                self._end_lease(tid, state)
+            out = (
+                False,
+                push_report(tid, None if push else why or "finished before a push was set up"),
+            )
         if state.trace is not None:
             self._finish_trace(request, state.trace, out[1])
         return out
+
+    def _end_lease(self, tid: str, state: _Request) -> None:
+        """The request ended before any of its blocks went to the workers: a lease P holds
+        (or may have won: the claim's answer not read yet) is closed, so D is told."""
+        binding = state.claimed or state.claiming
+        if binding is None or (state.claimed is None and state.no_push is not None):
+            self._lookups.forget_binding(tid)  # no lease: nothing to tell D
+            return
+        trace = "" if state.trace is None else state.trace.parent.header()
+        lease = Abandoned(tid, Destination.of(binding, self._window), trace)
+        if state.claimed is not None:
+            self._lookups.forget_binding(tid)
+            self.leases.close(lease)
+        else:
+            self.leases.watch(lease)
 
     def _traced(self, req_id: str, name: str, attributes: dict[str, str | int]) -> None:
         state = self._requests.get(req_id)

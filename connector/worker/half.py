@@ -14,7 +14,7 @@ from connector.compat import features
 from connector.config import ConnectorSettings
 from connector.device import Device, make_device
 from connector.errors import ConfigError
-from connector.metadata import PdgateMetadata
+from connector.metadata import ABANDONED, Abandoned, PdgateMetadata, SendChunk
 from connector.seal import channel_of
 from connector.stats import StatsCollector
 from connector.tracing import ConnectorTracer, Value, build_tracer, sampled
@@ -126,6 +126,7 @@ class ConnectorWorker:
         self._sends: set[str] = set()  # req ids this rank knows as sending
         self._last_queued: set[str] = set()  # req ids whose end (done/failed) is queued
         self._finished: set[str] = set()  # finished on P, waiting for pushes to settle
+        self._abandoned: set[str] = set()  # ledger keys of leases closed for dropped requests
         self._recv_blocks: dict[str, list[int]] = {}  # D: the blocks each expected load fills
         self._ended_blocks: dict[str, list[int]] = {}  # ... of the loads the last poll ended
 
@@ -287,6 +288,20 @@ class ConnectorWorker:
                 self.sender.prefetch(chunk)
                 if self.tracer is not None and chunk.traceparent:
                     self._trace_push(chunk.req_id, chunk.traceparent)
+            for lease in meta.abandoned:
+                self._close_lease(lease)
+
+    def _close_lease(self, lease: Abandoned) -> None:
+        """A lease whose request vLLM dropped before any chunk came here: D gets a failed end.
+        Keyed apart from vLLM's request ids; reported to no one, forgotten once sent."""
+        assert self.sender is not None
+        key = f"lease:{lease.transfer_id}"
+        chunk = SendChunk(
+            key, lease.transfer_id, lease.dest, [], True, ABANDONED, lease.traceparent
+        )
+        self.sender.prefetch(chunk)
+        self.sender.end(key, ABANDONED)
+        self._abandoned.add(key)
 
     def handle_preemptions(self, meta: PdgateMetadata) -> None:
         """Before the forward may reuse a preempted request's blocks, let its pushes drain."""
@@ -331,6 +346,9 @@ class ConnectorWorker:
                 self._last_queued.add(req_id)
                 self.sender.end(req_id, "prefill request ended before its last chunk")
             self._finished |= ended
+            for key in [k for k in self._abandoned if self.sender.settled(k)]:
+                self._abandoned.discard(key)
+                self.sender.forget(key)
             for req_id in list(self._finished):
                 if self.sender.settled(req_id):
                     sending.add(req_id)

@@ -12,9 +12,10 @@ import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from connector.metadata import SendChunk
+from connector.metadata import Abandoned, SendChunk
 from pdwire.version import PROTOCOL_VERSION
 from tests.connector import harness as H
+from tests.support.procs import until
 from tests.support.services import InThreadMetaserver
 
 TOKEN = "t0ken"
@@ -291,6 +292,88 @@ def test_prefill_abort_mid_prefill_holds_blocks_until_workers_release(
     assert req.request_id in s.requests  # delay-freed
     H.step(s, sending={req.request_id})
     H.assert_empty(s)
+
+
+def _state(url: str, tid: str) -> str:
+    state: str = httpx.get(f"{url}/v1/bindings/{tid}").json()["state"]
+    return state
+
+
+def _abandoned(s: Scheduler, limit: float = 5.0) -> list[Abandoned]:
+    """Step until a step's metadata closes leases; they, and nothing more in later steps."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        _, meta = H.step(s)
+        if meta.abandoned:
+            for _ in range(3):
+                assert H.step(s)[1].abandoned == []  # closed once
+            return meta.abandoned
+        time.sleep(0.02)
+    raise AssertionError("no lease closed")
+
+
+def test_prefill_abort_before_any_chunk_closes_the_lease(
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    """P took the lease and its request was aborted before any block went to the workers (D
+    had the first 32 tokens cached; the 16-token chunk completed none after them): the next
+    step hands the lease to the workers, who tell D at once instead of D holding its blocks
+    until its load deadline. P's blocks are not held: nothing reads them."""
+    _register_decoder(metaserver.url)
+    s = make_prefiller(metaserver.url, batched=16)
+    b = _bind(metaserver.url, "tid-early", 100, cached=32)
+    req = H.request(H.prompt(100), _send_params("tid-early", b), max_tokens=1)
+    s.add_request(req)
+    _, meta = _step_until_scheduled(s, req.request_id)
+    assert _pushes(meta, req.request_id) == []  # leased, nothing sent yet
+    assert _state(metaserver.url, "tid-early") == "prefill_started"
+    s.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    (lease,) = _abandoned(s)
+    assert (lease.transfer_id, lease.dest.instance_id) == ("tid-early", "dec-1")
+    H.assert_empty(s)
+
+
+def test_prefill_abort_while_its_claim_is_unread_closes_the_lease_once_won(
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    """The claim is asynchronous: the request is aborted after P's ``prefill_started`` won
+    in the metaserver, before P's scheduler read the answer (nothing scheduled yet)."""
+    _register_decoder(metaserver.url)
+    s = make_prefiller(metaserver.url, batched=64)
+    b = _bind(metaserver.url, "tid-unread", 40)
+    req = H.request(H.prompt(40), _send_params("tid-unread", b), max_tokens=1)
+    s.add_request(req)
+    for _ in range(50):
+        out, _ = H.step(s)
+        assert req.request_id not in out.num_scheduled_tokens
+        try:  # a claim this step started wins within the wait; else step again
+            until(lambda: _state(metaserver.url, "tid-unread") == "prefill_started", 0.3)
+            break
+        except AssertionError:
+            continue
+    else:
+        raise AssertionError("P never claimed")
+    s.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    (lease,) = _abandoned(s)
+    assert lease.transfer_id == "tid-unread"
+    H.assert_empty(s)
+    assert not H.connector_of(s).has_pending_push_work()
+
+
+def test_prefill_abort_after_the_last_chunk_sends_no_second_close(
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    _register_decoder(metaserver.url)
+    s = make_prefiller(metaserver.url, batched=64)
+    b = _bind(metaserver.url, "tid-whole", 40)
+    req = H.request(H.prompt(40), _send_params("tid-whole", b), max_tokens=4)
+    s.add_request(req)
+    _, meta = _step_until_scheduled(s, req.request_id)
+    assert [c.last for c in _pushes(meta, req.request_id)] == [True]
+    s.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    for _ in range(3):
+        _, meta = H.step(s)
+        assert (_pushes(meta, req.request_id), meta.abandoned) == ([], [])
 
 
 def test_prefill_abort_before_binding_arrived_holds_nothing(

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from connector import tp, wire
-from connector.metadata import PdgateMetadata, RecvEntry, SendChunk
+from connector.metadata import Abandoned, PdgateMetadata, RecvEntry, SendChunk
 from connector.transport import InProcessTransport
 from connector.worker.keepalive import KeepAlive
 from connector.worker.ledger import Ledger
@@ -22,6 +22,7 @@ from pdwire.models import BindingState
 from pdwire.version import PROTOCOL_VERSION
 from tests.connector import cluster as C
 from tests.connector.test_worker_overlap import _Events
+from tests.support.procs import until
 
 
 class FakeClock:
@@ -405,6 +406,34 @@ def test_worker_prefill_abort_before_last_chunk_signals_failure() -> None:
         assert sent[0][0] == {"preq"}
         got = C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
         assert got[0][2] == {"dreq"}
+    finally:
+        C.close(p, d)
+
+
+@pytest.mark.parametrize("d_aborted", [False, True], ids=["d-waiting", "d-aborted"])
+def test_worker_lease_closed_before_any_chunk_ends_ds_load_at_once(d_aborted: bool) -> None:
+    """P's scheduler hands over a lease whose request vLLM dropped before any chunk went out.
+    D's load fails at once (a waiting request recomputes), or, D's request already aborted,
+    its blocks are released without a failure. P reports nothing to vLLM (it holds no such
+    request) and forgets the transfer once the signal went out."""
+    port = C.free_port_range(1)
+    # D's load deadline (600 s) lies far past poll's 20 s: only P's signal can end the load
+    d = C.make_instance("d-eng", "kv_consumer", 1, port=port, timeout_s=600.0)
+    p = C.make_instance("p-eng", "kv_producer", 1)
+    try:
+        C.fill_prefill(p)
+        C.expect(d, "dreq", "tlease", [1, 2])
+        if d_aborted:
+            assert d.workers[0].transfer_results({"dreq"}) == (set(), set(), set())
+        meta = PdgateMetadata(abandoned=[Abandoned("tlease", C.destination(d, port))])
+        worker = p.workers[0]
+        worker.start_step(meta)
+        worker.end_step(meta)
+        got = C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
+        assert got[0][2] == (set() if d_aborted else {"dreq"})
+        sender = worker.sender
+        assert sender is not None
+        until(lambda: not worker.transfer_results(set())[0] and not sender.transfers)
     finally:
         C.close(p, d)
 
