@@ -85,6 +85,7 @@ def pause_watch(e2e_logs: Path) -> Iterator[PauseWatch]:
     """The machine's own pauses (``tests/e2e/pauses.py``), watched for the whole session:
     what allows a scenario to judge in running time, or to run a try again."""
     watch = PauseWatch(e2e_logs / "pauses").start()
+    watch.wait_ticking()
     try:
         yield watch
     finally:

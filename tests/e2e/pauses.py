@@ -30,6 +30,7 @@ import os, sys, time
 os.sched_setaffinity(0, {int(sys.argv[1])})
 out = open(sys.argv[2], "a", buffering=1)
 gap, last = float(sys.argv[3]), time.monotonic()
+out.write("ticking\\n")
 while True:
     time.sleep(0.02)
     now = time.monotonic()
@@ -77,6 +78,15 @@ class PauseWatch:
             argv = [sys.executable, "-c", _WATCHER, str(cpu), str(self._file(cpu))]
             self.procs.append(subprocess.Popen([*argv, str(self.min_gap_s)]))
         return self
+
+    def wait_ticking(self, timeout_s: float = 120.0) -> None:
+        """Until every watcher runs its loop (a new Python process takes a while to get there
+        on a loaded machine, and it records nothing before)."""
+        deadline = time.monotonic() + timeout_s
+        while not all("ticking" in self._file(c).read_text() for c in self.cpus):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the pause watchers did not start in {timeout_s}s")
+            time.sleep(0.02)
 
     def stop(self) -> None:
         for p in self.procs:
