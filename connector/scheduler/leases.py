@@ -28,11 +28,9 @@ class LeaseCloser:
         self._actor = actor
         self._waiting: dict[str, Abandoned] = {}  # by transfer id: the claim's answer to come
         self._closing: list[Abandoned] = []  # for the next step's metadata
-        self.closed = 0  # leases closed this way, since start
 
     def close(self, lease: Abandoned) -> None:
         """P holds the lease: D is told in the next step."""
-        self.closed += 1
         log.info("transfer %s: P's request ended before its push; D is told", lease.transfer_id)
         self._closing.append(lease)
 
