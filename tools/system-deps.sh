@@ -42,9 +42,16 @@ apt_install() {
 
 command -v apt-get >/dev/null || { echo "apt-get not found: pdgate's Makefile installs system packages on Debian and Ubuntu only" >&2; exit 1; }
 
+# a fresh image may have no Python at all: the distribution's python3 (3.11 on Debian 12, 3.13
+# on Debian 13, 3.12 on Ubuntu 24.04), else python3.11 (Ubuntu 22.04, whose python3 is 3.10)
 py=$(pick_python)
-if [[ -z $py ]]; then
-  if available python3.11; then apt_install python3.11; py=python3.11; fi
+if [[ -z $py ]] && ! command -v python3 >/dev/null && available python3; then
+  apt_install python3
+  py=$(pick_python)
+fi
+if [[ -z $py ]] && available python3.11; then
+  apt_install python3.11
+  py=python3.11
 fi
 [[ -n $py ]] || { echo "no Python >= 3.11 found or installable with apt-get" >&2; exit 1; }
 ver=$("$py" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
