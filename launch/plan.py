@@ -133,6 +133,11 @@ def check_connector(o: LaunchOptions) -> None:
     if o.flow == "ascend-layerwise":
         raise ValueError("flow 'ascend-layerwise' needs --connector ascend")
     if o.connector != "nixl":
+        if o.flow == "prefill-first":  # P would answer with nothing D's connector can pull
+            raise ValueError(
+                "flow 'prefill-first' needs a pull connector (--connector nixl); the pdgate "
+                "connector pushes: use decode-first or concurrent"
+            )
         return
     if o.device == "npu":
         raise ValueError("the nixl connector runs on cpu or cuda engines, not npu")

@@ -108,6 +108,11 @@ def test_plan_nixl_connector_configures_pull_engines_and_prefill_first_proxy() -
     assert kv_config(cuda.children[1].argv)["kv_buffer_device"] == "cuda"
 
 
+def test_plan_pdgate_connector_rejects_prefill_first() -> None:
+    with pytest.raises(ValueError, match="pull connector"):
+        build_plan(LaunchOptions(model="m", flow="prefill-first"))
+
+
 def test_plan_nixl_rejects_push_flows_and_npu() -> None:
     for flow in ("decode-first", "concurrent"):
         with pytest.raises(ValueError, match="prefill-first"):
