@@ -1,23 +1,33 @@
 """A real model through P/D: SmolLM2-135M-Instruct (the demo's model, built from the package
 index by ``launch/smollm2.py``) gives the same greedy tokens through a 1P1D deployment as a
 monolithic engine, in English, with its prompt's KV pushed by P rather than recomputed by D.
-
 The tiny random model of the other end-to-end tests was made for this suite; this one was
 trained by someone else (30 layers, 9 heads / 3 KV heads, its own tokenizer and chat template).
+
+Last, on the same deployment, its only prefill instance is killed while it pushes: the client
+still gets the monolithic engine's answer. The proxy sees P's connection break before D's first
+byte, reads that P had taken the binding, drops D's first request and sends D the plain one: D
+computes the prompt itself (a retry would find no live P). D is left with nothing running or
+held, and the binding is closed. (With a second P the same happens: tests/e2e/test_chaos.py.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from launch.smollm2 import make_smollm2
 from tests.e2e.client import Generation, chat, client, complete
-from tests.e2e.conftest import REPO
+from tests.e2e.conftest import SMOLLM2_CACHE, wait_smollm2_build
+from tests.e2e.engine_metrics import wait_idle
 from tests.e2e.observe import newest_binding
 from tests.e2e.stack import (
     BLOCK_SIZE,
@@ -29,9 +39,11 @@ from tests.e2e.stack import (
     running,
     start,
 )
-from tests.e2e.test_equality import assert_same
+from tests.e2e.test_equality import assert_same, prompt_ids
 
 pytestmark = pytest.mark.e2e
+# D's load deadline: how long a killed P's blocks stay held at most (the last test waits it out)
+KV_LOAD_TIMEOUT_S = 30.0
 
 QUESTION = "Explain prefill and decode in one sentence."
 # a completion prompt of several prefill chunks (56 tokens each) and a partial last block
@@ -54,11 +66,14 @@ class RealStack:
 
 @pytest.fixture(scope="module")
 def smollm2(e2e_logs: Path) -> Iterator[RealStack]:
-    model = make_smollm2(REPO / ".cache" / "models", log=lambda m: print(f"[smollm2] {m}"))
+    wait_smollm2_build()  # started in the background at collection (conftest)
+    model = make_smollm2(SMOLLM2_CACHE, log=lambda m: print(f"[smollm2] {m}"))
     mono = monolithic_child(model)
     mono_sup = start([mono], e2e_logs / "smollm2-mono")  # loads beside the P/D engines
     try:
-        pd = deployment(base_options(model), e2e_logs / "smollm2-pd")
+        pd = deployment(
+            base_options(model, kv_load_timeout_s=KV_LOAD_TIMEOUT_S), e2e_logs / "smollm2-pd"
+        )
         with running(pd, "the SmolLM2 1P1D deployment") as dep:
             mono_sup.wait_ready(900)
             yield RealStack(model, dep, mono.health_url.removesuffix("/health"))
@@ -72,8 +87,11 @@ def english(g: Generation) -> bool:
 
 
 async def test_e2e_real_model_chat_equals_monolithic_in_english(smollm2: RealStack) -> None:
-    ref = await chat(client(smollm2.mono_url), smollm2.model, QUESTION, max_tokens=32)
-    got = await chat(client(smollm2.pd.proxy), smollm2.model, QUESTION, max_tokens=32)
+    # both engines' first forwards are slow: let them run side by side
+    ref, got = await asyncio.gather(
+        chat(client(smollm2.mono_url), smollm2.model, QUESTION, max_tokens=32),
+        chat(client(smollm2.pd.proxy), smollm2.model, QUESTION, max_tokens=32),
+    )
     assert_same(got, ref)
     assert english(got), got.text
     binding = await newest_binding(smollm2.pd.metaserver)
@@ -105,3 +123,37 @@ def block_bytes(model: Path) -> int:
     c = json.loads((model / "config.json").read_text())
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * 4 * BLOCK_SIZE
+
+
+async def test_e2e_prefill_killed_mid_push(smollm2: RealStack) -> None:
+    """Runs last: it kills the deployment's only P."""
+    prompt = prompt_ids(1800, seed=99)  # ~33 chunks of 56 tokens: a long prefill to interrupt
+    dep = smollm2.pd
+    request = asyncio.create_task(complete(client(dep.proxy), smollm2.model, prompt, max_tokens=8))
+    started = time.monotonic()
+    async with httpx.AsyncClient(base_url=dep.metaserver, timeout=10) as ms:
+        while True:  # kill P once it has started pushing this transfer
+            assert time.monotonic() - started < 120, "prefill never started"
+            if request.done():
+                pytest.fail(f"request ended before P was killed: {request.result()!r}")
+            bindings = (await ms.get("/v1/bindings", params={"limit": 1})).json()["bindings"]
+            if bindings and bindings[0]["state"] in ("prefill_started", "pushing"):
+                break
+            await asyncio.sleep(0.02)
+        dep.supervisor._signal(dep.supervisor.procs["prefill-0"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        got = await asyncio.wait_for(request, KV_LOAD_TIMEOUT_S + 60)
+        answered_after = time.monotonic() - killed_at
+        ref = await complete(client(smollm2.mono_url), smollm2.model, prompt, max_tokens=8)
+        assert_same(got, ref)
+        print(f"\nanswer {answered_after:.1f}s after P was killed")
+        # D holds the aborted load's blocks until its load deadline at the latest
+        await wait_idle(dep.url_of("decode-0"), KV_LOAD_TIMEOUT_S + 10, kv_level=0.0)
+        final = (await ms.get(f"/v1/bindings/{bindings[0]['transfer_id']}")).json()
+        # the proxy saw P's leg fail and marks it failed, or D's own abort of its dropped
+        # first request landed first (D ends the binding of an aborted load)
+        assert final["state"] in ("failed", "aborted"), final
+        last = final["events"][-1]
+        assert (last["state"], last["actor"]) in (("failed", "proxy"), ("aborted", "decode-0")), (
+            last
+        )
