@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -17,19 +18,49 @@ class ClientDisconnected(Exception):
     nothing can be answered."""
 
 
+class BodyTimeout(Exception):
+    """The rest of the request body did not arrive within its deadline (a slow sender holds a
+    connection and, while it sends, nothing else)."""
+
+    def __init__(self, within_s: float) -> None:
+        super().__init__(f"request body not received within {within_s:g}s")
+        self.within_s = within_s
+
+
 class BodyTooLarge(Exception):
     def __init__(self, limit: int) -> None:
         super().__init__(f"request body exceeds {limit} bytes")
         self.limit = limit
 
 
-async def read_body(receive: Receive, limit: int, declared: int = -1) -> bytes:
+async def read_body(
+    receive: Receive, limit: int, declared: int = -1, within_s: float | None = None
+) -> bytes:
     """The whole request body; ``BodyTooLarge`` past ``limit`` bytes (``declared``: the
-    Content-Length, checked first), ``ClientDisconnected`` if the client leaves first."""
+    Content-Length, checked first), ``ClientDisconnected`` if the client leaves first,
+    ``BodyTimeout`` if parts still missing after the first one take more than ``within_s``
+    seconds (no timer when the body comes whole, as a small one does)."""
     if declared > limit:
         raise BodyTooLarge(limit)
-    chunks: list[bytes] = []
-    seen = 0
+    message = await receive()
+    if message["type"] == "http.disconnect":
+        raise ClientDisconnected
+    chunk: bytes = message.get("body", b"")
+    if len(chunk) > limit:
+        raise BodyTooLarge(limit)
+    if not message.get("more_body"):
+        return chunk
+    if within_s is None:
+        return await _rest_of_body(receive, limit, [chunk])
+    try:
+        async with asyncio.timeout(within_s):
+            return await _rest_of_body(receive, limit, [chunk])
+    except TimeoutError:
+        raise BodyTimeout(within_s) from None
+
+
+async def _rest_of_body(receive: Receive, limit: int, chunks: list[bytes]) -> bytes:
+    seen = len(chunks[0])
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
@@ -40,4 +71,4 @@ async def read_body(receive: Receive, limit: int, declared: int = -1) -> bytes:
             raise BodyTooLarge(limit)
         chunks.append(chunk)
         if not message.get("more_body"):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            return b"".join(chunks)

@@ -33,6 +33,7 @@ class ProxyApp:
 
     def __init__(self, runtime: Runtime, hot: CompletionsHandler, rest: ASGIApp) -> None:
         self.runtime = runtime
+        self.receipt_timeout_s = runtime.settings.receipt_timeout_s  # read by proxy.server
         self._hot = hot
         self._rest = rest
 

@@ -91,6 +91,7 @@ def build_parser() -> SettingsParser[ProxySettings]:
     opt("--circuit-open", "circuit_open_s", float)
     opt("--max-inflight", "max_inflight", int)
     opt("--max-body-bytes", "max_body_bytes", int)
+    opt("--receipt-timeout", "receipt_timeout_s", float)
     opt("--max-choices", "max_choices", int)
     opt("--max-connections", "max_connections", int)
     opt("--http-client", "http_client", choices=["native", "aiohttp"])

@@ -115,6 +115,12 @@ class ProxySettings(LayeredSettings, TlsListener):
     circuit_open_s: float = Field(10.0, gt=0, description="how long an open circuit rejects")
     max_inflight: int = Field(4096, ge=1, description="admission limit; above it: 429")
     max_body_bytes: int = Field(16 << 20, ge=1024, description="request bodies above it: 413")
+    receipt_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a request's head must arrive within this many seconds of its first byte "
+        "(else the connection is closed), and its body within as many after the head (else 408)",
+    )
     max_choices: int = Field(
         16,
         ge=1,

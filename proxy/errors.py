@@ -3,6 +3,7 @@
 ProxyError                    500 internal_error
 ├── BadRequest                400 invalid_request_error (malformed JSON, wrong types)
 ├── PayloadTooLarge           413 invalid_request_error (body above --max-body-bytes)
+├── RequestTimeout            408 invalid_request_error (body slower than --receipt-timeout)
 ├── Unauthorized              401 authentication_error
 ├── NotFound                  404 not_found_error (admin call: no such instance)
 ├── Overloaded                429 rate_limit_error (admission limit; carries Retry-After)
@@ -43,6 +44,11 @@ class BadRequest(ProxyError):
 
 class PayloadTooLarge(ProxyError):
     status = 413
+    kind = "invalid_request_error"
+
+
+class RequestTimeout(ProxyError):
+    status = 408
     kind = "invalid_request_error"
 
 

@@ -16,11 +16,26 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from pdwire.asgi import BodyTooLarge, ClientDisconnected, Receive, Scope, Send, read_body
+from pdwire.asgi import (
+    BodyTimeout,
+    BodyTooLarge,
+    ClientDisconnected,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+)
 from pdwire.ids import IdMaker, valid_id
 from pdwire.models import BindingState, MarkKind
 from proxy.config import Flow
-from proxy.errors import BadRequest, PayloadTooLarge, ProxyError, Unauthorized, sse_error_event
+from proxy.errors import (
+    BadRequest,
+    PayloadTooLarge,
+    ProxyError,
+    RequestTimeout,
+    Unauthorized,
+    sse_error_event,
+)
 from proxy.flows import Upstream
 from proxy.instances import Instance
 from proxy.rewrite import ClientRequest
@@ -82,6 +97,7 @@ class CompletionsHandler:
         self._flow_default = rt.settings.flow
         self._flow_header = rt.settings.flow_header
         self._max_body = rt.settings.max_body_bytes
+        self._receipt_s = rt.settings.receipt_timeout_s
         self._max_choices = rt.settings.max_choices
         self._marks = rt.settings.binding_marks  # the timeline's first_token / end marks
         self._counters: dict[tuple[str, Flow, str, int], Any] = {}
@@ -134,17 +150,13 @@ class CompletionsHandler:
                 raise Unauthorized("missing or invalid API key")
             if self._flow_header and flow_hdr:
                 flow = _flow_of(flow_hdr)
-            rt.admission.enter()
         except ProxyError as exc:
             rt.metrics.rejected.labels(reason=exc.kind).inc()
             if span is not None:
                 _end_span(span, exc.kind, exc.status, flow, None, None, exc.message)
             await _send_error(send, exc, extra)
             return
-        try:
-            await self._serve(scope, receive, send, endpoint, flow, extra, t0, span)
-        finally:
-            rt.admission.leave()
+        await self._serve(scope, receive, send, endpoint, flow, extra, t0, span)
 
     async def _serve(
         self,
@@ -161,10 +173,14 @@ class CompletionsHandler:
         assert rt.dispatcher is not None
         try:
             try:
-                body = await read_body(receive, self._max_body)
+                body = await read_body(receive, self._max_body, within_s=self._receipt_s)
             except BodyTooLarge as exc:
                 raise PayloadTooLarge(str(exc)) from None
+            except BodyTimeout as exc:
+                raise RequestTimeout(str(exc)) from None
             req = ClientRequest.parse(body, endpoint == "chat", self._max_choices)
+            # taken once the body is in: a slow sender holds its connection, not a slot
+            rt.admission.enter()
         except ClientDisconnected:
             if span is not None:
                 _end_span(span, "client_disconnected", 499, flow, None, None, "client went away")
@@ -173,7 +189,7 @@ class CompletionsHandler:
             rt.metrics.rejected.labels(reason=exc.kind).inc()
             if span is not None:
                 _end_span(span, exc.kind, exc.status, flow, None, None, exc.message)
-            await _send_error(send, exc, extra)
+            await _send_error(send, exc, extra, close=isinstance(exc, RequestTimeout))
             return
         task = asyncio.current_task()
         assert task is not None
@@ -234,6 +250,7 @@ class CompletionsHandler:
             if d is not None:
                 d.release(req.tokens)
             rt.metrics.inflight.dec()
+            rt.admission.leave()
             if outcome != "ok" or log.isEnabledFor(logging.DEBUG):
                 log.log(
                     logging.DEBUG if outcome == "ok" else logging.INFO,
@@ -285,9 +302,15 @@ def _flow_of(raw: bytes) -> Flow:
         raise BadRequest(f"unknown x-pd-flow {raw.decode('latin-1')!r}") from None
 
 
-async def _send_error(send: Any, exc: ProxyError, extra: list[tuple[bytes, bytes]]) -> None:
+async def _send_error(
+    send: Any, exc: ProxyError, extra: list[tuple[bytes, bytes]], *, close: bool = False
+) -> None:
+    """``close``: the connection ends after this answer (the rest of a late body would
+    otherwise be read as the next request)."""
     body = exc.body()
     headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode()), *extra]
+    if close:
+        headers.append((b"connection", b"close"))
     if exc.retry_after is not None:
         headers.append((b"retry-after", str(max(1, round(exc.retry_after))).encode()))
     await send({"type": "http.response.start", "status": exc.status, "headers": headers})

@@ -96,10 +96,12 @@ async def serve_proxy(
 ) -> RunningProxy:
     """Serve a proxy with uvicorn inside the test loop (``settings["port"]`` must be free);
     the caller stops it."""
-    app = create_app(ProxySettings(**settings))
+    parsed = ProxySettings(**settings)
+    app = create_app(parsed)
     config = uvicorn.Config(
         app, host="127.0.0.1", port=settings["port"], log_level="warning", lifespan="on",
         http=uvicorn_http,  # pd-proxy's protocol unless a test asks for uvicorn's own
+        timeout_keep_alive=parsed.client_keepalive_s,  # as proxy.cli serves it
     )  # fmt: skip
     server = uvicorn.Server(config)
     task = asyncio.get_running_loop().create_task(server.serve())
