@@ -80,7 +80,7 @@ class ConnectorSettings(LayeredSettings):
         "transfer fails (the same bytes to the same places, so a retry is harmless)",
     )
     verify_kv: bool = Field(
-        False, description="P sends a crc32 per pushed piece, D checks them (cpu memory only)"
+        False, description="P sends a crc32 per pushed piece, D checks them (host or CUDA memory)"
     )
     keepalive_s: float = Field(
         0.5,

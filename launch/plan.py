@@ -49,7 +49,7 @@ _DEVICE = {
 # unless VLLM_ENABLE_V1_MULTIPROCESSING=0 (vllm/platforms/cpu.py), and each process it starts
 # imports vLLM and torch afresh ("spawn"). With the variable the worker runs inside the engine
 # core's process ("uni" executor); the API server still runs the engine core apart. One engine
-# alone here answered /health after 85 s against 131 s (docs/launch.md).
+# alone here answered /health after 85 s against 131 s (docs/development.md).
 CPU_SINGLE_PROCESS_WORKER = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 

@@ -26,7 +26,7 @@ Flows (--flow):
                  proxy waits for it, then sends P a max_tokens=1 request carrying the binding;
                  P pushes KV into D's blocks layer by layer. Needs --metaserver.
   concurrent     like decode-first, but P is sent at once and fetches the binding itself.
-  prefill-first  P first (pull connectors: vLLM NIXL / Mooncake): P's kv_transfer_params
+  prefill-first  P first (pull connectors: vLLM's NixlConnector): P's kv_transfer_params
                  are handed to D unchanged.
   direct         no disaggregation: D computes the prompt.
   ascend-layerwise  decode-first for unchanged vllm-ascend engines (MooncakeLayerwiseConnector):

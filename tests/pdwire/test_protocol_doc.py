@@ -83,7 +83,7 @@ def test_protocol_doc_names_every_kv_transfer_params_key(params: dict[str, objec
 
 
 def test_protocol_doc_prefill_first_params_are_pull_prefill_leg() -> None:
-    flow = _section("Prefill-first flow (pull connectors: vLLM's NIXL or Mooncake connectors)")
+    flow = _section("Prefill-first flow (pull connectors: vLLM's NixlConnector)")
     m = re.search(r"`kv_transfer_params = (\{[^`]*\})`", flow)
     assert m is not None
     assert msgspec.json.decode(m.group(1).replace("\n", " ")) == pull_prefill_leg()
