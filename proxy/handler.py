@@ -236,6 +236,7 @@ class CompletionsHandler:
             outcome, status = "client_disconnected", 499
             log.info("client went away (%s); legs cancelled", extra[0][1].decode())
         finally:
+            rt.admission.leave()
             watcher.cancel()
             if up is not None:
                 if complete:
@@ -250,7 +251,6 @@ class CompletionsHandler:
             if d is not None:
                 d.release(req.tokens)
             rt.metrics.inflight.dec()
-            rt.admission.leave()
             if outcome != "ok" or log.isEnabledFor(logging.DEBUG):
                 log.log(
                     logging.DEBUG if outcome == "ok" else logging.INFO,
