@@ -5,6 +5,7 @@ inside the test loop so that tests can look at its state."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,7 +102,7 @@ async def serve_proxy(
     config = uvicorn.Config(
         app, host="127.0.0.1", port=settings["port"], log_level="warning", lifespan="on",
         http=uvicorn_http,  # pd-proxy's protocol unless a test asks for uvicorn's own
-        timeout_keep_alive=parsed.client_keepalive_s,  # as proxy.cli serves it
+        timeout_keep_alive=math.ceil(parsed.client_keepalive_s),  # as proxy.cli serves it
     )  # fmt: skip
     server = uvicorn.Server(config)
     task = asyncio.get_running_loop().create_task(server.serve())
