@@ -154,20 +154,25 @@ def _die_with_parent() -> None:
 
 def group_alive(pgid: int) -> bool:
     """Whether any live (non-zombie) process is still in process group ``pgid``."""
-    proc = Path("/proc")
-    if not proc.exists():  # not Linux: ask the kernel about the group as a whole
+    if not Path("/proc").exists():  # not Linux: ask the kernel about the group as a whole
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
             return False
         return True
-    for entry in proc.iterdir():
+    return bool(group_members({pgid}))
+
+
+def group_members(pgids: set[int]) -> list[int]:
+    """The live (non-zombie) processes in any of the process groups ``pgids`` (Linux)."""
+    found = []
+    for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError, IndexError):
             continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            return True
-    return False
+        if fields[0] != "Z" and int(fields[2]) in pgids:
+            found.append(int(entry.name))
+    return found

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from launch.plan import Child, build_plan
-from launch.supervisor import Supervisor
+from launch.supervisor import Supervisor, group_members
 from tests.e2e.stack import (
     ENGINE_ARGS,
     PROXY_ARGS,
@@ -89,7 +89,7 @@ class First:
         if self.pd is not None:
             groups |= {p.pid for p in self.pd.supervisor.procs.values()}
         failed = []
-        for pid in _pids_in_groups(groups):
+        for pid in group_members(groups):
             for tid in _threads(pid):
                 try:
                     os.setpriority(os.PRIO_PROCESS, tid, 0)
@@ -106,21 +106,6 @@ class First:
         self.traces.close()
         self.redis.stop()
         shutil.rmtree(self.redis.workdir, ignore_errors=True)
-
-
-def _pids_in_groups(groups: set[int]) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
-        if int(fields[2]) in groups:
-            found.append(int(entry.name))
-    return found
 
 
 def _threads(pid: int) -> list[int]:
