@@ -44,7 +44,7 @@ from tests.e2e.stack import (
 from tests.e2e.test_equality import assert_same, prompt_ids
 from tests.support import rescues
 
-pytestmark = [pytest.mark.e2e, pytest.mark.tp2]  # make test-tp (docs/development.md)
+pytestmark = [pytest.mark.e2e, pytest.mark.tp2]
 MOONCAKE_HANG = re.compile("Sync batch data transfer timeout")
 # P, D and the proxy giving up on a peer that did not answer in time
 # (connector/scheduler/prefill.py, connector/worker/side_channel.py,
