@@ -135,6 +135,7 @@ class MarkKind(enum.StrEnum):
 
     FIRST_TOKEN = "first_token"  # the proxy got D's first token (or, not streamed, its answer)
     END = "end"  # the proxy finished (or gave up on) the client's answer
+    CORRUPT = "corrupt"  # P's first token and D's differed: D's answer was not sent
 
 
 class MarkDetail(_Strict):
@@ -143,7 +144,8 @@ class MarkDetail(_Strict):
         description="seconds from the proxy receiving the client's request to this moment",
     )
     outcome: Annotated[str, Field(max_length=64)] | None = Field(
-        default=None, description="end: how the answer ended (ok, stream_error, …)"
+        default=None,
+        description="end: how the answer ended (ok, stream_error, …); corrupt: both first tokens",
     )
 
 

@@ -86,6 +86,20 @@ class ProxySettings(LayeredSettings, TlsListener):
     disagg_min_tokens: int = Field(
         0, ge=0, description="prompts estimated below this many tokens skip P (0: never)"
     )
+    first_token_check: bool = Field(
+        True,
+        description="on greedy requests compare P's first token with D's before D's answer "
+        "goes out; a mismatch quarantines the pair and D computes the prompt itself",
+    )
+    canary_interval_s: float = Field(
+        0.0,
+        ge=0,
+        description="send a greedy one-token canary through each P/D pair that no greedy "
+        "request judged for this many seconds (0: no canaries)",
+    )
+    pair_quarantine_s: float = Field(
+        300.0, gt=0, description="how long a pair whose first tokens differed is not paired"
+    )
     cached_skip_ratio: float = Field(
         0.0, ge=0, le=1, description="skip P when D likely caches this share of the prompt (0: off)"
     )

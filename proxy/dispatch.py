@@ -22,6 +22,7 @@ from proxy.config import Flow as FlowName
 from proxy.errors import BadRequest, NoInstance
 from proxy.flows import Attempt, Flow, Upstream
 from proxy.instances import Instance, Registry, Role
+from proxy.integrity import PairGuard
 from proxy.metrics import Metrics
 from proxy.policies import Policy, RequestInfo
 from proxy.policies.prefix import PrefixAware
@@ -63,9 +64,12 @@ class Decider:
         return flow
 
 
-def pairs(p: Instance, d: Instance) -> bool:
-    """Whether P may push into D by their registrations (revision, KV identity, TP); an
-    instance the registry does not describe is not held back."""
+def pairs(p: Instance, d: Instance, guard: PairGuard | None = None) -> bool:
+    """Whether P may push into D: by their registrations (revision, KV identity, TP; an
+    instance the registry does not describe is not held back), and not quarantined after
+    their first tokens differed."""
+    if guard is not None and guard.blocked(p, d):
+        return False
     if p.spec is None or d.spec is None:
         return True
     return instances_problem(p.spec, d.spec) is None
@@ -84,6 +88,7 @@ class Dispatcher:
         retries: int,
         backoff: Backoff,
         ids: IdMaker | None = None,
+        guard: PairGuard | None = None,
     ) -> None:
         self._registry = registry
         self._flows = flows
@@ -94,6 +99,7 @@ class Dispatcher:
         self._retries = retries
         self._backoff = backoff
         self._ids = ids or IdMaker("pd")
+        self._guard = guard
         self._ok: weakref.WeakKeyDictionary[Instance, Any] = weakref.WeakKeyDictionary()
 
     def _pick(
@@ -116,7 +122,7 @@ class Dispatcher:
         if not candidates:
             raise NoInstance(f"no {role.value} instance available", retry_after=1)
         if pairs_with is not None:
-            candidates = [c for c in candidates if pairs(c, pairs_with)]
+            candidates = [c for c in candidates if pairs(c, pairs_with, self._guard)]
             if not candidates:
                 return None
         return policy.choose(candidates, info)
@@ -141,7 +147,7 @@ class Dispatcher:
             p = None
             if impl.needs_prefill:
                 p = self._pick(Role.PREFILL, avoid, info, self._p_policy, pairs_with=d)
-                if p is None:  # no P of D's revision / KV identity: D computes the prompt
+                if p is None:  # no P of D's revision / KV identity, or quarantined: D computes
                     self._metrics.decisions.labels(decision="no_compatible_prefill").inc()
                     log.debug("no prefill instance can push into %s; D computes", d.id)
                     chosen, impl = FlowName.DIRECT, self._flows[FlowName.DIRECT]

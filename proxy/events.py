@@ -56,11 +56,13 @@ class EventSink:
         self,
         transfer_id: str,
         kind: MarkKind,
-        since_request_s: float,
+        since_request_s: float | None,
         outcome: str | None = None,
     ) -> None:
-        """Report a moment of the transfer (first token, end of the answer) to its binding."""
-        detail = MarkDetail(since_request_s=max(0.0, since_request_s), outcome=outcome)
+        """Report a moment of the transfer (first token, end of the answer, a first-token
+        mismatch) to its binding."""
+        since = None if since_request_s is None else max(0.0, since_request_s)
+        detail = MarkDetail(since_request_s=since, outcome=outcome)
         self._spawn(transfer_id, kind.value, self._client.post_mark, kind, ACTOR, detail)
 
     def _spawn(

@@ -249,10 +249,10 @@ class Metrics:
         ).labels()
         self.without_prefill = counter(
             "pd_decode_without_prefill_total",
-            "decode-first: D was sent the plain request and computed the prompt itself, by "
-            "reason: no_push (P pushed nothing), binding_unreadable (the metaserver did not "
-            "answer, refused or failed while D's binding was awaited), prefill_failed (P's leg "
-            "broke after P took the binding)",
+            "D was sent the plain request and computed the prompt itself, by reason: no_push "
+            "(P pushed nothing), binding_unreadable (the metaserver did not answer, refused or "
+            "failed while D's binding was awaited), prefill_failed (P's leg broke after P took "
+            "the binding), first_token_mismatch (P's and D's first tokens differed)",
             ["reason"],
             registry=r,
         )
@@ -262,6 +262,26 @@ class Metrics:
             "and cached-token count dropped",
             registry=r,
         ).labels()
+        self.first_token_checks = counter(
+            "pd_first_token_checks_total",
+            "greedy P/D requests whose first tokens were compared (P's prefill leg against D's "
+            "first content), by outcome: match, mismatch (the pair was quarantined and D "
+            "computed the prompt itself), unjudged (the texts could not tell)",
+            ["outcome"],
+            registry=r,
+        )
+        self.canaries = counter(
+            "pd_canaries_total",
+            "canary requests (--canary-interval) by outcome: match, mismatch, unjudged, error",
+            ["outcome"],
+            registry=r,
+        )
+        self.pair_mismatches = counter(
+            "pd_pair_mismatches_total",
+            "first-token mismatches per P/D pair (each quarantines the pair)",
+            ["prefill", "decode"],
+            registry=r,
+        )
         self.binding_waits = InFlight(
             "pd_binding_waits",
             "requests waiting now for D's binding (D has not scheduled them yet)",

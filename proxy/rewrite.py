@@ -2,12 +2,14 @@
 
 * client-supplied ``kv_transfer_params`` are always removed;
 * the prefill leg gets ``max_tokens``/``max_completion_tokens`` = 1, ``stream=false``, ``n=1``,
-  and loses ``min_tokens``, ``min_completion_tokens``, ``stream_options``, ``best_of``;
+  and loses ``min_tokens``, ``min_completion_tokens``, ``stream_options``, ``best_of``; a
+  greedy request's also gets ``return_token_ids`` (the first-token check, ``proxy.integrity``);
 * the prompt length is estimated without a tokenizer (≈ 4 characters per token).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import msgspec
@@ -70,13 +72,22 @@ class ClientRequest:
             xargs.pop("kv_transfer_params", None)
         return cls(body, chat, max_choices)
 
-    def for_decode(self, kv: dict[str, Any] | msgspec.Raw | None) -> bytes:
+    def for_decode(self, kv: dict[str, Any] | msgspec.Raw | None, cache_epoch: int = 0) -> bytes:
+        """``cache_epoch`` > 0: D's prefix cache may hold wrong KV from before that epoch (a
+        first-token mismatch, ``proxy.integrity``); the request's ``cache_salt`` is made the
+        epoch's, so none of those blocks is reused."""
+        body = self.body
+        if cache_epoch:
+            body = {**body, "cache_salt": epoch_salt(body.get("cache_salt"), cache_epoch)}
         if kv is None:
-            return _encode(self.body)
-        return _encode({**self.body, "kv_transfer_params": kv})
+            return _encode(body)
+        return _encode({**body, "kv_transfer_params": kv})
 
-    def for_prefill(self, kv: dict[str, Any]) -> bytes:
+    def for_prefill(self, kv: dict[str, Any], token_ids: bool = False) -> bytes:
+        """``token_ids``: P's answer carries its token's id (``return_token_ids``)."""
         body = {k: v for k, v in self.body.items() if k not in _PREFILL_DROP}
+        if token_ids:
+            body["return_token_ids"] = True
         body["max_tokens"] = 1
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
@@ -85,6 +96,15 @@ class ClientRequest:
             body["n"] = 1
         body["kv_transfer_params"] = kv
         return _encode(body)
+
+
+def epoch_salt(client_salt: Any, epoch: int) -> str:
+    """The ``cache_salt`` of ``epoch``: distinct per client salt (tenants stay apart), at most
+    vLLM's 128 characters, none of its forbidden ones."""
+    if isinstance(client_salt, str) and client_salt:
+        digest = hashlib.sha256(f"{client_salt}\0{epoch}".encode()).hexdigest()[:32]
+        return f"pdgate-{epoch}-{digest}"
+    return f"pdgate-{epoch}"
 
 
 def _prompt_of(body: dict[str, Any], chat: bool) -> tuple[str, int | None]:

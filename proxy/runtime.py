@@ -18,6 +18,7 @@ from pdwire.ids import IdMaker
 from proxy.admission import Admission
 from proxy.aiohttp_backend import AiohttpBackend
 from proxy.backend import Backend
+from proxy.canary import Canaries
 from proxy.config import Discovery, Flow, HttpClient, ProxySettings
 from proxy.dispatch import Decider, Dispatcher
 from proxy.events import EventClient, EventSink
@@ -37,6 +38,7 @@ from proxy.instances import (
     refresh,
     run_discovery,
 )
+from proxy.integrity import PairGuard
 from proxy.metrics import Metrics
 from proxy.native import NativeBackend, Pools
 from proxy.policies import make_policy
@@ -70,6 +72,7 @@ class Runtime:
         self._tasks: list[asyncio.Task[Any]] = []
         self.ids = IdMaker("pd")  # transfer ids; the binding feed asks for this prefix
         self.bindings: BindingSource | None = None
+        self.canaries: Canaries | None = None  # wired with --canary-interval > 0
 
     async def start(self) -> None:
         s = self.settings
@@ -123,6 +126,8 @@ class Runtime:
             self._tasks.append(loop.create_task(watch.run(s.discovery_interval_s)))
         checker = HealthChecker(self.registry, self.session, interval_s=s.health_interval_s)
         self._tasks.append(loop.create_task(checker.run()))
+        if self.canaries is not None:
+            self._tasks.append(loop.create_task(self.canaries.run(), name="canaries"))
 
     def wire(self, backend: Backend, events: EventClient | None) -> None:
         """Build the data path on ``backend``: legs, flows, dispatcher; the decode-first flows
@@ -137,7 +142,8 @@ class Runtime:
             s.request_timeout_s,
             s.prefill_grace_s,
         )
-        legs = Legs(backend, timeouts, self.metrics)
+        guard = PairGuard(s.pair_quarantine_s, self.metrics) if s.first_token_check else None
+        legs = Legs(backend, timeouts, self.metrics, guard)
         flows: dict[Flow, FlowImpl] = {
             Flow.DIRECT: Direct(legs),
             Flow.PREFILL_FIRST: PrefillFirst(legs),
@@ -152,6 +158,12 @@ class Runtime:
             flows[Flow.ASCEND_LAYERWISE] = AscendLayerwise(
                 legs, bindings, self.events, s.ascend_url()
             )
+        canary_flow = flows.get(s.flow)
+        if guard is not None and s.canary_interval_s > 0 and canary_flow is not None:
+            if canary_flow.needs_prefill:
+                self.canaries = Canaries(
+                    self.registry, canary_flow, guard, self.metrics, self.ids, s.canary_interval_s
+                )
         prefix = self.decode_policy if isinstance(self.decode_policy, PrefixAware) else None
         decider = Decider(s.disagg_min_tokens, s.cached_skip_ratio, prefix, self.metrics)
         self.dispatcher = Dispatcher(
@@ -164,6 +176,7 @@ class Runtime:
             retries=s.retries,
             backoff=Backoff(base=s.backoff_base_s, cap=s.backoff_cap_s),
             ids=self.ids,
+            guard=guard,
         )
 
     def _discovery_source(self) -> DiscoverySource:

@@ -109,6 +109,10 @@
     if (first && first.detail && first.detail.since_request_s !== undefined) {
       parts.push(`TTFT ${ms(first.detail.since_request_s)}`);
     }
+    const corrupt = list.find((x) => x.kind === "corrupt");
+    if (corrupt) {
+      parts.push((corrupt.detail && corrupt.detail.outcome) || "first tokens differ");
+    }
     return parts.join(" · ");
   }
 

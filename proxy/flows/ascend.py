@@ -54,7 +54,7 @@ class AscendLayerwise:
         task = asyncio.current_task()
         assert task is not None
         d_task = asyncio.get_running_loop().create_task(
-            self._legs.decode(a, a.req.for_decode(self._d_kv))
+            self._legs.decode(a, a.decode_body(self._d_kv))
         )
         watch = DecodeWatch(task, self._grace_s)
         d_task.add_done_callback(watch)

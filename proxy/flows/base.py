@@ -11,6 +11,17 @@ from pdwire.params import parse_push_report
 from proxy.backend import Backend, LegError, Response
 from proxy.errors import UpstreamError, UpstreamTimeout
 from proxy.instances import Instance
+from proxy.integrity import (
+    PairGuard,
+    PrefillChoice,
+    Verdict,
+    answer_first,
+    describe,
+    judge,
+    judged,
+    prefill_first,
+    stream_first,
+)
 from proxy.metrics import Metrics
 from proxy.policies import RequestInfo
 from proxy.rewrite import ClientRequest, cached_tokens_of
@@ -59,6 +70,10 @@ class Attempt:
         self.prefill = prefill
         self.tid = tid
         self.trace = trace  # the request's span (tracing on)
+
+    def decode_body(self, kv: dict[str, Any] | msgspec.Raw | None) -> bytes:
+        """The request for D (``kv``: its ``kv_transfer_params``), in D's cache epoch."""
+        return self.req.for_decode(kv, self.decode.cache_epoch)
 
     def leg_span(self, leg: str, url: str) -> LegSpan | None:
         """A child span of the request for one leg of this attempt (``None``: tracing off)."""
@@ -114,6 +129,7 @@ class PrefillAnswer(msgspec.Struct):
 
     kv_transfer_params: msgspec.Raw = msgspec.Raw()  # empty when absent
     usage: Any = None
+    choices: list[PrefillChoice] | None = None  # P's one token (``proxy.integrity``)
 
 
 _prefill_answer = msgspec.json.Decoder(PrefillAnswer)
@@ -126,12 +142,19 @@ def no_push_reason(answer: PrefillAnswer) -> str | None:
 
 
 class Legs:
-    """The two leg primitives, shared by the flows."""
+    """The two leg primitives, shared by the flows, and the first-token check between them."""
 
-    def __init__(self, backend: Backend, timeouts: Timeouts, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        timeouts: Timeouts,
+        metrics: Metrics,
+        guard: PairGuard | None = None,
+    ) -> None:
         self.backend = backend
         self.timeouts = timeouts
         self.metrics = metrics
+        self.guard = guard  # None: first tokens are not compared
         self._ttft = metrics.decode_ttft_seconds
         self._prefill_s = metrics.prefill_seconds
 
@@ -199,7 +222,9 @@ class Legs:
         assert p is not None
         limit = self.timeouts.prefill
         t0 = time.perf_counter()  # P's load is held by the dispatcher for the whole attempt
-        body = a.req.for_prefill(kv)
+        # a judged request's first token is compared by id when D's answer shows it
+        token_ids = self.guard is not None and judged(a.req.body)
+        body = a.req.for_prefill(kv, token_ids)
         resp = await self.backend.post(p.url, a.path, body, a.tid, "prefill", limit, traceparent)
         try:
             raw = await resp.read(limit - (time.perf_counter() - t0))
@@ -217,6 +242,40 @@ class Legs:
         self._prefill_s.observe(time.perf_counter() - t0)
         p.circuit.record(True)
         return out
+
+    async def first_tokens_differ(
+        self, a: Attempt, answer: PrefillAnswer, up: Upstream
+    ) -> str | None:
+        """Compare P's first token with D's (greedy requests, ``proxy.integrity``); on a
+        mismatch the pair is quarantined and the reason returned: the caller drops ``up`` and
+        has D compute the prompt. D's chunks read meanwhile stay in ``up.first``."""
+        guard = self.guard
+        if guard is None or a.prefill is None or not judged(a.req.body):
+            return None
+        chat = a.req.chat
+        p_first = prefill_first(answer.choices, chat)
+        if p_first.token_id is None and (not p_first.text or "\ufffd" in p_first.text):
+            guard.record(Verdict.UNJUDGED, a.prefill, a.decode, a.tid)
+            return None
+        if a.req.stream:
+            idle = self.timeouts.first_token
+            try:
+                up.first, d_first = await stream_first(
+                    up.first, lambda: up.resp.next_chunk(idle), chat, p_first
+                )
+            except UpstreamError as exc:
+                up.close()
+                err = UpstreamError(f"reading D's first content: {exc.message}")
+                raise LegError(err, a.decode.url, "decode") from exc
+            except BaseException:  # cancelled (the client left): nobody else closes it
+                up.close()
+                raise
+        else:
+            d_first = answer_first(up.first, chat)
+        verdict = judge(p_first, d_first)
+        seen = describe(p_first, d_first)
+        guard.record(verdict, a.prefill, a.decode, a.tid, seen)
+        return f"first tokens differ: {seen}" if verdict is Verdict.MISMATCH else None
 
 
 def prefill_cached(answer: PrefillAnswer) -> int | None:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from pdwire.models import BindingState
+from pdwire.models import BindingState, MarkKind
 from pdwire.params import decode_leg, prefill_leg
 from proxy.backend import LegError
 from proxy.errors import BindingTimeout, MetaserverUnavailable, UpstreamError
@@ -59,12 +59,14 @@ class Without(enum.Enum):
     NO_PUSH = "no_push"  # P answered that it pushed nothing
     UNREADABLE = "binding_unreadable"  # the metaserver could not give D's binding
     P_FAILED = "prefill_failed"  # P's leg broke after P took the binding
+    MISMATCH = "first_token_mismatch"  # P's first token and D's differed (``proxy.integrity``)
 
 
 _WITHOUT = {
     Without.NO_PUSH: "P pushed nothing",
     Without.UNREADABLE: "binding unreadable",
     Without.P_FAILED: "P failed after taking the binding",
+    Without.MISMATCH: "pair quarantined",
 }
 
 
@@ -91,10 +93,10 @@ class DecodeFirst:
         assert task is not None
         d_span = a.leg_span("decode", a.decode.url)
         if d_span is None:
-            d_leg = self._legs.decode(a, a.req.for_decode(decode_leg(a.tid, url)))
+            d_leg = self._legs.decode(a, a.decode_body(decode_leg(a.tid, url)))
         else:
             d_kv = decode_leg(a.tid, url, d_span.traceparent)
-            d_leg = self._legs.traced_decode(a, a.req.for_decode(d_kv), d_span)
+            d_leg = self._legs.traced_decode(a, a.decode_body(d_kv), d_span)
         d_task = asyncio.get_running_loop().create_task(d_leg)
         watch = DecodeWatch(task, self._grace_s)
         d_task.add_done_callback(watch)
@@ -144,6 +146,14 @@ class DecodeFirst:
             return await self._decode_alone(a, d_task, why, Without.NO_PUSH)
         up.prefill_cached = prefill_cached(answer)
         up.binding_tracked = True
+        try:
+            differ = await self._legs.first_tokens_differ(a, answer, up)
+        except BaseException as exc:
+            self._events.post(a.tid, BindingState.ABORTED, str(exc) or type(exc).__name__)
+            raise
+        if differ is not None:
+            self._events.mark(a.tid, MarkKind.CORRUPT, None, differ[:64])
+            return await self._decode_alone(a, d_task, differ, Without.MISMATCH)
         return up
 
     async def _p_failed_after_taking(
@@ -199,7 +209,7 @@ class DecodeFirst:
             self._legs.metrics.no_push.inc()
         why = f"{what}: {why}"
         self._events.post(a.tid, BindingState.FAILED, why)
-        body = a.req.for_decode(None)
+        body = a.decode_body(None)
         span = a.leg_span("decode", a.decode.url)
         if span is None:
             up = await self._legs.decode(a, body)

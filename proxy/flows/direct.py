@@ -13,7 +13,7 @@ class Direct:
         self._legs = legs
 
     async def open(self, a: Attempt) -> Upstream:
-        body = a.req.for_decode(None)
+        body = a.decode_body(None)
         span = a.leg_span("decode", a.decode.url)
         if span is None:
             return await self._legs.decode(a, body)

@@ -29,11 +29,21 @@ class PrefillFirst:
         if not bytes(kv).lstrip().startswith(b"{"):
             err = UpstreamError("prefill answered without kv_transfer_params")
             raise LegError(err, a.prefill.url, "prefill")
-        body = a.req.for_decode(kv)
+        body = a.decode_body(kv)
         d_span = a.leg_span("decode", a.decode.url)
         if d_span is None:
             up = await self._legs.decode(a, body)
         else:
             up = await self._legs.traced_decode(a, body, d_span)
         up.prefill_cached = prefill_cached(answer)
-        return up
+        differ = await self._legs.first_tokens_differ(a, answer, up)
+        if differ is None:
+            return up
+        up.close()  # D computes the prompt itself; the suspect answer is never sent
+        self._legs.metrics.without_prefill.labels(reason="first_token_mismatch").inc()
+        body = a.decode_body(None)
+        d_span = a.leg_span("decode", a.decode.url)
+        if d_span is None:
+            return await self._legs.decode(a, body)
+        d_span.set("pdgate.without_prefill", differ)
+        return await self._legs.traced_decode(a, body, d_span)

@@ -31,6 +31,7 @@ class Instance:
 
     __slots__ = (
         "__weakref__",
+        "cache_epoch",
         "circuit",
         "drained_local",
         "drained_remote",
@@ -58,6 +59,7 @@ class Instance:
         self.id = local_id(url)  # the registry's instance id once the metaserver names it
         self.inflight = 0
         self.tokens = 0
+        self.cache_epoch = 0  # D: bumped when its prefix cache may hold wrong KV (integrity)
         self.served = 0
         # its registration in the metaserver (revision, KV identity, TP): None when the
         # registry does not know it (a static URL of an engine without the connector)

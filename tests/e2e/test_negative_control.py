@@ -4,10 +4,15 @@ differs from the monolithic engine — the equality check can see a wrong transf
 ``verify_kv`` on as well, D's checksum check catches the corruption, fails the load, recomputes
 (``kv_load_failure_policy=recompute``) and the answer is right again.
 
-One deployment serves both: two corrupting prefill engines, ``verify_kv`` off on prefill-0 and
-on on prefill-1 (the setting is P's: it decides what P's digests describe), one decode engine,
-and a proxy taking the prefill engines in turn. Each test sends prompts until one went through
-the P it is about, and judges every answer by the P that served it."""
+With the proxy's first-token check (on by default) the corruption is caught before D's answer
+reaches the client: P's first token and D's differ, the pair is quarantined, D recomputes.
+
+One deployment serves all three: two corrupting prefill engines, ``verify_kv`` off on prefill-0
+and on on prefill-1 (the setting is P's: it decides what P's digests describe), one decode
+engine, and two proxies taking the prefill engines in turn: ``proxy`` with the first-token check
+off (the equality check is the only judge), ``proxy-checked`` with it on. The first two tests
+send prompts until one went through the P they are about, and judge every answer by the P
+that served it."""
 
 from __future__ import annotations
 
@@ -20,14 +25,25 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from launch.plan import build_plan
+from launch.plan import Child, build_plan
 from tests.e2e.client import Generation, client, complete
 from tests.e2e.conftest import LOG_DIR, Monolithic
 from tests.e2e.observe import newest_binding
-from tests.e2e.stack import BLOCK_SIZE, PROXY_ARGS, Deployment, base_options, deploy, running
+from tests.e2e.stack import (
+    BLOCK_SIZE,
+    PROXY_ARGS,
+    READY_TIMEOUT_S,
+    Deployment,
+    base_options,
+    deploy,
+    running,
+    start,
+)
 from tests.e2e.test_equality import assert_same, prompt_ids
+from tests.support.procs import free_port
 
 pytestmark = pytest.mark.e2e
 PROMPT_TOKENS = 5 * BLOCK_SIZE + 9  # six blocks, four prefill chunks
@@ -35,6 +51,7 @@ HOOK_ON = "TEST HOOK test_corrupt_push IS ON"
 MISMATCH = "does not match what P pushed"
 UNCHECKED, CHECKED = "prefill-0", "prefill-1"  # verify_kv off, on
 TRIES = 4  # round robin over two: each P serves one of any two prompts in a row
+CHECKING_PROXY = "proxy-checked"
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +67,24 @@ def corrupting(tiny_model: Path) -> Iterator[Deployment]:
         extra_proxy_args=(*PROXY_ARGS, "--prefill-policy", "round_robin"),
     )
     plan = build_plan(opts)
+    proxy = plan.children[-1]
+    assert proxy.name == "proxy"
+    port = free_port()
+    checked = with_port(replace(proxy, name=CHECKING_PROXY), port)
     plan.children[:] = [
-        replace(c, argv=with_verify_kv(c.argv)) if c.name == CHECKED else c for c in plan.children
-    ]
+        *(replace(c, argv=with_verify_kv(c.argv)) if c.name == CHECKED else c
+          for c in plan.children[:-1]),
+        replace(proxy, argv=[*proxy.argv, "--no-first-token-check"]),
+        checked,
+    ]  # fmt: skip
     with running(deploy(plan, logs), "the corrupting deployment") as d:
         yield d
+
+
+def with_port(proxy: Child, port: int) -> Child:
+    at = proxy.argv.index("--port") + 1
+    argv = [*proxy.argv[:at], str(port), *proxy.argv[at + 1 :]]
+    return replace(proxy, argv=argv, health_url=f"http://127.0.0.1:{port}/health")
 
 
 def with_verify_kv(argv: list[str]) -> list[str]:
@@ -73,10 +103,10 @@ class Served:
     prefill: str  # the instance that pushed
 
 
-async def through(dep: Deployment, mono: Monolithic, seed: int) -> Served:
+async def through(dep: Deployment, mono: Monolithic, seed: int, proxy: str = "") -> Served:
     prompt = prompt_ids(PROMPT_TOKENS, seed=seed)
     ref = await complete(client(mono.ready()), mono.model, prompt)
-    got = await complete(client(dep.proxy), mono.model, prompt)
+    got = await complete(client(proxy or dep.proxy), mono.model, prompt)
     binding = await newest_binding(dep.metaserver)
     pushers = {e["actor"] for e in binding["events"] if e["state"] == "pushing"}
     assert len(pushers) == 1, binding["events"]
@@ -134,3 +164,77 @@ async def test_e2e_verify_kv_catches_corrupted_push(
     corrupting: Deployment, monolithic: Monolithic
 ) -> None:
     await until_served_by(corrupting, monolithic, CHECKED, seed=4343)
+
+
+async def test_e2e_first_token_check_keeps_corrupted_kv_from_the_client(
+    corrupting: Deployment, monolithic: Monolithic
+) -> None:
+    """Through the proxy with the first-token check every greedy answer is right: the push from
+    prefill-0 (no verify_kv) is caught at D's first token, the pair quarantined, D recomputes;
+    from then on only prefill-1 is paired with decode-0 (its corruption caught by verify_kv)."""
+    proxy = corrupting.url_of(CHECKING_PROXY)
+    p0, d0 = corrupting.url_of(UNCHECKED), corrupting.url_of("decode-0")
+    wrong = []
+    for attempt in range(TRIES):
+        prompt = prompt_ids(PROMPT_TOKENS, seed=4545 + attempt)
+        ref = await complete(client(monolithic.ready()), monolithic.model, prompt)
+        for stream in (False, True):
+            got = await complete(client(proxy), monolithic.model, prompt, stream=stream)
+            if got.token_ids != ref.token_ids:
+                wrong.append((attempt, stream, got.token_ids[:4], ref.token_ids[:4]))
+    metrics = await scrape(proxy)
+    pd = {k: v for k, v in metrics.items() if k.startswith(("pd_first", "pd_pair", "pd_decode_w"))}
+    assert wrong == [], pd
+    for attempt in range(TRIES):  # and the logprobs as well
+        prompt = prompt_ids(PROMPT_TOKENS, seed=4545 + attempt)
+        ref = await complete(client(monolithic.ready()), monolithic.model, prompt)
+        assert_same(await complete(client(proxy), monolithic.model, prompt), ref)
+    pair = f'decode="{d0}",prefill="{p0}"'  # labels in the order the exposition sorts them
+    assert metrics.get(f"pd_pair_mismatches_total{{{pair}}}") == 1.0, pd
+    assert metrics.get(f"pd_pair_quarantined{{{pair}}}") == 1.0, pd
+    assert metrics.get('pd_first_token_checks_total{outcome="mismatch"}') == 1.0, pd
+    assert "first tokens differ" in corrupting.log_of(CHECKING_PROXY)
+
+
+async def test_e2e_canaries_quarantine_the_corrupting_pair_without_traffic(
+    corrupting: Deployment,
+) -> None:
+    """A proxy that no client uses, with canaries every 2 s: its canary through prefill-0 (no
+    verify_kv) and decode-0 finds the first tokens differ and quarantines that pair; prefill-1's
+    corruption is caught by verify_kv, so its canaries match."""
+    plan_proxy = next(c for c in corrupting.plan.children if c.name == CHECKING_PROXY)
+    port = free_port()
+    canary = with_port(replace(plan_proxy, name="proxy-canary"), port)
+    canary = replace(canary, argv=[*canary.argv, "--canary-interval", "2"])
+    url = f"http://127.0.0.1:{port}"
+    p0, p1 = corrupting.url_of(UNCHECKED), corrupting.url_of(CHECKED)
+    d0 = corrupting.url_of("decode-0")
+    sup = start([canary], LOG_DIR / "corrupt-canary")
+    try:
+        sup.wait_ready(READY_TIMEOUT_S)
+        deadline = time.monotonic() + 120
+        while True:
+            metrics = await scrape(url)
+            if metrics.get('pd_canaries_total{outcome="mismatch"}') == 1.0:  # D recomputed
+                break
+            assert time.monotonic() < deadline, metrics
+            await asyncio.sleep(1)
+        assert metrics.get(f'pd_pair_quarantined{{decode="{d0}",prefill="{p0}"}}') == 1.0
+        assert metrics.get('pd_canaries_total{outcome="error"}') == 0.0, metrics
+        assert metrics.get(f'pd_pair_quarantined{{decode="{d0}",prefill="{p1}"}}') is None
+        assert metrics.get('pd_requests_total{endpoint="completions",flow="decode-first",'
+                           'outcome="ok",status="200"}') is None  # fmt: skip
+    finally:
+        sup.stop()
+
+
+async def scrape(url: str) -> dict[str, float]:
+    """The proxy's ``/metrics`` as ``{'name{labels}': value}``."""
+    async with httpx.AsyncClient() as c:
+        text = (await c.get(url + "/metrics", timeout=10)).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out

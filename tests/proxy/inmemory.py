@@ -180,8 +180,9 @@ class InMemoryProxy:
         chat: bool = False,
         hook: bool = False,
         headers: Sequence[tuple[bytes, bytes]] = (),
+        extra: dict[str, Any] | None = None,
     ) -> Exchange:
-        body: dict[str, Any] = {"model": "m", "max_tokens": 4, "stream": stream}
+        body: dict[str, Any] = {"model": "m", "max_tokens": 4, "stream": stream, **(extra or {})}
         if chat:
             body["messages"] = [{"role": "user", "content": "The quick brown fox " * 8}]
         else:
