@@ -3,15 +3,17 @@
 On a greedy request (``temperature`` 0) P samples a first token in its prefill leg anyway, from
 the prompt and its weights; D samples its first token from the KV that P pushed (D computes
 only the prompt's last position itself). With the same weights and intact KV the two are the
-same token. The proxy has no tokenizer, so it compares text: P's answer text against the start
-of D's first content (read from D's first chunks, which are held until then). A first token
-whose text is empty or an incomplete UTF-8 piece (U+FFFD) is not judged, nor are requests where
-P and D sample under different rules (``min_tokens``, which P's leg drops; ``echo``;
-``best_of``).
+same token. They are compared by id when both answers carry one (P's leg asks for
+``return_token_ids``; D's answer has ids when the client asked for them or for logprobs as token
+ids), else by text (the proxy has no tokenizer): P's answer against the start of D's first
+content, read from D's first chunks, which are held until then. Text that is empty or an
+incomplete UTF-8 piece (U+FFFD) is not judged, nor are requests where P and D sample under
+different rules (``min_tokens``, which P's leg drops; ``echo``; ``best_of``).
 
-A mismatch quarantines the pair for ``--pair-quarantine-s`` (the dispatcher pairs neither with
-the other meanwhile), is logged with both texts, counted, marked on the binding, and the
-request is served by D computing the prompt itself: the client never sees the suspect token.
+A mismatch quarantines the pair for ``--pair-quarantine`` (the dispatcher pairs neither with
+the other meanwhile), moves D to a new cache epoch (its prefix cache holds the wrong blocks),
+is logged with both tokens, counted, marked on the binding, and the request is served by D
+computing the prompt itself: the client never sees the suspect token.
 """
 
 from __future__ import annotations
@@ -19,12 +21,10 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import msgspec
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from proxy.instances import Instance
 from proxy.metrics import Metrics
@@ -39,7 +39,7 @@ MAX_READS = 16  # D's chunks read past the first while looking for its first con
 class Verdict(enum.StrEnum):
     MATCH = "match"
     MISMATCH = "mismatch"
-    UNJUDGED = "unjudged"  # the texts cannot tell (empty, partial UTF-8, D ended first)
+    UNJUDGED = "unjudged"  # no ids, and the texts cannot tell (empty, partial UTF-8, ...)
 
 
 def judged(body: dict[str, Any]) -> bool:
@@ -222,7 +222,7 @@ class PairGuard:
         self._judged: dict[tuple[str, str], tuple[float, Verdict]] = {}  # the last, per pair
         self._verdicts = {v: metrics.first_token_checks.labels(v.value) for v in Verdict}
         self._mismatches = metrics.pair_mismatches
-        metrics.registry.register(_QuarantineCollector(self))
+        metrics.quarantined = self.quarantined
 
     def blocked(self, p: Instance, d: Instance) -> bool:
         if not self._until:
@@ -265,18 +265,3 @@ class PairGuard:
             "D computes the prompt itself, D's cache epoch now %d",
             tid, seen, p.url, d.url, self.quarantine_s, d.cache_epoch,
         )  # fmt: skip
-
-
-class _QuarantineCollector(Collector):
-    def __init__(self, guard: PairGuard) -> None:
-        self._guard = guard
-
-    def collect(self) -> Iterable[GaugeMetricFamily]:
-        g = GaugeMetricFamily(
-            "pd_pair_quarantined",
-            "1 for each P/D pair quarantined now after their first tokens differed",
-            labels=["prefill", "decode"],
-        )
-        for p_url, d_url in self._guard.quarantined():
-            g.add_metric([p_url, d_url], 1.0)
-        yield g

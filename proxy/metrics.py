@@ -53,6 +53,21 @@ class _InstanceCollector(Collector):
         yield drained
 
 
+class _QuarantineCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        g = GaugeMetricFamily(
+            "pd_pair_quarantined",
+            "1 for each P/D pair quarantined now after their first tokens differed",
+            labels=["prefill", "decode"],
+        )
+        for p_url, d_url in self._metrics.quarantined():
+            g.add_metric([p_url, d_url], 1.0)
+        yield g
+
+
 class InFlight(Collector):
     """Things in progress: how many, and the age of the oldest (0 with none), read at scrape
     time. ``start`` / ``end`` are a dict insert and delete (one event loop: no lock); the
@@ -310,6 +325,9 @@ class Metrics:
             "pd_binding_events_dropped_total", "binding events not sent (queue full)", registry=r
         )
         r.register(_InstanceCollector(instances))
+        # the pairs quarantined now (``proxy.integrity.PairGuard`` sets it)
+        self.quarantined: Callable[[], Iterable[tuple[str, str]]] = tuple
+        r.register(_QuarantineCollector(self))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
