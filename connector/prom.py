@@ -74,8 +74,8 @@ class PdgatePromMetrics(KVConnectorPromMetrics):
                     name=s.name, documentation=s.doc, labelnames=names, multiprocess_mode="sum"
                 )
             self._metrics[s.key] = metric
-            for values in per_engine_labelvalues.values():
-                for v in s.values or (None,):
+            for values in per_engine_labelvalues.values():  # label values known up front
+                for v in s.values if s.label else (None,):
                     metric.labels(*values, *(() if v is None else (v,)))
         self._plain: dict[str, dict[int, Any]] = {
             key: create_metric_per_engine(m, per_engine_labelvalues)

@@ -154,6 +154,23 @@ SERIES: tuple[Series, ...] = (
         side="D worker",
     ),
     Series(
+        "blocks_pushed",
+        Kind.COUNTER,
+        "KV blocks of loads that landed intact, by the P instance that pushed them (its "
+        "registry id; 'unknown' from a P that does not name itself): with blocks_recomputed, "
+        "how much of each pair's prompts D received and how much it computed itself.",
+        label="prefill",
+        side="D worker",
+    ),
+    Series(
+        "blocks_recomputed",
+        Kind.COUNTER,
+        "KV blocks of failed loads that D computed itself (kv_load_failure_policy=recompute), "
+        "by the P instance the load waited for ('none': no P ever signalled).",
+        label="prefill",
+        side="D worker",
+    ),
+    Series(
         "recomputes",
         Kind.COUNTER,
         "Failed loads vLLM recomputes locally (kv_load_failure_policy=recompute).",

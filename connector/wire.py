@@ -57,6 +57,9 @@ class Refused(msgspec.Struct, tag="refused", frozen=True):
     protocol: int = UNVERSIONED
 
 
+INSTANCE_LABEL = r"^[A-Za-z0-9._:-]*$"  # what a metric label of D may carry
+
+
 class Signal(msgspec.Struct, tag="signal", frozen=True):
     transfer_id: str
     sender: str  # "<p engine id>/<p rank>"
@@ -69,6 +72,8 @@ class Signal(msgspec.Struct, tag="signal", frozen=True):
     # may still land for this many seconds, so D must not use or free the blocks before then;
     # bounded, so that no message can keep D's blocks forever (D drops a Signal above it)
     settle_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_SETTLE_S)] = 0.0
+    # P's instance id (the registry's): D counts each P's blocks under it ("" from older P)
+    instance: Annotated[str, msgspec.Meta(max_length=128, pattern=INSTANCE_LABEL)] = ""
 
 
 class Alive(msgspec.Struct, tag="alive", frozen=True):

@@ -185,6 +185,7 @@ class ConnectorWorker:
             verify=verify,
             recheck_sources=s.verify_kv,
             keepalive_s=s.keepalive_s,
+            instance_id=self.actor,
         )
         transport: Transport = self.transport
         checksums: digest.Checksums = self.device.checksums
@@ -363,6 +364,12 @@ class ConnectorWorker:
         if failed and self.recompute:
             self.stats.add("recomputes", len(failed))
         self._ended_blocks = {r: self._recv_blocks.pop(r, []) for r in recving}
+        for req_id, source in self.tracker.take_sources().items():
+            blocks = len(self._ended_blocks.get(req_id, ()))
+            if source.intact:
+                self.stats.add("blocks_pushed", blocks, label=source.prefill)
+            elif self.recompute:
+                self.stats.add("blocks_recomputed", blocks, label=source.prefill)
         return sending, recving, failed
 
     def silent_loads(self) -> frozenset[str]:

@@ -21,11 +21,23 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from connector import wire
 from connector.stats import StatsCollector
 
 log = logging.getLogger("pdgate.connector.receiver")
+
+
+NO_PREFILL = "none"  # the load failed before any P signalled
+UNKNOWN_PREFILL = "unknown"  # a P whose signals do not name its instance
+
+
+class Source(NamedTuple):
+    """Where a finished load came from and how it ended (``RecvTracker.take_sources``)."""
+
+    prefill: str  # the P instance id, ``none`` or ``unknown``
+    intact: bool  # False: failed (D recomputes or fails the request)
 
 
 @dataclass
@@ -81,6 +93,7 @@ class RecvTracker:
         self.silent = 0  # loads failed because P stopped sending keep-alives
         self._quarantine: set[str] = set()  # failed while P may still write: see ``take_silent``
         self._ready: dict[str, float] = {}  # see ``take_ready``
+        self._sources: dict[str, Source] = {}  # see ``take_sources``
         # ``verify_kv``: checks a complete transfer's digests ("" = the KV landed intact)
         self.verify: Callable[[wire.Signal], str] | None = None
         # a load completed intact (counts its bytes); runs under the tracker's lock
@@ -162,6 +175,13 @@ class RecvTracker:
             ready, self._ready = self._ready, {}
         return ready
 
+    def take_sources(self) -> dict[str, Source]:
+        """Loads that ended since the last call, intact or failed (aborted ones left out):
+        which P instance they came from, and how they ended."""
+        with self._lock:
+            sources, self._sources = self._sources, {}
+        return sources
+
     def pending(self) -> int:
         with self._lock:
             return len(self._recvs)
@@ -188,6 +208,10 @@ class RecvTracker:
                 elif not recv.aborted:
                     failed.add(req_id)
                     self.stats.add("load_failures", label=recv.cause)
+                if not recv.aborted:
+                    self._sources[req_id] = Source(self._prefill_of(recv), bool(verdict))
+                    if len(self._sources) > self._retired_max:  # nobody takes them
+                        del self._sources[next(iter(self._sources))]
                 self._retire(recv)
             for tid, entry in list(self._signals.items()):  # early signals nobody claimed
                 if tid not in self._tid_to_req and now - entry.first_at > self._timeout:
@@ -308,6 +332,14 @@ class RecvTracker:
             )
         self.verified += checked
         return True
+
+    def _prefill_of(self, recv: _Recv) -> str:
+        """The P instance a load came from: as its done signals name it; ``unknown`` when they
+        do not (an older P), ``none`` when no P signalled."""
+        entry = self._signals.get(recv.transfer_id)
+        if entry is None or not entry.by_sender:
+            return NO_PREFILL
+        return next((s.instance for s in entry.by_sender.values() if s.instance), UNKNOWN_PREFILL)
 
     def _ready_at(self, recv: _Recv) -> float:
         entry = self._signals.get(recv.transfer_id)

@@ -29,6 +29,7 @@ class Recorder:
     def __init__(
         self,
         me: str,
+        instance: str,
         ledger: Ledger,
         handshakes: HandshakeCache,
         signer: Signer | None,
@@ -39,6 +40,7 @@ class Recorder:
         channel: Channel = OPEN,
     ) -> None:
         self._me = me  # "<engine id>/<rank>": the signals' sender
+        self._instance = instance  # the registry's id of this engine
         self._ledger = ledger
         self._handshakes = handshakes
         self._signer = signer  # with ``verify``
@@ -109,6 +111,7 @@ class Recorder:
             error,
             digests,
             min(tr.settle_s, wire.MAX_SETTLE_S),
+            self._instance,
         )
         if not self._signals.send(tr.dest.host, tr.d_port, sig):
             tr.error = tr.error or "signal not sent"

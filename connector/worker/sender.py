@@ -54,6 +54,7 @@ class SenderOptions:
     verify: bool = False  # sign every piece written (``verify_kv``, or proof of arrival)
     recheck_sources: bool = True  # with ``verify``: read P's KV again at the end (verify_kv)
     keepalive_s: float = 0.5  # ``Alive`` to D for each open transfer this often (0: never)
+    instance_id: str = ""  # the registry's id of this engine, named in its done signals
 
     @property
     def me(self) -> str:
@@ -108,6 +109,7 @@ class Sender:
         signer = Signer(checksums, options.recheck_sources) if options.verify else None
         recorder = Recorder(
             options.me,
+            options.instance_id,
             self._ledger,
             self.handshakes,
             signer,

@@ -129,14 +129,25 @@ def test_alert_rules_query_only_exported_series_of_the_release(
     renders: dict[str, Rendered],
 ) -> None:
     """The PrometheusRule's alerts: "prefill computes but pushes nothing" (refused pairings,
-    failed transfers), on series the connector exports, in the release's namespace."""
+    failed transfers) and "a pair's loads fail" (D recomputes), on series the connector
+    exports, in the release's namespace."""
     (rule,) = renders["observability"].of_kind("PrometheusRule")
     assert rule["metadata"]["labels"]["release"] == "kps"
     alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
-    assert set(alerts) == {"PdgatePrefillRefusesPairings", "PdgatePushesFailing"}
+    assert set(alerts) == {
+        "PdgatePrefillRefusesPairings",
+        "PdgatePushesFailing",
+        "PdgatePairRecomputes",
+    }
     names = {m.group(1) for r in alerts.values() for m in NAME.finditer(r["expr"])}
-    assert names == {"vllm:pdgate_pairing_refusals_total", "vllm:pdgate_transfers_total"}
+    assert names == {
+        "vllm:pdgate_pairing_refusals_total",
+        "vllm:pdgate_transfers_total",
+        "vllm:pdgate_blocks_pushed_total",
+        "vllm:pdgate_blocks_recomputed_total",
+    }
     assert names <= exported_names()
     assert all(f'namespace="{NAMESPACE}"' in r["expr"] for r in alerts.values())
     assert "> 0.05" in alerts["PdgatePushesFailing"]["expr"]
+    assert "> 0.2" in alerts["PdgatePairRecomputes"]["expr"]
     assert not renders["defaults"].of_kind("PrometheusRule")

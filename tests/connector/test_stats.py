@@ -8,6 +8,7 @@ from functools import partial
 from types import SimpleNamespace
 from typing import Any, cast
 
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -15,7 +16,7 @@ from connector import stats, wire
 from connector.connector import PdgateConnector
 from connector.prom import PdgatePromMetrics, PdgateStats
 from connector.stats import StatsCollector
-from connector.worker.receiver import RecvTracker
+from connector.worker.receiver import NO_PREFILL, UNKNOWN_PREFILL, RecvTracker, Source
 from tests.connector import cluster as C
 from tests.connector.test_worker_failures import FakeClock, _sig
 from tests.connector.test_worker_retry import PAIRS, FailsOnce
@@ -153,7 +154,13 @@ def test_stats_prom_series_exist_at_zero_and_add_each_delta() -> None:
     assert val("vllm:pdgate_blocks_held", {**at, "side": "decode"}) == 2
     assert val("vllm:pdgate_load_failures_total", {**at, "cause": "corrupt"}) == 1
     exposed = {s.name for m in registry.collect() for s in m.samples}
-    assert stats.exposed_names() <= exposed
+    # a series labelled by values known only when they come (the P instance) appears with them
+    later = {n for s in stats.SERIES if s.label and not s.values for n in s.exposed}
+    assert later == {"vllm:pdgate_blocks_pushed_total", "vllm:pdgate_blocks_recomputed_total"}
+    assert stats.exposed_names() - later <= exposed and not later & exposed
+    prom.observe({"blocks_pushed": {"pd-prefill-0": 6}, "blocks_recomputed": {"none": 2}})
+    assert val("vllm:pdgate_blocks_pushed_total", {**at, "prefill": "pd-prefill-0"}) == 6
+    assert val("vllm:pdgate_blocks_recomputed_total", {**at, "prefill": "none"}) == 2
 
 
 # ---- what the worker halves count ---------------------------------------------------------
@@ -176,6 +183,7 @@ def test_stats_push_bytes_on_p_equal_bytes_received_on_d() -> None:
         assert whole == 3 * 4 * 8 * 16 * 2 * 32 * 4
         assert sent["push_bytes"] == whole == got["recv_bytes"]
         assert got["recv_blocks"] == 3 and got["loads"] == 1
+        assert got["blocks_pushed"] == {p.workers[0].actor: 3}  # named by P's done signal
         assert sent["transfers"] == {"ok": 1} and sent["handshakes"] == {"ok": 1}
         assert sent["push_pieces"] >= 4 and sent["push_writes"] >= 1
         assert len(sent["push_seconds"]) == 1 == len(sent["push_exposed_seconds"])
@@ -207,13 +215,15 @@ def test_stats_failed_write_counts_retry_holds_and_failures(
             assert sent["late_landing_holds"] == {"prefill": 1}
             assert sent["write_retries"] == 1 and "write_failures" not in sent
             assert sent["transfers"] == {"ok": 1} and got["loads"] == 1
-            assert "recomputes" not in got
+            assert "recomputes" not in got and "blocks_recomputed" not in got
+            assert got["blocks_pushed"] == {p.workers[0].actor: 3}
         else:
             assert sent["write_failures"] == 1 and "write_retries" not in sent
             assert "late_landing_holds" not in sent
             assert sent["transfers"] == {"failed": 1} and "push_seconds" not in sent
             assert got["load_failures"] == {"prefill_failed": 1} and got["recomputes"] == 1
-            assert "recv_bytes" not in got
+            assert "recv_bytes" not in got and "blocks_pushed" not in got
+            assert got["blocks_recomputed"] == {p.workers[0].actor: 3}
     finally:
         C.close(p, d)
 
@@ -234,6 +244,36 @@ def test_stats_load_failures_by_cause() -> None:
     assert t.stats.take() == {
         "load_failures": {"binding_rejected": 1, "prefill_failed": 1, "timeout": 1}
     }
+
+
+def test_stats_sources_name_the_prefill_instance_of_each_load() -> None:
+    clock = FakeClock()
+    t = RecvTracker(5.0, clock)
+    for req in ("named", "older-p", "silent", "aborted"):
+        t.expect(req, f"t-{req}")
+    t.on_signal(wire.Signal("t-named", "e1/0", True, 1, instance="pd-prefill-0"))
+    t.on_signal(wire.Signal("t-older-p", "e2/0", True, 1))  # a P that does not name itself
+    t.aborted({"aborted"})
+    t.poll()
+    clock.now += 6
+    t.poll()
+    assert t.take_sources() == {
+        "named": Source("pd-prefill-0", True),
+        "older-p": Source(UNKNOWN_PREFILL, True),
+        "silent": Source(NO_PREFILL, False),
+    }  # an aborted load is nobody's
+    assert t.take_sources() == {}
+
+
+def test_signal_instance_must_be_a_label_value() -> None:
+    ok = wire.Signal("t", "e/0", True, 1, instance="pd-prefill-0.ns:8000")
+    assert wire.decode(wire.encode(ok)) == ok
+    bad = msgspec.msgpack.encode(
+        {"type": "signal", "transfer_id": "t", "sender": "e/0", "ok": True, "expected": 1,
+         "instance": 'x"} 1\n'}
+    )  # fmt: skip
+    with pytest.raises(msgspec.ValidationError):
+        wire.decode(bad)
 
 
 def test_stats_late_arrival_and_corrupt_load_are_counted() -> None:
