@@ -35,21 +35,39 @@ class Supervisor:
     # ---- start ----------------------------------------------------------------------------
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        in_main_thread = threading.current_thread() is threading.main_thread()
         for child in self.children:
-            log = open(self.log_dir / f"{child.name}.log", "a")
-            self._logs.append(log)
-            self.procs[child.name] = subprocess.Popen(
-                child.argv,
-                env={**os.environ, **child.env},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # own process group: we can stop its whole tree
-                # the parent-death signal follows the *thread* that forks: only from the main one
-                preexec_fn=_die_with_parent if in_main_thread else None,
-            )
-            self.out(f"started {child.name} (pid {self.procs[child.name].pid}), log: {log.name}")
+            self._spawn(child)
+
+    def _spawn(self, child: Child) -> None:
+        log = open(self.log_dir / f"{child.name}.log", "a")
+        self._logs.append(log)
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        self.procs[child.name] = subprocess.Popen(
+            child.argv,
+            env={**os.environ, **child.env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # own process group: we can stop its whole tree
+            # the parent-death signal follows the *thread* that forks: only from the main one
+            preexec_fn=_die_with_parent if in_main_thread else None,
+        )
+        self.out(f"started {child.name} (pid {self.procs[child.name].pid}), log: {log.name}")
+
+    def restart(self, name: str, grace_s: float = 15.0) -> None:
+        """Stop child ``name`` (SIGTERM to its group, SIGKILL after ``grace_s``) and start it
+        again with the same command; its log goes on in the same file."""
+        child = next(c for c in self.children if c.name == name)
+        proc = self.procs[name]
+        self._signal(proc, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.out(f"{name} did not stop in {grace_s:.0f}s: killing it")
+        self._signal(proc, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.wait(5)
+        self._spawn(child)
 
     def dead(self) -> list[str]:
         return [name for name, p in self.procs.items() if p.poll() is not None]

@@ -7,12 +7,15 @@ differs from the monolithic engine — the equality check can see a wrong transf
 With the proxy's first-token check (on by default) the corruption is caught before D's answer
 reaches the client: P's first token and D's differ, the pair is quarantined, D recomputes.
 
-One deployment serves all three: two corrupting prefill engines, ``verify_kv`` off on prefill-0
-and on on prefill-1 (the setting is P's: it decides what P's digests describe), one decode
-engine, and two proxies taking the prefill engines in turn: ``proxy`` with the first-token check
-off (the equality check is the only judge), ``proxy-checked`` with it on. The first two tests
-send prompts until one went through the P they are about, and judge every answer by the P
-that served it."""
+With a third prefill engine that serves the same model name from other weights (two revisions
+side by side, as mid-way through a rolling update), no request is ever paired across them.
+
+One deployment serves them all: two corrupting prefill engines, ``verify_kv`` off on prefill-0
+and on on prefill-1 (the setting is P's: it decides what P's digests describe), prefill-2 of
+the other weights, one decode engine, and two proxies taking the prefill engines in turn:
+``proxy`` with the first-token check off (the equality check is the only judge),
+``proxy-checked`` with it on. The first two tests send prompts until one went through the P
+they are about, and judge every answer by the P that served it."""
 
 from __future__ import annotations
 
@@ -29,9 +32,10 @@ import httpx
 import pytest
 
 from launch.plan import Child, build_plan
+from launch.tiny_model import RECIPE, make_model
 from tests.e2e.client import Generation, client, complete
 from tests.e2e.conftest import LOG_DIR, Monolithic
-from tests.e2e.observe import newest_binding
+from tests.e2e.observe import newest_binding, proxy_metrics
 from tests.e2e.stack import (
     BLOCK_SIZE,
     PROXY_ARGS,
@@ -50,17 +54,19 @@ PROMPT_TOKENS = 5 * BLOCK_SIZE + 9  # six blocks, four prefill chunks
 HOOK_ON = "TEST HOOK test_corrupt_push IS ON"
 MISMATCH = "does not match what P pushed"
 UNCHECKED, CHECKED = "prefill-0", "prefill-1"  # verify_kv off, on
-TRIES = 4  # round robin over two: each P serves one of any two prompts in a row
+TRIES = 4  # round robin over the two Ps of decode-0's weights: each serves one of any two
 CHECKING_PROXY = "proxy-checked"
+OTHER_REVISION = "prefill-2"  # the same model name, other weights: never paired with decode-0
 
 
 @pytest.fixture(scope="module")
 def corrupting(tiny_model: Path) -> Iterator[Deployment]:
     logs = LOG_DIR / "corrupt"
     shutil.rmtree(logs, ignore_errors=True)
+    other = make_model(tiny_model.parent, {**RECIPE, "seed": 4321}, "tiny-llama")
     opts = base_options(
         tiny_model,
-        prefill=2,
+        prefill=3,
         # landing_wait_s: a mismatch that persists 1 s is corruption, not bytes still landing
         extra_connector_config={"test_corrupt_push": True, "landing_wait_s": 1},
         extra_engine_env={"PDGATE_ALLOW_TEST_HOOKS": "1"},
@@ -72,7 +78,8 @@ def corrupting(tiny_model: Path) -> Iterator[Deployment]:
     port = free_port()
     checked = with_port(replace(proxy, name=CHECKING_PROXY), port)
     plan.children[:] = [
-        *(replace(c, argv=with_verify_kv(c.argv)) if c.name == CHECKED else c
+        *(replace(c, argv=with_verify_kv(c.argv)) if c.name == CHECKED
+          else other_revision(c, other) if c.name == OTHER_REVISION else c
           for c in plan.children[:-1]),
         replace(proxy, argv=[*proxy.argv, "--no-first-token-check"]),
         checked,
@@ -85,6 +92,18 @@ def with_port(proxy: Child, port: int) -> Child:
     at = proxy.argv.index("--port") + 1
     argv = [*proxy.argv[:at], str(port), *proxy.argv[at + 1 :]]
     return replace(proxy, argv=argv, health_url=f"http://127.0.0.1:{port}/health")
+
+
+def other_revision(engine: Child, weights: Path) -> Child:
+    """``engine`` loading other weights under the same served model name (a checkpoint mid-way
+    through a rolling update), without the corrupting hook."""
+    argv = list(engine.argv)
+    argv[argv.index("--model") + 1] = str(weights)
+    at = argv.index("--kv-transfer-config") + 1
+    config = json.loads(argv[at])
+    del config["kv_connector_extra_config"]["test_corrupt_push"]
+    argv[at] = json.dumps(config)
+    return replace(engine, argv=argv)
 
 
 def with_verify_kv(argv: list[str]) -> list[str]:
@@ -182,7 +201,7 @@ async def test_e2e_first_token_check_keeps_corrupted_kv_from_the_client(
             got = await complete(client(proxy), monolithic.model, prompt, stream=stream)
             if got.token_ids != ref.token_ids:
                 wrong.append((attempt, stream, got.token_ids[:4], ref.token_ids[:4]))
-    metrics = await scrape(proxy)
+    metrics = await proxy_metrics(proxy)
     pd = {k: v for k, v in metrics.items() if k.startswith(("pd_first", "pd_pair", "pd_decode_w"))}
     assert wrong == [], pd
     for attempt in range(TRIES):  # and the logprobs as well
@@ -194,6 +213,43 @@ async def test_e2e_first_token_check_keeps_corrupted_kv_from_the_client(
     assert metrics.get(f"pd_pair_quarantined{{{pair}}}") == 1.0, pd
     assert metrics.get('pd_first_token_checks_total{outcome="mismatch"}') == 1.0, pd
     assert "first tokens differ" in corrupting.log_of(CHECKING_PROXY)
+
+
+async def test_e2e_other_weights_are_never_paired(
+    corrupting: Deployment, monolithic: Monolithic
+) -> None:
+    """prefill-2 registered another model fingerprint than decode-0: no request reached it,
+    every answer is right, and a restart of the proxy in the middle changes nothing (the proxy
+    reads the registry before it serves)."""
+    async with httpx.AsyncClient() as c:
+        listed = (await c.get(corrupting.metaserver + "/v1/instances", timeout=30)).json()
+    by_url = {i["url"]: i for i in listed["instances"]}
+    other, d0 = corrupting.url_of(OTHER_REVISION), corrupting.url_of("decode-0")
+    assert by_url[other]["kv"]["model"] != by_url[d0]["kv"]["model"]
+    assert by_url[corrupting.url_of(UNCHECKED)]["kv"]["model"] == by_url[d0]["kv"]["model"]
+
+    proxy = corrupting.url_of(CHECKING_PROXY)
+    for half in range(2):
+        if half:  # restart the proxy, then straight back to work
+            corrupting.supervisor.restart(CHECKING_PROXY)
+            corrupting.supervisor.wait_ready(READY_TIMEOUT_S)
+        for attempt in range(TRIES):
+            prompt = prompt_ids(PROMPT_TOKENS, seed=4646 + 10 * half + attempt)
+            ref = await complete(client(monolithic.ready()), monolithic.model, prompt)
+            assert_same(await complete(client(proxy), monolithic.model, prompt), ref)
+    served = await engine_requests(other)
+    assert served == 0, f"{OTHER_REVISION} was sent {served} request(s)"
+
+
+async def engine_requests(url: str) -> float:
+    """How many requests a vLLM engine finished (``vllm:request_success_total``, every reason)."""
+    async with httpx.AsyncClient() as c:
+        text = (await c.get(url + "/metrics", timeout=30)).text
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith("vllm:request_success_total{")
+    )
 
 
 async def test_e2e_canaries_quarantine_the_corrupting_pair_without_traffic(
@@ -214,7 +270,7 @@ async def test_e2e_canaries_quarantine_the_corrupting_pair_without_traffic(
         sup.wait_ready(READY_TIMEOUT_S)
         deadline = time.monotonic() + 120
         while True:
-            metrics = await scrape(url)
+            metrics = await proxy_metrics(url)
             if metrics.get('pd_canaries_total{outcome="mismatch"}') == 1.0:  # D recomputed
                 break
             assert time.monotonic() < deadline, metrics
@@ -226,15 +282,3 @@ async def test_e2e_canaries_quarantine_the_corrupting_pair_without_traffic(
                            'outcome="ok",status="200"}') is None  # fmt: skip
     finally:
         sup.stop()
-
-
-async def scrape(url: str) -> dict[str, float]:
-    """The proxy's ``/metrics`` as ``{'name{labels}': value}``."""
-    async with httpx.AsyncClient() as c:
-        text = (await c.get(url + "/metrics", timeout=10)).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out

@@ -192,3 +192,22 @@ def test_supervisor_children_die_with_a_killed_supervisor(tmp_path: Path) -> Non
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_supervisor_restart_replaces_one_child_and_its_tree(tmp_path: Path) -> None:
+    a, pa = server_child(tmp_path, "engine", 0.1)
+    b, pb = server_child(tmp_path, "other", 0.1)
+    sup = Supervisor([a, b], tmp_path / "logs", lambda s: None)
+    sup.start()
+    try:
+        sup.wait_ready(timeout_s=30, interval_s=0.2)
+        before, untouched = pids(pa), pids(pb)
+        pa.unlink()
+        sup.restart("engine", grace_s=5)
+        sup.wait_ready(timeout_s=30, interval_s=0.2)
+        after = pids(pa)
+        assert not any(alive(p) for p in before), "the old tree survived the restart"
+        assert all(alive(p) for p in after + untouched) and set(after).isdisjoint(before)
+    finally:
+        sup.stop(grace_s=5)
+    assert not any(alive(p) for p in after + untouched)
