@@ -28,7 +28,7 @@ from launch.smollm2 import make_smollm2
 from tests.e2e.client import Generation, chat, client, complete
 from tests.e2e.conftest import SMOLLM2_CACHE, wait_smollm2_build
 from tests.e2e.engine_metrics import wait_idle
-from tests.e2e.observe import newest_binding
+from tests.e2e.observe import newest_binding, proxy_metrics
 from tests.e2e.stack import (
     BLOCK_SIZE,
     CHUNK_TOKENS,
@@ -96,6 +96,24 @@ async def test_e2e_real_model_chat_equals_monolithic_in_english(smollm2: RealSta
     assert english(got), got.text
     binding = await newest_binding(smollm2.pd.metaserver)
     assert binding["state"] == "done"
+
+
+async def test_e2e_real_model_first_tokens_judged_as_text(smollm2: RealStack) -> None:
+    """A greedy chat request without logprobs: D's answer carries no token ids, so the proxy
+    compares P's and D's first tokens as text; on a real tokenizer that first token is judged,
+    and it matches."""
+    checks = 'pd_first_token_checks_total{outcome="%s"}'
+    before = await proxy_metrics(smollm2.pd.proxy)
+    r = await client(smollm2.pd.proxy).chat.completions.create(
+        model=smollm2.model,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert r.choices[0].message.content
+    after = await proxy_metrics(smollm2.pd.proxy)
+    moved = {o: after[checks % o] - before[checks % o] for o in ("match", "mismatch", "unjudged")}
+    assert moved == {"match": 1.0, "mismatch": 0.0, "unjudged": 0.0}, moved
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
