@@ -158,7 +158,8 @@ SERIES: tuple[Series, ...] = (
         Kind.COUNTER,
         "KV blocks of loads that landed intact, by the P instance that pushed them (its "
         "registry id; 'unknown' from a P that does not name itself): with blocks_recomputed, "
-        "how much of each pair's prompts D received and how much it computed itself.",
+        "how much of each pair's prompts D received and how much it computed itself (each of "
+        "D's TP ranks counts its blocks, so both are summed over the ranks).",
         label="prefill",
         side="D worker",
     ),
