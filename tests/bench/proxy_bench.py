@@ -77,15 +77,24 @@ PROMPT = "Benchmark prompt about prefill and decode disaggregation. " * 4
 
 # ---- load generator (runs in its own process) -----------------------------------------------
 async def _loadgen(
-    url: str, conns: int, seconds: float, warmup: float, stream: bool, rate: float | None
+    url: str,
+    conns: int,
+    seconds: float,
+    warmup: float,
+    stream: bool,
+    rate: float | None,
+    greedy: bool = False,
 ) -> None:
     """``rate``: each connection sends on its own schedule so that together they offer this
-    many req/s (a connection whose answer comes late sends its next request at once)."""
+    many req/s (a connection whose answer comes late sends its next request at once);
+    ``greedy``: ``temperature`` 0 (the proxy then compares P's and D's first tokens)."""
     import aiohttp
 
-    body = json.dumps(
-        {"model": "fake-model", "prompt": PROMPT, "max_tokens": 16, "stream": stream}
-    ).encode()
+    req: dict[str, Any] = {"model": "fake-model", "prompt": PROMPT, "max_tokens": 16}
+    req["stream"] = stream
+    if greedy:
+        req["temperature"] = 0
+    body = json.dumps(req).encode()
     headers = {"content-type": "application/json"}
     lat: list[float] = []
     errors = sent = 0
@@ -151,6 +160,8 @@ def run_loadgen(url: str, args: argparse.Namespace, stream: bool) -> dict[str, A
         argv += ["--rate", str(args.rate)]
     if stream:
         argv.append("--stream")
+    if args.greedy:
+        argv.append("--greedy")
     out = subprocess.run(argv, capture_output=True, text=True, timeout=args.seconds + 120)
     if out.returncode != 0:
         raise RuntimeError(f"load generator failed:\n{out.stderr[-2000:]}")
@@ -298,6 +309,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--loadgen", help=argparse.SUPPRESS)
     ap.add_argument("--stream", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--greedy",
+        action="store_true",
+        help="send temperature 0: the proxy compares P's and D's first tokens on each request",
+    )
     ap.add_argument("--connections", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--warmup", type=float, default=2.0)
@@ -372,7 +388,13 @@ def main() -> None:
             pass
         asyncio.run(
             _loadgen(
-                args.loadgen, args.connections, args.seconds, args.warmup, args.stream, args.rate
+                args.loadgen,
+                args.connections,
+                args.seconds,
+                args.warmup,
+                args.stream,
+                args.rate,
+                args.greedy,
             )
         )
         return
