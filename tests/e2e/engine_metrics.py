@@ -18,6 +18,18 @@ async def metrics_text(url: str) -> str:
         return (await http.get(url + "/metrics")).text
 
 
+async def samples(url: str) -> dict[str, float]:
+    """A process's samples, keyed ``name`` or ``name{label values}`` (the values in the order
+    the exposition gives them: sorted by label name for pdgate's own series)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(await metrics_text(url)):
+        for s in family.samples:
+            own = ",".join(s.labels.values())
+            key = f"{s.name}{{{own}}}" if own else s.name
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
 async def prompt_tokens_by_source(url: str) -> dict[str, float]:
     """``vllm:prompt_tokens_by_source_total`` summed per source: local_compute,
     local_cache_hit, external_kv_transfer."""

@@ -1,5 +1,4 @@
-"""The suite's own reads of the metaserver (and of the proxy's metrics), to observe a scenario
-(not part of what it tests).
+"""The suite's own reads of the metaserver, to observe a scenario (not part of what it tests).
 
 They wait out the machine's stalls (processes here have stalled for 10-24 s: see
 docs/reliability.md) and send a read again when its connection broke before an answer came:
@@ -69,16 +68,3 @@ async def newest_binding(metaserver: str, settle_s: float = SETTLE_S) -> dict[st
             await asyncio.sleep(0.05)
             binding = (await ms.get(f"/v1/bindings/{binding['transfer_id']}")).json()
     return binding
-
-
-async def proxy_metrics(url: str) -> dict[str, float]:
-    """The proxy's ``/metrics`` as ``{'name{labels}': value}`` (labels in the exposition's
-    order: sorted by name)."""
-    async with httpx.AsyncClient() as c:
-        text = (await c.get(url + "/metrics", timeout=OBSERVE_TIMEOUT_S)).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out

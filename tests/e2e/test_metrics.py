@@ -10,14 +10,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from connector import stats
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import Engines
-from tests.e2e.engine_metrics import connector_series, series_names
+from tests.e2e.engine_metrics import connector_series, samples, series_names
 from tests.e2e.stack import BLOCK_SIZE, CHUNK_TOKENS
 from tests.e2e.test_equality import latest_binding, prompt_ids
 
@@ -61,7 +59,7 @@ async def test_e2e_connector_metrics_agree_with_the_bytes_pushed(
     engines: Engines, tiny_model: Path
 ) -> None:
     p0, d0 = await _read(engines, PREFILL), await _read(engines, DECODE)
-    ms0 = await _samples(engines.pd.metaserver)
+    ms0 = await samples(engines.pd.metaserver)
     per_block = block_bytes(tiny_model)
     pd = client(engines.pd.proxy)
     blocks = done_bytes = 0
@@ -125,26 +123,13 @@ async def test_e2e_connector_metrics_agree_with_the_bytes_pushed(
         "vllm:pdgate_handshakes_total{failed}", 0
     )
     # the autoscaling signals saw the same three transfers, and none is left in flight
-    ms1 = await _samples(engines.pd.metaserver)
+    ms1 = await samples(engines.pd.metaserver)
     assert _delta(ms1, ms0, "pdgate_metaserver_prefill_queue_seconds_count") == len(lengths)
     assert _delta(ms1, ms0, "pdgate_metaserver_transfer_seconds_count{done}") == len(lengths)
-    px = await _samples(engines.pd.proxy)
+    px = await samples(engines.pd.proxy)
     assert px["pd_transfers_inflight"] == 0 and px["pd_binding_waits"] == 0
     assert px["pd_binding_wait_seconds_count"] >= len(lengths)
     assert px["pd_binding_reads_total{feed}"] >= len(lengths)  # the binding feed served them
-
-
-async def _samples(url: str) -> dict[str, float]:
-    """A process's samples, keyed ``name`` or ``name{label values}``."""
-    async with httpx.AsyncClient(timeout=10) as http:
-        text = (await http.get(url + "/metrics")).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            own = ",".join(s.labels.values())
-            key = f"{s.name}{{{own}}}" if own else s.name
-            out[key] = out.get(key, 0.0) + s.value
-    return out
 
 
 def _done_event(binding: dict[str, Any]) -> dict[str, Any]:

@@ -27,8 +27,8 @@ import pytest
 from launch.smollm2 import make_smollm2
 from tests.e2e.client import Generation, chat, client, complete
 from tests.e2e.conftest import SMOLLM2_CACHE, wait_smollm2_build
-from tests.e2e.engine_metrics import wait_idle
-from tests.e2e.observe import newest_binding, proxy_metrics
+from tests.e2e.engine_metrics import samples, wait_idle
+from tests.e2e.observe import newest_binding
 from tests.e2e.stack import (
     BLOCK_SIZE,
     CHUNK_TOKENS,
@@ -102,8 +102,8 @@ async def test_e2e_real_model_first_tokens_judged_as_text(smollm2: RealStack) ->
     """A greedy chat request without logprobs: D's answer carries no token ids, so the proxy
     compares P's and D's first tokens as text; on a real tokenizer that first token is judged,
     and it matches."""
-    checks = 'pd_first_token_checks_total{outcome="%s"}'
-    before = await proxy_metrics(smollm2.pd.proxy)
+    checks = "pd_first_token_checks_total{%s}"
+    before = await samples(smollm2.pd.proxy)
     r = await client(smollm2.pd.proxy).chat.completions.create(
         model=smollm2.model,
         messages=[{"role": "user", "content": QUESTION}],
@@ -111,7 +111,7 @@ async def test_e2e_real_model_first_tokens_judged_as_text(smollm2: RealStack) ->
         temperature=0,
     )
     assert r.choices[0].message.content
-    after = await proxy_metrics(smollm2.pd.proxy)
+    after = await samples(smollm2.pd.proxy)
     moved = {o: after[checks % o] - before[checks % o] for o in ("match", "mismatch", "unjudged")}
     assert moved == {"match": 1.0, "mismatch": 0.0, "unjudged": 0.0}, moved
 
