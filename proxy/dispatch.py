@@ -15,13 +15,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from pdwire.client.retry import Backoff
-from pdwire.compat import instances_problem
 from pdwire.ids import IdMaker
 from proxy.backend import LegError
 from proxy.config import Flow as FlowName
 from proxy.errors import BadRequest, NoInstance
 from proxy.flows import Attempt, Flow, Upstream
-from proxy.instances import Instance, Registry, Role
+from proxy.instances import Instance, Registry, Role, unpairable
 from proxy.integrity import PairGuard
 from proxy.metrics import Metrics
 from proxy.policies import Policy, RequestInfo
@@ -70,9 +69,7 @@ def pairs(p: Instance, d: Instance, guard: PairGuard | None = None) -> bool:
     their first tokens differed."""
     if guard is not None and guard.blocked(p, d):
         return False
-    if p.spec is None or d.spec is None:
-        return True
-    return instances_problem(p.spec, d.spec) is None
+    return unpairable(p, d) is None
 
 
 class Dispatcher:
@@ -101,6 +98,7 @@ class Dispatcher:
         self._ids = ids or IdMaker("pd")
         self._guard = guard
         self._ok: weakref.WeakKeyDictionary[Instance, Any] = weakref.WeakKeyDictionary()
+        self._told: set[tuple[str, str, str]] = set()  # (P, D, reason): logged once per pair
 
     def _pick(
         self,
@@ -122,7 +120,7 @@ class Dispatcher:
         if not candidates:
             raise NoInstance(f"no {role.value} instance available", retry_after=1)
         if pairs_with is not None:
-            candidates = [c for c in candidates if pairs(c, pairs_with, self._guard)]
+            candidates = [c for c in candidates if self._pairs(c, pairs_with)]
             if not candidates:
                 return None
         return policy.choose(candidates, info)
@@ -203,6 +201,21 @@ class Dispatcher:
                 self._p_policy.on_routed(p, info)
                 self._count_ok(p)
             return up, d, chosen
+
+    def _pairs(self, p: Instance, d: Instance) -> bool:
+        """``pairs``, with each registered pair that cannot push logged once (the metric
+        ``pd_pair_unpairable`` shows them all at scrape time)."""
+        problem = unpairable(p, d)
+        if problem is not None:
+            key = (p.url, d.url, problem.reason)
+            if key not in self._told:
+                self._told.add(key)
+                log.warning(
+                    "prefill %s is never paired with decode %s (%s): %s",
+                    p.id, d.id, problem.reason, problem.text,
+                )  # fmt: skip
+            return False
+        return self._guard is None or not self._guard.blocked(p, d)
 
     def _count_ok(self, inst: Instance) -> None:
         counter = self._ok.get(inst)

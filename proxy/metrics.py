@@ -22,7 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from proxy.instances import Instance
+from proxy.instances import Instance, Role, unpairable
 
 _LEG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -51,6 +51,29 @@ class _InstanceCollector(Collector):
         yield inflight
         yield healthy
         yield drained
+
+
+class _UnpairableCollector(Collector):
+    def __init__(self, instances: Callable[[], Iterable[Instance]]) -> None:
+        self._instances = instances
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        g = GaugeMetricFamily(
+            "pd_pair_unpairable",
+            "1 for each known P/D pair that is never paired, by why: revision (another "
+            "revision), identity (other weights, dtype, block size or KV shape), layout (TP "
+            "sizes that cannot be paired); D computes those requests' prompts or another P "
+            "serves them",
+            labels=["prefill", "decode", "reason"],
+        )
+        known = list(self._instances())
+        for p in known:
+            if p.role is not Role.PREFILL:
+                continue
+            for d in known:
+                if d.role is Role.DECODE and (problem := unpairable(p, d)) is not None:
+                    g.add_metric([p.url, d.url, problem.reason], 1.0)
+        yield g
 
 
 class _QuarantineCollector(Collector):
@@ -325,6 +348,7 @@ class Metrics:
             "pd_binding_events_dropped_total", "binding events not sent (queue full)", registry=r
         )
         r.register(_InstanceCollector(instances))
+        r.register(_UnpairableCollector(instances))
         # the pairs quarantined now (``proxy.integrity.PairGuard`` sets it)
         self.quarantined: Callable[[], Iterable[tuple[str, str]]] = tuple
         r.register(_QuarantineCollector(self))

@@ -12,7 +12,7 @@ from proxy.instances.discovery import (
 )
 from proxy.instances.drain import DrainControl, DrainResult, DrainWatch
 from proxy.instances.health import HealthChecker
-from proxy.instances.instance import Instance, Role
+from proxy.instances.instance import Instance, Role, unpairable
 from proxy.instances.registry import Registry
 
 __all__ = [
@@ -31,4 +31,5 @@ __all__ = [
     "StaticDiscovery",
     "refresh",
     "run_discovery",
+    "unpairable",
 ]

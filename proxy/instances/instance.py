@@ -6,6 +6,7 @@ import enum
 from typing import Any
 from urllib.parse import urlsplit
 
+from pdwire.compat import Mismatch, instances_problem
 from pdwire.models import InstanceSpec
 from proxy.instances.circuit import CircuitBreaker
 
@@ -18,6 +19,15 @@ class Role(enum.StrEnum):
 def local_id(url: str) -> str:
     """The id of an instance the metaserver registry does not name: its ``host:port``."""
     return urlsplit(url).netloc
+
+
+def unpairable(p: Instance, d: Instance) -> Mismatch | None:
+    """Why P instance ``p`` must not push into D instance ``d`` by their registrations
+    (revision, KV identity, TP pairing); ``None``: it may. An instance the registry does not
+    describe is not held back."""
+    if p.spec is None or d.spec is None:
+        return None
+    return instances_problem(p.spec, d.spec)
 
 
 class Instance:

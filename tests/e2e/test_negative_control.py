@@ -241,6 +241,15 @@ async def test_e2e_other_weights_are_never_paired(
     finished = await samples(other)
     served = sum(v for k, v in finished.items() if k.startswith("vllm:request_success_total{"))
     assert served == 0, f"{OTHER_REVISION} was sent {served} request(s)"
+    # the refusal is shown (the restarted proxy's registry) and logged once per proxy process,
+    # not once per request
+    shown = [k for k in await samples(proxy) if k.startswith(f"pd_pair_unpairable{{{d0},{other},")]
+    assert len(shown) == 1, shown
+    told = [
+        line for line in corrupting.log_of(CHECKING_PROXY).splitlines()
+        if "is never paired with decode" in line and OTHER_REVISION in line
+    ]  # fmt: skip
+    assert len(told) == 2, told
 
 
 async def test_e2e_canaries_quarantine_the_corrupting_pair_without_traffic(

@@ -4,7 +4,9 @@ alone (D computes the prompt) rather than paired across revisions."""
 
 from __future__ import annotations
 
+import logging
 import time
+from typing import Any
 
 from pdwire.models import Instance as Registered
 from pdwire.models import KVIdentity
@@ -108,4 +110,39 @@ async def test_pairing_a_revision_with_no_prefill_left_is_served_by_d_alone() ->
         if s.name.endswith("_total") and s.labels["decision"] == "no_compatible_prefill"
     ]
     assert counted == [2.0]
+    await px.settle()
+
+
+async def test_every_pair_that_cannot_push_is_shown_and_logged_once(caplog: Any) -> None:
+    """``pd_pair_unpairable`` names each registered pair that is never paired and why; the
+    proxy's log says it once per pair, not once per request."""
+    backend = _backend()
+    px = _proxy(backend)
+    other = KV.model_copy(update={"model": "sha256:" + "b" * 32})
+    px.runtime.registry.apply_registry(
+        [
+            registered("p-old", "prefill", P_URL, "v1"),
+            registered("p-new", "prefill", P2_URL, "v2", kv=other),
+            registered("d-old", "decode", D_URL, "v1"),
+            registered("d-new", "decode", D2_URL, "v2"),
+        ]
+    )
+    with caplog.at_level(logging.WARNING, logger="pdgate.proxy"):
+        for _ in range(6):
+            assert (await px.send()).status == 200
+    shown = {
+        (s.labels["prefill"], s.labels["decode"], s.labels["reason"]): s.value
+        for family in px.runtime.metrics.registry.collect()
+        if family.name == "pd_pair_unpairable"
+        for s in family.samples
+    }
+    assert shown == {
+        (P_URL, D2_URL, "revision"): 1.0,
+        (P2_URL, D_URL, "revision"): 1.0,
+        (P2_URL, D2_URL, "identity"): 1.0,
+    }
+    told = [r.getMessage() for r in caplog.records if "is never paired" in r.getMessage()]
+    # each D was chosen 3 times; every P it met that cannot push into it is told once
+    assert sorted(told) == sorted(set(told)) and len(told) == 3, told
+    assert any("weights/config differ" in t for t in told)
     await px.settle()
