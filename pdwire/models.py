@@ -136,6 +136,7 @@ class MarkKind(enum.StrEnum):
     FIRST_TOKEN = "first_token"  # the proxy got D's first token (or, not streamed, its answer)
     END = "end"  # the proxy finished (or gave up on) the client's answer
     CORRUPT = "corrupt"  # P's first token and D's differed: D's answer was not sent
+    MIGRATED = "migrated"  # D broke mid-stream: the answer went on from another pair
 
 
 class MarkDetail(_Strict):

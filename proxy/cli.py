@@ -88,6 +88,7 @@ def build_parser() -> SettingsParser[ProxySettings]:
     opt("--prefill-grace", "prefill_grace_s", float)
     opt("--first-token-timeout", "first_token_timeout_s", float)
     opt("--idle-timeout", "idle_timeout_s", float)
+    opt("--migration-limit", "migration_limit", int)
     opt("--request-timeout", "request_timeout_s", float)
     opt("--health-interval", "health_interval_s", float)
     opt("--circuit-failures", "circuit_failures", int)

@@ -124,6 +124,13 @@ class ProxySettings(LayeredSettings, TlsListener):
     first_token_timeout_s: float = Field(300.0, gt=0, description="D's first streamed byte")
     request_timeout_s: float = Field(600.0, gt=0, description="whole non-streaming answer")
     idle_timeout_s: float = Field(120.0, gt=0, description="longest gap between streamed chunks")
+    migration_limit: int = Field(
+        1,
+        ge=0,
+        le=10,
+        description="times a streamed answer goes on from another pair when D breaks after its "
+        "first byte (0: off; the client gets an error event)",
+    )
     health_interval_s: float = Field(5.0, gt=0, description="active probe period (GET /health)")
     circuit_failures: int = Field(5, ge=1, description="consecutive failures that open a circuit")
     circuit_open_s: float = Field(10.0, gt=0, description="how long an open circuit rejects")

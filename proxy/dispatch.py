@@ -126,14 +126,20 @@ class Dispatcher:
         return policy.choose(candidates, info)
 
     async def open(
-        self, req: ClientRequest, path: str, flow: FlowName, trace: RequestSpan | None = None
+        self,
+        req: ClientRequest,
+        path: str,
+        flow: FlowName,
+        trace: RequestSpan | None = None,
+        avoiding: frozenset[str] = frozenset(),
     ) -> tuple[Upstream, Instance, FlowName]:
         """Run attempts until D's first byte is in. The caller owns ``Upstream`` and must
         ``release_decode`` the returned instance when the stream ends. ``trace``: the
-        request's span (tracing on); each attempt's legs become its children."""
+        request's span (tracing on); each attempt's legs become its children. ``avoiding``:
+        instance URLs not to choose while others are available."""
 
         info = RequestInfo(req.prompt, req.tokens)
-        avoid: set[str] = set()
+        avoid = set(avoiding)
         attempt = 0
         while True:
             d = self._pick(Role.DECODE, avoid, info, self._d_policy)

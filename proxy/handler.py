@@ -38,56 +38,30 @@ from proxy.errors import (
 )
 from proxy.flows import Upstream
 from proxy.instances import Instance
+from proxy.migration import COMPLETIONS, Migrator, Splicer, Tape
 from proxy.rewrite import ClientRequest
 from proxy.runtime import Runtime
-from proxy.sse import fix_body, relay_stream
+from proxy.sse import end_broken, fix_body, relay_stream
+from proxy.watcher import Watcher
 
 if TYPE_CHECKING:
     from proxy.tracing import RequestSpan
 
 log = logging.getLogger("pdgate.proxy")
 HOT_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-ON_DISCONNECT = "pdgate.on_disconnect"  # scope slot: called by proxy.server on disconnect
 _JSON = b"application/json"
 
 
-class _Watcher:
-    """Cancels the request's task when the client goes away. Served by ``proxy.server``'s
-    protocol, the scope carries an ``ON_DISCONNECT`` slot that the protocol calls from
-    ``connection_lost``; elsewhere a task waits on ``receive()`` for ``http.disconnect``."""
+class _Serving:
+    """The upstream and D a request holds now (migration replaces them), and the prompt size
+    ``d`` was acquired with."""
 
-    __slots__ = ("_scope", "_task", "_waiter", "finished", "gone")
+    __slots__ = ("d", "held", "up")
 
-    def __init__(self, task: asyncio.Task[Any], scope: Scope, receive: Receive) -> None:
-        self._task = task
-        self._scope = scope
-        self.gone = False
-        self.finished = False  # the client has the whole answer: hanging up is not an abort
-        self._waiter: asyncio.Task[None] | None = None
-        if ON_DISCONNECT in scope:
-            scope[ON_DISCONNECT] = self.fire
-        else:
-            self._waiter = asyncio.get_running_loop().create_task(self._watch(receive))
-
-    async def _watch(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.fire()
-
-    def fire(self) -> None:
-        if self.finished:
-            return
-        self.gone = True
-        self._task.cancel()
-
-    def finish(self) -> None:
-        self.finished = True
-
-    def cancel(self) -> None:
-        if self._waiter is not None:
-            self._waiter.cancel()
-        else:
-            self._scope[ON_DISCONNECT] = None
+    def __init__(self, held: int) -> None:
+        self.up: Upstream | None = None
+        self.d: Instance | None = None
+        self.held = held
 
 
 class CompletionsHandler:
@@ -101,7 +75,74 @@ class CompletionsHandler:
         self._max_choices = rt.settings.max_choices
         self._marks = rt.settings.binding_marks  # the timeline's first_token / end marks
         self._counters: dict[tuple[str, Flow, str, int], Any] = {}
+        self._migrator = Migrator(rt.settings.migration_limit, rt.metrics)
         self._histograms: dict[Flow, Any] = {}
+
+    async def _relay(
+        self,
+        at: _Serving,
+        req: ClientRequest,
+        tape: Tape | None,
+        send: Send,
+        watcher: Watcher,
+        flow: Flow,
+        t0: float,
+        span: RequestSpan | None,
+    ) -> bool:
+        """Stream D's answer to the client; when D breaks mid-stream, go on from another pair
+        while the migrator allows (``proxy.migration``), else end with an error event.
+        Returns whether the client got the whole answer."""
+        assert at.up is not None and at.d is not None
+        hook = self._migrator.hook(req, tape) if tape is not None else None
+        broken = await relay_stream(at.up, send, req.include_usage, watcher.finish, hook)
+        while broken is not None:
+            plan = self._migrator.plan(req, tape, broken)
+            if plan.request is None:
+                if plan.closing:  # D broke after its last token: the client has it all
+                    await send({"type": "http.response.body", "body": plan.closing})
+                    return True
+                log.info("not migrated (%s): %s", plan.outcome, plan.why)
+                await end_broken(send, broken)
+                return False
+            assert tape is not None and at.up is not None and at.d is not None
+            gone = frozenset({at.d.url})
+            self._leave(at.up, at.d, at.held, t0, span)
+            at.up = at.d = None
+            try:
+                assert self.rt.dispatcher is not None
+                at.up, at.d, _ = await self.rt.dispatcher.open(
+                    plan.request, COMPLETIONS, flow, span, gone
+                )
+            except ProxyError:
+                self._migrator.counted(broken, "failed")
+                raise
+            at.held = plan.request.tokens
+            self._migrator.counted(broken, "continued")
+            events = self.rt.events
+            if self._marks and at.up.binding_tracked and events is not None:
+                events.mark(at.up.tid, MarkKind.FIRST_TOKEN, time.perf_counter() - t0)
+            log.info("answer of %s continues on %s after %d tokens (%s)",
+                     at.up.tid, at.d.url, tape.shown, broken.reason)  # fmt: skip
+            hook = Splicer(req, tape).event
+            broken = await relay_stream(at.up, send, False, watcher.finish, hook)
+        return True
+
+    def _leave(
+        self, up: Upstream, d: Instance, held: int, t0: float, span: RequestSpan | None
+    ) -> None:
+        """Drop a D that broke mid-stream before its answer goes on from another pair: its
+        answer closed (vLLM aborts the request), its load released, a failure on its circuit,
+        the binding marked ``migrated``."""
+        rt = self.rt
+        up.close()
+        d.release(held)
+        d.circuit.record(False)
+        if up.binding_tracked and rt.events is not None:
+            for bid in up.binding_ids or (up.tid,):
+                rt.events.post(bid, BindingState.ABORTED, "migrated")
+            rt.events.mark(up.tid, MarkKind.MIGRATED, time.perf_counter() - t0, d.url[:64])
+        if span is not None:
+            span.event("migrated", {"pdgate.transfer_id": up.tid, "server.address": d.url})
 
     def _count(self, endpoint: str, flow: Flow, outcome: str, status: int) -> Any:
         """The label child of ``pd_requests_total``, resolved once per label set."""
@@ -193,20 +234,21 @@ class CompletionsHandler:
             return
         task = asyncio.current_task()
         assert task is not None
-        watcher = _Watcher(task, scope, receive)
+        watcher = Watcher(task, scope, receive)
         rt.metrics.inflight.inc()
-        up: Upstream | None = None
-        d: Instance | None = None
+        at = _Serving(req.tokens)
         used = flow
         started = complete = False
         outcome, status = "ok", 200
+        tape = self._migrator.tape(req)
         try:
-            up, d, used = await rt.dispatcher.open(req, scope["path"], flow, span)
-            if self._marks and up.binding_tracked and rt.events is not None:  # not awaited
-                rt.events.mark(up.tid, MarkKind.FIRST_TOKEN, time.perf_counter() - t0)
-            headers = [(b"content-type", up.content_type), *extra]
+            first, at.d, used = await rt.dispatcher.open(req, scope["path"], flow, span)
+            at.up = first
+            if self._marks and first.binding_tracked and rt.events is not None:  # not awaited
+                rt.events.mark(first.tid, MarkKind.FIRST_TOKEN, time.perf_counter() - t0)
+            headers = [(b"content-type", first.content_type), *extra]
             if not req.stream:
-                body = fix_body(up.first, up.prefill_cached)
+                body = fix_body(first.first, first.prefill_cached)
                 headers.append((b"content-length", str(len(body)).encode()))
                 watcher.cancel()
                 await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -217,7 +259,7 @@ class CompletionsHandler:
                 headers.append((b"cache-control", b"no-cache"))
                 await send({"type": "http.response.start", "status": 200, "headers": headers})
                 started = True
-                complete = await relay_stream(up, send, req.include_usage, watcher.finish)
+                complete = await self._relay(at, req, tape, send, watcher, flow, t0, span)
                 if not complete:
                     outcome = "stream_error"
                 watcher.cancel()
@@ -238,6 +280,7 @@ class CompletionsHandler:
         finally:
             rt.admission.leave()
             watcher.cancel()
+            up, d = at.up, at.d
             if up is not None:
                 if complete:
                     up.release()
@@ -249,7 +292,7 @@ class CompletionsHandler:
                 if self._marks and up.binding_tracked and rt.events is not None:
                     rt.events.mark(up.tid, MarkKind.END, time.perf_counter() - t0, outcome)
             if d is not None:
-                d.release(req.tokens)
+                d.release(at.held)
             rt.metrics.inflight.dec()
             if outcome != "ok" or log.isEnabledFor(logging.DEBUG):
                 log.log(

@@ -320,6 +320,15 @@ class Metrics:
             ["prefill", "decode"],
             registry=r,
         )
+        self.migrations = counter(
+            "pd_migrations_total",
+            "streamed answers whose D broke after the first byte, by reason (broken, timeout, "
+            "ended_early) and outcome: continued (another pair took the answer over), closed "
+            "(nothing was left to generate), refused (replay would not be exact: the client got "
+            "an error event), limit (--migration-limit reached), failed (no pair took it over)",
+            ["reason", "outcome"],
+            registry=r,
+        )
         self.binding_waits = InFlight(
             "pd_binding_waits",
             "requests waiting now for D's binding (D has not scheduled them yet)",

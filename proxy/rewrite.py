@@ -27,7 +27,7 @@ DEFAULT_MAX_CHOICES = 16  # 'n' / 'best_of' above it: 400 (``--max-choices``)
 
 
 class ClientRequest:
-    __slots__ = ("body", "chat", "include_usage", "prompt", "stream", "tokens")
+    __slots__ = ("body", "chat", "include_usage", "prompt", "stream", "tokens", "track_ids")
 
     def __init__(
         self, body: dict[str, Any], chat: bool, max_choices: int = DEFAULT_MAX_CHOICES
@@ -54,6 +54,9 @@ class ClientRequest:
         self.tokens = (
             token_count if token_count is not None else len(self.prompt) // CHARS_PER_TOKEN + 1
         )
+        # D's leg asks for token ids (``return_token_ids``): its answer can be continued
+        # elsewhere if D breaks mid-stream (``proxy.migration``)
+        self.track_ids = False
 
     @classmethod
     def parse(cls, raw: bytes, chat: bool, max_choices: int = DEFAULT_MAX_CHOICES) -> ClientRequest:
@@ -79,6 +82,8 @@ class ClientRequest:
         body = self.body
         if cache_epoch:
             body = {**body, "cache_salt": epoch_salt(body.get("cache_salt"), cache_epoch)}
+        if self.track_ids and not body.get("return_token_ids"):
+            body = {**body, "return_token_ids": True}
         if kv is None:
             return _encode(body)
         return _encode({**body, "kv_transfer_params": kv})

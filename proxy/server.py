@@ -19,7 +19,8 @@ from typing import Any, cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from proxy.handler import HOT_PATHS, ON_DISCONNECT
+from proxy.handler import HOT_PATHS
+from proxy.watcher import ON_DISCONNECT
 
 log = logging.getLogger("pdgate.proxy")
 RECEIPT_TIMEOUT_S = 30.0  # when the app does not name one (ProxyApp.receipt_timeout_s)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdwire.asgi import Send
-from proxy.errors import UpstreamError, sse_error_event
+from proxy.errors import UpstreamError, UpstreamTimeout, sse_error_event
 from proxy.flows import Upstream
 from proxy.rewrite import decode, encode, merge_usage
 
@@ -29,14 +29,36 @@ def _last(chunk: bytes) -> dict[str, Any]:
     return {"type": "http.response.body", "body": chunk, "more_body": False}
 
 
+class Broken(NamedTuple):
+    """Why D's stream ended without ``[DONE]``: ``reason`` a metric label (``broken``,
+    ``timeout``, ``ended_early``), ``message`` the client's error text."""
+
+    reason: str
+    message: str
+
+
+EventHook = Callable[[bytes], bytes | None]
+"""An event's JSON (``data: `` removed) -> what the client gets instead (``None``: nothing)."""
+
+
 async def relay_stream(
-    up: Upstream, send: Send, merge: bool, on_done: Callable[[], None] | None = None
-) -> bool:
-    """Forward the stream (each chunk as it comes) and end the client's response; return True
-    when D's stream ended cleanly with ``[DONE]``. ``on_done`` runs once ``[DONE]`` has been
-    passed on: from then on the client has the whole answer (and may hang up)."""
+    up: Upstream,
+    send: Send,
+    merge: bool,
+    on_done: Callable[[], None] | None = None,
+    hook: EventHook | None = None,
+) -> Broken | None:
+    """Forward the stream (each chunk as it comes). Returns ``None`` when D's stream ended
+    cleanly with ``[DONE]`` (the client's response is then ended), else why it broke (the
+    response is left open: ``end_broken`` ends it, or the answer goes on from elsewhere).
+    ``on_done`` runs once ``[DONE]`` has been passed on: from then on the client has the whole
+    answer (and may hang up). ``hook``: each event is passed through it (split on event
+    boundaries); without one, chunks go out untouched."""
+    cached = up.prefill_cached if merge else None
+    if hook is not None:
+        return await _relay_events(up, send, hook, cached, on_done)
     next_chunk = up.resp.next_chunk
-    fix = _UsageFixer(up.prefill_cached) if merge and up.prefill_cached is not None else None
+    fix = _UsageFixer(cached) if cached is not None else None
     chunk = up.first
     tail = b""
     try:
@@ -50,15 +72,74 @@ async def relay_stream(
         if fix is not None and fix.pending:
             await send(_body(fix.flush()))
     except UpstreamError as exc:
-        log.warning("decode stream %s broke: %s", up.tid, exc.message)
-        await send(_last(sse_error_event(f"decode stream broke: {exc.message}")))
-        return False
+        return _broke(up, exc)
     if _DONE not in tail:
-        log.warning("decode stream %s ended without [DONE]", up.tid)
-        await send(_last(sse_error_event("decode stream ended early")))
-        return False
+        return _ended_early(up)
     await send(_last(b""))
-    return True
+    return None
+
+
+async def _relay_events(
+    up: Upstream,
+    send: Send,
+    hook: EventHook,
+    cached: int | None,
+    on_done: Callable[[], None] | None,
+) -> Broken | None:
+    next_chunk = up.resp.next_chunk
+    chunk = up.first
+    pending = b""
+    done = False
+    try:
+        while chunk:
+            buf = pending + chunk
+            cut = buf.rfind(b"\n\n")
+            if cut < 0:
+                pending = buf
+            else:
+                ready, pending = buf[: cut + 2], buf[cut + 2 :]
+                out: list[bytes] = []
+                for ev in ready.split(b"\n\n"):
+                    if ev.startswith(_DONE):
+                        done = True
+                    elif ev.startswith(b"data: {"):
+                        payload = hook(ev[6:])
+                        if payload is None:
+                            continue
+                        ev = b"data: " + payload
+                        if cached is not None:
+                            ev = _fix_usage(ev, cached)
+                    elif not ev:
+                        continue
+                    out.append(ev + b"\n\n")
+                if out:
+                    await send(_body(b"".join(out)))
+                if done and on_done is not None:
+                    on_done()
+                    on_done = None
+            chunk = await next_chunk()
+    except UpstreamError as exc:
+        return _broke(up, exc)
+    if not done:
+        return _ended_early(up)
+    await send(_last(b""))
+    return None
+
+
+def _broke(up: Upstream, exc: UpstreamError) -> Broken:
+    log.warning("decode stream %s broke: %s", up.tid, exc.message)
+    reason = "timeout" if isinstance(exc, UpstreamTimeout) else "broken"
+    return Broken(reason, f"decode stream broke: {exc.message}")
+
+
+def _ended_early(up: Upstream) -> Broken:
+    log.warning("decode stream %s ended without [DONE]", up.tid)
+    return Broken("ended_early", "decode stream ended early")
+
+
+async def end_broken(send: Send, broken: Broken) -> None:
+    """End a broken stream for the client: an SSE error event and ``[DONE]``."""
+    await send(_last(sse_error_event(broken.message)))
 
 
 class _UsageFixer:
@@ -84,15 +165,20 @@ class _UsageFixer:
         return out
 
     def _fix(self, event: bytes) -> bytes:
-        if not event.startswith(b"data: {") or b'"usage"' not in event:
-            return event
-        try:
-            obj = decode(event[6:])
-        except ValueError:
-            return event
-        if isinstance(obj, dict) and merge_usage(obj.get("usage"), self.cached):
-            return b"data: " + encode(obj)
+        return _fix_usage(event, self.cached)
+
+
+def _fix_usage(event: bytes, cached: int | None) -> bytes:
+    """One event with P's cached tokens merged into its ``usage`` (if it has one)."""
+    if not event.startswith(b"data: {") or b'"usage"' not in event:
         return event
+    try:
+        obj = decode(event[6:])
+    except ValueError:
+        return event
+    if isinstance(obj, dict) and merge_usage(obj.get("usage"), cached):
+        return b"data: " + encode(obj)
+    return event
 
 
 def fix_body(raw: bytes, cached: int | None) -> bytes:

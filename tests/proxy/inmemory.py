@@ -13,7 +13,7 @@ import msgspec
 from pdwire.asgi import Message, Scope
 from pdwire.params import push_report
 from proxy.config import Flow, ProxySettings
-from proxy.handler import ON_DISCONNECT, CompletionsHandler
+from proxy.handler import CompletionsHandler
 from proxy.instances import Instance, Role
 from proxy.mock import (
     MockBackend,
@@ -24,6 +24,7 @@ from proxy.mock import (
     Reply,
 )
 from proxy.runtime import Runtime
+from proxy.watcher import ON_DISCONNECT
 
 P_URL = "http://p0:8100"
 D_URL = "http://d0:8200"
