@@ -124,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ARG",
         help="one more argument for pd-proxy (repeatable): --proxy-arg=--decode-policy=prefix",
     )
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="start a part that exits again (after 1, 2, 4 … up to 30 s), as a cluster "
+        "would, instead of stopping everything; the others keep serving meanwhile",
+    )
     p.add_argument("--log-dir", type=Path, help="child logs (default: a temporary directory)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument(
@@ -235,10 +241,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             run_demo(plan, out)
         else:
             print_endpoints(plan, out)
-            dead = sup.watch()
-            if dead is not None:
-                out(f"{dead} exited; stopping everything. Last lines of its log:\n{sup.tail(dead)}")
-                code = 1
+            code = serve(sup, out, restart=args.restart)
     except ChildFailed as exc:
         out(f"pd-launch: {exc}")
         code = 1
@@ -250,6 +253,26 @@ def main(argv: Sequence[str] | None = None) -> None:
             secret_dir.cleanup()
         out(f"all processes stopped (logs in {log_dir})")
     sys.exit(code)
+
+
+def serve(sup: Supervisor, out: Printer, *, restart: bool, backoff_cap_s: float = 30.0) -> int:
+    """Watch the children until a stop is asked (0) or, without ``restart``, one exits (1).
+    With ``restart`` a child that exits is started again with its own command after a
+    backoff that doubles with each of its exits (1 s, 2 s, … ``backoff_cap_s``)."""
+    exits: dict[str, int] = {}
+    while (dead := sup.watch()) is not None:
+        tail = sup.tail(dead)
+        if not restart:
+            out(f"{dead} exited; stopping everything. Last lines of its log:\n{tail}")
+            return 1
+        exits[dead] = exits.get(dead, 0) + 1
+        wait_s = min(backoff_cap_s, 2.0 ** (exits[dead] - 1))
+        out(f"{dead} exited (exit {exits[dead]}); starting it again in {wait_s:.0f}s. "
+            f"Last lines of its log:\n{tail}")  # fmt: skip
+        if sup.sleep(wait_s):
+            return 0
+        sup.restart(dead)
+    return 0
 
 
 def new_secret_file(directory: Path) -> str:

@@ -115,6 +115,10 @@ class Supervisor:
                 return dead[0]
         return None
 
+    def sleep(self, seconds: float) -> bool:
+        """Wait ``seconds``; True when ``stop_soon`` was called meanwhile."""
+        return self._stopping.wait(seconds)
+
     def stop_soon(self) -> None:
         self._stopping.set()
 

@@ -211,3 +211,41 @@ def test_supervisor_restart_replaces_one_child_and_its_tree(tmp_path: Path) -> N
     finally:
         sup.stop(grace_s=5)
     assert not any(alive(p) for p in after + untouched)
+
+
+def test_pd_launch_restart_starts_a_dead_child_again_and_keeps_the_rest(tmp_path: Path) -> None:
+    """``pd-launch --restart``: a child that exits is started again with its own command (its
+    log goes on), the others keep running; a stop ends the watch."""
+    from launch.cli import serve
+
+    a, pa = server_child(tmp_path, "engine", 0.1)
+    counter = tmp_path / "starts"
+    crasher = Child(
+        "crasher",
+        [sys.executable, "-c",
+         f"import pathlib, time; p = pathlib.Path({str(counter)!r}); "
+         "p.write_text(p.read_text() + 'x' if p.exists() else 'x'); time.sleep(0.3)"],
+        "http://127.0.0.1:1/health",
+    )  # fmt: skip
+    lines: list[str] = []
+    sup = Supervisor([a, crasher], tmp_path / "logs", lines.append)
+    sup.start()
+    watching = threading.Thread(
+        target=lambda: lines.append(
+            f"code {serve(sup, lines.append, restart=True, backoff_cap_s=0.2)}"
+        )
+    )
+    watching.start()
+    try:
+        engine = pids(pa)
+        deadline = time.monotonic() + 20
+        while not counter.exists() or len(counter.read_text()) < 3:
+            assert time.monotonic() < deadline, lines
+            time.sleep(0.05)
+        assert all(alive(p) for p in engine), "the other child was stopped"
+    finally:
+        sup.stop_soon()
+        watching.join(10)
+        sup.stop(grace_s=5)
+    assert "code 0" in lines
+    assert any("crasher exited (exit 2); starting it again" in line for line in lines), lines
