@@ -102,7 +102,7 @@ class CompletionsHandler:
                     await send({"type": "http.response.body", "body": plan.closing})
                     return True
                 log.info("not migrated (%s): %s", plan.outcome, plan.why)
-                await end_broken(send, broken)
+                await end_broken(send, broken, f"not continued elsewhere: {plan.why}")
                 return False
             assert tape is not None and at.up is not None and at.d is not None
             gone = frozenset({at.d.url})

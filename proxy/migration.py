@@ -18,7 +18,7 @@ frequency penalties (they count only generated tokens, and the replayed ones bec
 completion's logprobs go on, their ``text_offset`` shifted past the text already sent. A seeded
 request's sampler starts again from its seed after the splice. The ids replayed end where the
 client's text does: tokens whose text D had not sent yet (an incomplete UTF-8 character) are
-generated again.
+generated again, and the client gets only their text then (it has their ids and logprobs).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class Tape:
 
     __slots__ = (
         "created", "finish", "generated", "id", "ids_seen", "migrations", "model",
-        "prompt_ids", "shown", "text_len",
+        "prompt_ids", "resent", "shown", "text_len",
     )  # fmt: skip
 
     def __init__(self, prompt_ids: list[int] | None) -> None:
@@ -123,6 +123,7 @@ class Tape:
         self.generated: list[int] = []
         self.shown = 0  # generated tokens whose text has reached the client
         self.text_len = 0  # characters of text the client has
+        self.resent = 0  # tokens the client has the ids of, not the text: generated again
         self.finish: str | None = None
         self.id: str | None = None  # the first answer's, kept across splices
         self.created: int | None = None
@@ -155,6 +156,12 @@ class Tape:
                 self.finish = ch.finish_reason
                 self.shown = len(self.generated)
         return c
+
+    def rewind(self) -> None:
+        """Forget the tokens after the last one whose text the client has: the continuation
+        generates them again (``resent``), and the client gets only their text then."""
+        self.resent = len(self.generated) - self.shown
+        del self.generated[self.shown :]
 
     def unfit(self) -> str | None:
         """Why a break now cannot be continued (``None``: it can)."""
@@ -201,7 +208,7 @@ class Splicer:
     ``id``/``created``/``model``, a chat request's chunk shape, token ids only if the client
     asked, usage counting every token the client got."""
 
-    __slots__ = ("_base", "_chat", "_ids", "_offset", "_prompt_tokens", "_tape")
+    __slots__ = ("_base", "_chat", "_ids", "_offset", "_prompt_tokens", "_skip", "_tape")
 
     def __init__(self, req: ClientRequest, tape: Tape) -> None:
         self._chat = req.chat
@@ -210,6 +217,7 @@ class Splicer:
         self._base = tape.shown  # generated before this continuation
         self._offset = tape.text_len  # the continuation's text offsets start after it
         self._prompt_tokens = len(tape.prompt_ids or ())
+        self._skip = tape.resent  # their ids (and logprobs) the client already has
 
     def event(self, payload: bytes) -> bytes | None:
         """One continuation event's JSON -> the client's event JSON (``None``: drop it)."""
@@ -230,6 +238,8 @@ class Splicer:
             }
         choices = []
         for ch in obj.get("choices") or ():
+            if self._skip:
+                self._drop_resent(ch)
             ids = ch.get("token_ids") if self._ids else None
             if self._chat:
                 choices.append({
@@ -252,6 +262,21 @@ class Splicer:
         if usage is not None or "usage" in obj:
             out["usage"] = usage
         return encode(out)
+
+    def _drop_resent(self, ch: dict[str, Any]) -> None:
+        """Cut the ids and logprobs of tokens the client had before the splice (their text,
+        which it did not have, stays)."""
+        ids = ch.get("token_ids")
+        if not isinstance(ids, list) or not ids:
+            return
+        k = min(self._skip, len(ids))
+        self._skip -= k
+        ch["token_ids"] = ids[k:]
+        lp = ch.get("logprobs")
+        if isinstance(lp, dict):
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                if isinstance(lp.get(key), list):
+                    lp[key] = lp[key][k:]
 
 
 def closing_events(req: ClientRequest, tape: Tape) -> bytes:
@@ -356,6 +381,7 @@ class Migrator:
         cont = continuation(req, tape)
         if cont is None:
             return self._count(broken, Plan("closed", closing=closing_events(req, tape)))
+        tape.rewind()
         tape.migrations += 1
         return Plan("continued", request=cont)
 

@@ -137,9 +137,11 @@ def _ended_early(up: Upstream) -> Broken:
     return Broken("ended_early", "decode stream ended early")
 
 
-async def end_broken(send: Send, broken: Broken) -> None:
-    """End a broken stream for the client: an SSE error event and ``[DONE]``."""
-    await send(_last(sse_error_event(broken.message)))
+async def end_broken(send: Send, broken: Broken, why: str = "") -> None:
+    """End a broken stream for the client: an SSE error event (``why``: appended to its
+    message) and ``[DONE]``."""
+    message = f"{broken.message} ({why})" if why else broken.message
+    await send(_last(sse_error_event(message)))
 
 
 class _UsageFixer:

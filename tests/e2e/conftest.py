@@ -158,7 +158,7 @@ _LAST_MONO_USER = pytest.StashKey[str]()  # ... and of the last that uses the re
 @pytest.hookimpl(trylast=True)  # after ``-m``/``-k`` deselected what will not run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The modules that use the 2P2D deployment run first and together (each module's own
-    order kept), so it can stop as soon as they are done (``pytest_runtest_teardown``) instead
+    order kept; ``DESTRUCTIVE_USER``, which kills one of its engines, last), so it can stop as soon as they are done (``pytest_runtest_teardown``) instead
     of holding four engines' CPU and memory through the modules with deployments of their own.
     The reference engine stops after the last test that uses it. Both start now, under
     the lowest CPU priority, while the tests before them run (``tests/e2e/first.py``)."""
@@ -173,7 +173,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     first = items.index(e2e[0])
     chosen = set(e2e)
     rest = [i for i in items[first:] if i not in chosen]
-    ordered = [i for i in e2e if module(i) in users] + [i for i in e2e if module(i) not in users]
+    # the module that kills one of its engines goes last among them
+    shared = sorted(
+        (i for i in e2e if module(i) in users), key=lambda i: module(i) == DESTRUCTIVE_USER
+    )
+    ordered = shared + [i for i in e2e if module(i) not in users]
     items[first:] = ordered + rest
     using = [i for i in ordered if SHARED_FIXTURE in getattr(i, "fixturenames", ())]
     if using:
@@ -191,6 +195,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 REAL_MODEL_MODULE = "tests/e2e/test_real_model.py"
+DESTRUCTIVE_USER = "tests/e2e/test_migration.py"  # kills a D of the 2P2D deployment
 SMOLLM2_CACHE = REPO / ".cache" / "models"
 _BUILD: list[subprocess.Popen[bytes]] = []
 

@@ -110,6 +110,13 @@ STARTED: list[Supervisor] = []
 TAIL_LINES = 25
 
 
+def with_port(proxy: Child, port: int) -> Child:
+    """``proxy`` (a plan's ``pd-proxy`` child) listening on ``port`` instead."""
+    at = proxy.argv.index("--port") + 1
+    argv = [*proxy.argv[:at], str(port), *proxy.argv[at + 1 :]]
+    return replace(proxy, argv=argv, health_url=f"http://127.0.0.1:{port}/health")
+
+
 def start(children: list[Child], log_dir: Path) -> Supervisor:
     sup = Supervisor(children, log_dir, out=lambda line: print(f"[e2e] {line}", flush=True))
     STARTED.append(sup)

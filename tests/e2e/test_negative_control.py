@@ -46,6 +46,7 @@ from tests.e2e.stack import (
     deploy,
     running,
     start,
+    with_port,
 )
 from tests.e2e.test_equality import assert_same, prompt_ids
 from tests.support.procs import free_port
@@ -87,12 +88,6 @@ def corrupting(tiny_model: Path) -> Iterator[Deployment]:
     ]  # fmt: skip
     with running(deploy(plan, logs), "the corrupting deployment") as d:
         yield d
-
-
-def with_port(proxy: Child, port: int) -> Child:
-    at = proxy.argv.index("--port") + 1
-    argv = [*proxy.argv[:at], str(port), *proxy.argv[at + 1 :]]
-    return replace(proxy, argv=argv, health_url=f"http://127.0.0.1:{port}/health")
 
 
 def other_revision(engine: Child, weights: Path) -> Child:

@@ -19,26 +19,34 @@ def _logprobs(chat: bool, i: int) -> Any:
 
 
 @functools.lru_cache(maxsize=256)
-def stream_chunks(chat: bool, tokens: int, n: int, logprobs: bool) -> tuple[bytes, ...]:
-    """SSE events of one streamed answer, without the usage event and ``[DONE]``."""
+def stream_chunks(
+    chat: bool, tokens: int, n: int, logprobs: bool, ids: bool = False
+) -> tuple[bytes, ...]:
+    """SSE events of one streamed answer, without the usage event and ``[DONE]``. ``ids``
+    (``return_token_ids``): as vLLM 0.32, the prompt's ids on the first chunk (the choice's
+    in a completion, the chunk's in chat) and each chunk's token ids; ``null`` without."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": "cmpl-fake", "object": obj, "created": 1, "model": MODEL}
     events: list[bytes] = []
+    prompt_ids = list(range(3, 19)) if ids else None
     if chat:
         for idx in range(n):
             choice = {"index": idx, "delta": {"role": "assistant", "content": ""},
                       "finish_reason": None, "logprobs": None}  # fmt: skip
-            events.append(_event({**head, "choices": [choice]}))
+            events.append(_event({**head, "choices": [choice], "prompt_token_ids": prompt_ids}))
     for i in range(tokens):
         finish = "length" if i == tokens - 1 else None
         for idx in range(n):
             lp = _logprobs(chat, i) if logprobs else None
+            token_ids = [100 + i] if ids else None
             if chat:
-                choice = {"index": idx, "delta": {"content": f"tok{i} "},
-                          "finish_reason": finish, "logprobs": lp}  # fmt: skip
+                choice = {"index": idx, "delta": {"content": f"tok{i} "}, "finish_reason": finish,
+                          "logprobs": lp, "token_ids": token_ids}  # fmt: skip
             else:
+                first = prompt_ids if i == 0 else None
                 choice = {"index": idx, "text": f"tok{i} ", "finish_reason": finish,
-                          "logprobs": lp}  # fmt: skip
+                          "logprobs": lp, "prompt_token_ids": first,
+                          "token_ids": token_ids}  # fmt: skip
             events.append(_event({**head, "choices": [choice]}))
     return tuple(events)
 

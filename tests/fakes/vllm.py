@@ -284,7 +284,7 @@ class FakeVLLM:
             return web.Response(body=data, content_type="application/json")
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
-        events = render.stream_chunks(chat, tokens, n, logprobs)
+        events = render.stream_chunks(chat, tokens, n, logprobs, bool(body.get("return_token_ids")))
         for i, event in enumerate(events):
             if i == k.drop_after:
                 assert request.transport is not None

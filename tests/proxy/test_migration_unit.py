@@ -163,10 +163,21 @@ async def test_tokens_whose_text_was_not_sent_are_generated_again() -> None:
     """A token that ends inside a UTF-8 character comes with no text: the continuation starts
     before it, so the client's text and the replayed ids agree."""
     first = stream(completion_event("x", [1], first=True), completion_event("", [2]), CUT)
-    rest = stream(completion_event("é", [2, 3], first=True, finish="length"), DONE)
+    rest = stream(
+        completion_event("", [2], first=True), completion_event("é", [3], finish="length"),
+        usage_event(5, 2), DONE,
+    )  # fmt: skip
     backend, px = two_decoders(first, rest)
-    ex = await px.request(stream=True, extra={"prompt": PROMPT_IDS}).done()
-    assert text_of(events(ex.body)) == "xé"
+    ex = await px.request(
+        stream=True,
+        extra={"prompt": PROMPT_IDS, "return_token_ids": True,
+               "stream_options": {"include_usage": True}},
+    ).done()  # fmt: skip
+    objs = events(ex.body)
+    assert text_of(objs) == "xé"
+    # token 2's id came with the first D's answer: the continuation's copy of it is cut
+    assert [i for o in objs for c in o["choices"] for i in c["token_ids"]] == [1, 2, 3]
+    assert objs[-1]["usage"]["completion_tokens"] == 3
     assert backend.calls_of("decode")[1].json()["prompt"] == [*PROMPT_IDS, 1]
     await px.settle()
 
@@ -201,6 +212,7 @@ async def test_replay_that_would_not_be_exact_ends_with_an_error_as_before() -> 
     backend, px = two_decoders(first, stream(DONE))
     ex = await px.request(stream=True, extra={"prompt": PROMPT_IDS, "stop": ["\n"]}).done()
     assert b"decode stream broke: connection reset by peer" in ex.chunks[-1]
+    assert b"not continued elsewhere: stop strings" in ex.chunks[-1]
     assert text_of(events(ex.body)) == "a" and len(backend.calls_of("decode")) == 1
     assert "return_token_ids" not in backend.calls_of("decode")[0].json()
     assert px.metric("pd_migrations_total", reason="broken", outcome="refused") == 1.0

@@ -1,0 +1,245 @@
+"""Mid-stream migration on real engines (the 2P2D deployment): the decode engine serving a long
+greedy stream is frozen (SIGSTOP) or killed (SIGKILL) at several points of the answer; a proxy
+with migration on (``--idle-timeout 2``) carries the answer over to the other pair, and the
+client gets the monolithic engine's answer token for token, logprobs included. A non-streamed
+answer whose D freezes is retried from the start on the other D (its first byte never came).
+
+The kill comes last, and this module runs after every other user of the 2P2D deployment
+(``conftest.pytest_collection_modifyitems``): the killed engine is not started again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.chaos import Answer, Outcome, ReliabilityTable, Row
+from tests.e2e.client import Generation, client
+from tests.e2e.conftest import LOG_DIR, Engines
+from tests.e2e.engine_metrics import metrics_text
+from tests.e2e.observe import observer
+from tests.e2e.stack import READY_TIMEOUT_S, start, with_port
+from tests.e2e.test_equality import assert_same, prompt_ids
+from tests.support.procs import free_port
+
+pytestmark = pytest.mark.e2e
+PROMPT_TOKENS = 300
+STREAM_TOKENS = 800
+# where the client's answer is when its D stops: at its first token, in the middle, late
+POINTS = {"first-token": 1, "middle": 300, "late": 550}
+KILL_AT = 300
+NONSTREAM_TOKENS = 200
+SEEDS = {**{p: 9100 + at for p, at in POINTS.items()}, "non-streamed": 9200, "killed": 9300}
+MIGRATING_ARGS = ("--idle-timeout", "2", "--request-timeout", "8", "--migration-limit", "2")
+
+
+@pytest.fixture(scope="module")
+async def references(engines: Engines) -> dict[str, Generation]:
+    """Every case's reference answer, asked of the monolithic engine at once (one batch)."""
+    cases = {c: STREAM_TOKENS for c in SEEDS} | {"non-streamed": NONSTREAM_TOKENS}
+    got = await asyncio.gather(
+        *(reference(engines, prompt_ids(PROMPT_TOKENS, SEEDS[c]), n) for c, n in cases.items())
+    )
+    return dict(zip(cases, got, strict=True))
+
+
+@pytest.fixture(scope="module")
+def migrating(engines: Engines) -> Iterator[str]:
+    """A proxy of its own on the 2P2D deployment: silence of 2 s on a stream is a broken D, a
+    non-streamed answer is given 8 s."""
+    plan_proxy = next(c for c in engines.pd.plan.children if c.name == "proxy")
+    port = free_port()
+    child = with_port(replace(plan_proxy, name="proxy-migrating"), port)
+    child = replace(child, argv=[*child.argv, *MIGRATING_ARGS])
+    sup = start([child], LOG_DIR / "migration")
+    try:
+        sup.wait_ready(READY_TIMEOUT_S)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        sup.stop()
+
+
+def _args(engines: Engines, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    return dict(
+        model=engines.model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+
+
+def _ids(tokens: list[str]) -> tuple[int, ...]:
+    return tuple(int(t.removeprefix("token_id:")) for t in tokens)
+
+
+async def reference(engines: Engines, prompt: list[int], max_tokens: int) -> Generation:
+    r = await client(engines.mono_url).completions.create(**_args(engines, prompt, max_tokens))
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None
+    return Generation(r.choices[0].text, _ids(lp.tokens), tuple(lp.token_logprobs or []))
+
+
+async def serving_decoder(engines: Engines) -> str:
+    """The decode engine of the newest transfer (its binding names it)."""
+    async with observer(engines.pd.metaserver) as ms:
+        listed = (await ms.get("/v1/bindings", params={"limit": 1})).json()["bindings"]
+    assert listed, "no binding: the request did not go through P/D"
+    name = str(listed[0]["decode_instance_id"])
+    assert name in engines.pd.supervisor.procs, name
+    return name
+
+
+def hit(engines: Engines, name: str, sig: signal.Signals) -> None:
+    os.killpg(engines.pd.supervisor.procs[name].pid, sig)
+
+
+async def migrations(proxy: str) -> dict[tuple[str, str], float]:
+    """``pd_migrations_total`` by (reason, outcome)."""
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(await metrics_text(proxy)):
+        for s in family.samples:
+            if s.name == "pd_migrations_total":
+                out[(s.labels["reason"], s.labels["outcome"])] = s.value
+    return out
+
+
+def record(
+    table: ReliabilityTable, scenario: str, got: Generation, ref: Generation, started: float,
+    note: str,
+) -> None:  # fmt: skip
+    """The answer as a row of the reliability table (docs/reliability.md)."""
+    right = got.token_ids == ref.token_ids and got.text == ref.text
+    outcome = Outcome.CORRECT if right else Outcome.WRONG
+    answer = Answer(outcome, started, time.monotonic(), None, len(got.token_ids))
+    table.add(Row(scenario, [answer], {}, note))
+
+
+async def faulted_stream(
+    engines: Engines, proxy: str, prompt: list[int], at: int, sig: signal.Signals
+) -> tuple[Generation, str]:
+    """Stream ``prompt``'s answer; once the client has ``at`` tokens, send ``sig`` to the D
+    serving it (the D is looked up at the first token). Returns what the client got and that
+    D's name; a frozen D is thawed once the answer is in."""
+    text, tokens, logprobs = "", list[str](), list[float]()
+    victim: str | None = None
+    hit_at: int | None = None
+    try:
+        s = await client(proxy).completions.create(
+            stream=True, **_args(engines, prompt, STREAM_TOKENS)
+        )
+        async with s:
+            async for chunk in s:
+                if not chunk.choices:
+                    continue
+                ch = chunk.choices[0]
+                text += ch.text
+                if ch.logprobs and ch.logprobs.tokens:
+                    tokens += ch.logprobs.tokens
+                    logprobs += [float(x) for x in ch.logprobs.token_logprobs or []]
+                if tokens and victim is None:
+                    victim = await serving_decoder(engines)
+                if victim is not None and hit_at is None and len(tokens) >= at:
+                    hit(engines, victim, sig)
+                    hit_at = len(tokens)
+    finally:
+        if victim is not None and sig == signal.SIGSTOP:
+            hit(engines, victim, signal.SIGCONT)
+    assert victim is not None and hit_at is not None, f"no fault: {len(tokens)} tokens"
+    assert hit_at < STREAM_TOKENS - 50, f"the fault came too late to matter ({hit_at})"
+    return Generation(text, _ids(tokens), tuple(logprobs)), victim
+
+
+@pytest.mark.parametrize("point", list(POINTS))
+async def test_e2e_frozen_decoder_mid_stream_answer_goes_on(
+    engines: Engines,
+    migrating: str,
+    references: dict[str, Generation],
+    reliability: ReliabilityTable,
+    point: str,
+) -> None:
+    prompt = prompt_ids(PROMPT_TOKENS, seed=SEEDS[point])
+    ref = references[point]
+    before = await migrations(migrating)
+    started = time.monotonic()
+    got, victim = await faulted_stream(engines, migrating, prompt, POINTS[point], signal.SIGSTOP)
+    record(
+        reliability, f"D frozen (SIGSTOP) mid-stream, {point}", got, ref, started,
+        f"{STREAM_TOKENS}-token greedy stream, D frozen after {POINTS[point]} token(s), "
+        "2 s idle timeout; the answer went on from the other pair",
+    )  # fmt: skip
+    assert_same(got, ref)
+    after = await migrations(migrating)
+    key = ("timeout", "continued")
+    assert after.get(key, 0) - before.get(key, 0) == 1, (before, after)
+    assert victim.startswith("decode-")
+
+
+async def test_e2e_frozen_decoder_non_streamed_answer_is_retried(
+    engines: Engines,
+    migrating: str,
+    references: dict[str, Generation],
+    reliability: ReliabilityTable,
+) -> None:
+    prompt = prompt_ids(PROMPT_TOKENS, seed=SEEDS["non-streamed"])
+    ref = references["non-streamed"]
+    c = client(migrating)
+    started = time.monotonic()
+    asking = asyncio.create_task(c.completions.create(**_args(engines, prompt, NONSTREAM_TOKENS)))
+    victim: str | None = None
+    try:
+        async with observer(engines.pd.metaserver) as ms:
+            for _ in range(400):  # D has it once its binding is written
+                listed = (await ms.get("/v1/bindings", params={"limit": 1})).json()["bindings"]
+                if listed and listed[0]["num_prompt_tokens"] == PROMPT_TOKENS:
+                    victim = str(listed[0]["decode_instance_id"])
+                    break
+                assert not asking.done(), "answered before its D was seen"
+                await asyncio.sleep(0.025)
+        assert victim is not None, "no binding for the request"
+        hit(engines, victim, signal.SIGSTOP)
+        r = await asking
+    finally:
+        if victim is not None:
+            hit(engines, victim, signal.SIGCONT)
+        if not asking.done():
+            asking.cancel()
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None
+    got = Generation(r.choices[0].text, _ids(lp.tokens), tuple(lp.token_logprobs or []))
+    record(
+        reliability, "D frozen (SIGSTOP) during a non-streamed answer", got, ref, started,
+        f"{NONSTREAM_TOKENS} tokens; retried from the start on the other pair after the 8 s "
+        "request timeout",
+    )  # fmt: skip
+    assert_same(got, ref)
+
+
+async def test_e2e_killed_decoder_mid_stream_answer_goes_on(
+    engines: Engines,
+    migrating: str,
+    references: dict[str, Generation],
+    reliability: ReliabilityTable,
+) -> None:
+    """Last: the killed D stays down."""
+    prompt = prompt_ids(PROMPT_TOKENS, seed=SEEDS["killed"])
+    ref = references["killed"]
+    before = await migrations(migrating)
+    started = time.monotonic()
+    got, victim = await faulted_stream(engines, migrating, prompt, KILL_AT, signal.SIGKILL)
+    record(
+        reliability, "D killed (SIGKILL) mid-stream, 2P2D", got, ref, started,
+        f"{STREAM_TOKENS}-token greedy stream, D killed after {KILL_AT} tokens; the answer went "
+        "on from the other pair",
+    )  # fmt: skip
+    assert_same(got, ref)
+    after = await migrations(migrating)
+    moved = sum(v for k, v in after.items() if k[1] == "continued") - sum(
+        v for k, v in before.items() if k[1] == "continued"
+    )
+    assert moved == 1, (before, after)
+    assert engines.pd.supervisor.procs[victim].poll() is not None
