@@ -87,6 +87,9 @@ def _single_prompt(prompt: Any) -> bool:
 
 class _Delta(msgspec.Struct):
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: Any = None
 
 
 class _Choice(msgspec.Struct):
@@ -107,6 +110,7 @@ class _Chunk(msgspec.Struct):
 
 
 _chunk = msgspec.json.Decoder(_Chunk)
+_IDS = b'"token_ids":['
 
 
 class Tape:
@@ -114,12 +118,13 @@ class Tape:
     generated, and how many of them the client has the text of."""
 
     __slots__ = (
-        "created", "finish", "generated", "id", "ids_seen", "migrations", "model",
+        "bad", "created", "finish", "generated", "id", "ids_seen", "migrations", "model",
         "prompt_ids", "resent", "shown", "text_len",
     )  # fmt: skip
 
     def __init__(self, prompt_ids: list[int] | None) -> None:
         self.prompt_ids = prompt_ids
+        self.bad: str | None = None  # what D sent that a continuation cannot reproduce
         self.generated: list[int] = []
         self.shown = 0  # generated tokens whose text has reached the client
         self.text_len = 0  # characters of text the client has
@@ -148,7 +153,12 @@ class Tape:
             if ch.token_ids is not None:
                 self.ids_seen = True
                 self.generated.extend(ch.token_ids)
-            text = ch.text if ch.delta is None else ch.delta.content
+            delta = ch.delta
+            if delta is not None and (
+                delta.reasoning or delta.reasoning_content or delta.tool_calls
+            ):
+                self.bad = "reasoning or tool-call output (its split is not in the token ids)"
+            text = ch.text if delta is None else delta.content
             if text:
                 self.shown = len(self.generated)
                 self.text_len += len(text)
@@ -156,6 +166,19 @@ class Tape:
                 self.finish = ch.finish_reason
                 self.shown = len(self.generated)
         return c
+
+    def take(self, payload: bytes, hide: bool) -> bytes:
+        """``note`` the event, and return it with its ids hidden when ``hide``."""
+        c = self.note(payload)
+        if not hide or c is None:
+            return payload
+        if c.prompt_token_ids is not None or (c.choices and c.choices[0].prompt_token_ids):
+            return hide_ids(payload)
+        if not (c.choices and c.choices[0].token_ids is not None):
+            return payload
+        at = payload.find(_IDS)  # the only list of ids left in it
+        end = payload.find(b"]", at)
+        return payload[: at + 12] + b"null" + payload[end + 1 :]
 
     def rewind(self) -> None:
         """Forget the tokens after the last one whose text the client has: the continuation
@@ -165,6 +188,8 @@ class Tape:
 
     def unfit(self) -> str | None:
         """Why a break now cannot be continued (``None``: it can)."""
+        if self.bad is not None:
+            return self.bad
         if self.prompt_ids is None:
             return "D's answer carried no prompt token ids"
         if self.shown and not self.ids_seen:
@@ -348,24 +373,17 @@ class Migrator:
             return None
         req.track_ids = True
         prompt = req.body.get("prompt")
-        return Tape(list(prompt) if not req.chat and isinstance(prompt, list) else None)
+        ids = list(prompt) if not req.chat and isinstance(prompt, list) else None
+        return Tape(ids)
 
     def hook(self, req: ClientRequest, tape: Tape) -> EventHook:
         """The first answer's events: recorded, their ids hidden unless the client asked."""
-        note = tape.note
-        if req.body.get("return_token_ids"):
+        take, hide = tape.take, not req.body.get("return_token_ids")
 
-            def keep(payload: bytes) -> bytes:
-                note(payload)
-                return payload
+        def hook(payload: bytes) -> bytes:
+            return take(payload, hide)
 
-            return keep
-
-        def hide(payload: bytes) -> bytes:
-            note(payload)
-            return hide_ids(payload)
-
-        return hide
+        return hook
 
     def plan(self, req: ClientRequest, tape: Tape | None, broken: Broken) -> Plan:
         if tape is None:

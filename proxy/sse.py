@@ -92,28 +92,18 @@ async def _relay_events(
     done = False
     try:
         while chunk:
-            buf = pending + chunk
+            buf = pending + chunk if pending else chunk
             cut = buf.rfind(b"\n\n")
             if cut < 0:
                 pending = buf
             else:
                 ready, pending = buf[: cut + 2], buf[cut + 2 :]
-                out: list[bytes] = []
-                for ev in ready.split(b"\n\n"):
-                    if ev.startswith(_DONE):
-                        done = True
-                    elif ev.startswith(b"data: {"):
-                        payload = hook(ev[6:])
-                        if payload is None:
-                            continue
-                        ev = b"data: " + payload
-                        if cached is not None:
-                            ev = _fix_usage(ev, cached)
-                    elif not ev:
-                        continue
-                    out.append(ev + b"\n\n")
+                if cut == ready.find(b"\n\n") and ready.startswith(b"data: {"):
+                    out = _event(ready[6:cut], hook, cached)  # one event: the usual chunk
+                else:
+                    out, done = _events(ready, hook, cached)
                 if out:
-                    await send(_body(b"".join(out)))
+                    await send(_body(out))
                 if done and on_done is not None:
                     on_done()
                     on_done = None
@@ -124,6 +114,27 @@ async def _relay_events(
         return _ended_early(up)
     await send(_last(b""))
     return None
+
+
+def _event(payload: bytes, hook: EventHook, cached: int | None) -> bytes:
+    got = hook(payload)
+    if got is None:
+        return b""
+    ev = b"data: " + got
+    return (_fix_usage(ev, cached) if cached is not None else ev) + b"\n\n"
+
+
+def _events(ready: bytes, hook: EventHook, cached: int | None) -> tuple[bytes, bool]:
+    """Whole events (``ready`` ends with one) through ``hook``; whether ``[DONE]`` came."""
+    out: list[bytes] = []
+    done = False
+    for ev in ready.split(b"\n\n"):
+        if ev.startswith(b"data: {"):
+            out.append(_event(ev[6:], hook, cached))
+        elif ev:
+            done = done or ev.startswith(_DONE)
+            out.append(ev + b"\n\n")
+    return b"".join(out), done
 
 
 def _broke(up: Upstream, exc: UpstreamError) -> Broken:

@@ -15,7 +15,7 @@ import msgspec
 from pdwire.models import MarkKind
 from proxy.config import Flow
 from proxy.errors import UpstreamError
-from proxy.migration import hide_ids
+from proxy.migration import Tape, hide_ids
 from proxy.mock import MockBackend, Outcome, Reply, Step
 from tests.proxy.inmemory import BINDING, D_URL, P_URL, PUSHED, InMemoryProxy, never
 
@@ -297,4 +297,41 @@ async def test_a_completions_logprobs_go_on_with_shifted_offsets() -> None:
     offsets = [o for ob in objs for c in ob["choices"] for o in c["logprobs"]["text_offset"]]
     assert offsets == [0, 2, 4]
     assert backend.calls_of("decode")[1].json()["logprobs"] == 1
+    await px.settle()
+
+
+def test_take_records_as_note_and_hides_as_hide_ids() -> None:
+    """``Tape.take`` (the relay's hook: one parse, then a short cut of the one list of ids
+    when only that is left) records what ``Tape.note`` records and hides the ids as
+    ``hide_ids`` does."""
+    stream_events = [
+        completion_event("The", [11], first=True),
+        completion_event(' "quoted" "text":"', [12, 13]),
+        completion_event("", [14]),
+        completion_event("", []),
+        completion_event("!", [15], finish="length"),
+        chat_event(None, None),
+        chat_event("", [16]),
+        chat_event("ok", [17], finish="stop"),
+    ]
+    scanned, parsed = Tape(None), Tape(None)
+    for ev in stream_events:
+        payload = ev[6:-2]
+        assert scanned.take(payload, hide=True) == hide_ids(payload)
+        parsed.note(payload)
+        fields = ("generated", "shown", "finish", "prompt_ids", "ids_seen")
+        assert [getattr(scanned, f) for f in fields] == [getattr(parsed, f) for f in fields]
+
+
+async def test_reasoning_output_is_not_continued() -> None:
+    """A chat answer whose D splits reasoning from content: a completion continuation would
+    not, so the break ends with an error event."""
+    obj = msgspec.json.decode(chat_event("x", [5])[6:-2])
+    obj["choices"][0]["delta"] = {"reasoning_content": "hmm"}
+    reasoning = b"data: " + msgspec.json.encode(obj) + b"\n\n"
+    first = stream(chat_event(None, None), reasoning, CUT)
+    backend, px = two_decoders(first, stream(DONE))
+    ex = await px.request(stream=True, chat=True).done()
+    assert b"not continued elsewhere: reasoning or tool-call output" in ex.chunks[-1]
+    assert len(backend.calls_of("decode")) == 1
     await px.settle()
