@@ -37,7 +37,7 @@ from proxy.errors import (
     sse_error_event,
 )
 from proxy.flows import Upstream
-from proxy.instances import Instance
+from proxy.instances import Instance, Role
 from proxy.migration import COMPLETIONS, Migrator, Splicer, Tape
 from proxy.rewrite import ClientRequest
 from proxy.runtime import Runtime
@@ -96,7 +96,8 @@ class CompletionsHandler:
         hook = self._migrator.hook(req, tape) if tape is not None else None
         broken = await relay_stream(at.up, send, req.include_usage, watcher.finish, hook)
         while broken is not None:
-            plan = self._migrator.plan(req, tape, broken)
+            others = self.rt.registry.available(Role.DECODE, frozenset({at.d.url}))
+            plan = self._migrator.plan(req, tape, broken, elsewhere=bool(others))
             if plan.request is None:
                 if plan.closing:  # D broke after its last token: the client has it all
                     await send({"type": "http.response.body", "body": plan.closing})

@@ -385,7 +385,12 @@ class Migrator:
 
         return hook
 
-    def plan(self, req: ClientRequest, tape: Tape | None, broken: Broken) -> Plan:
+    def plan(
+        self, req: ClientRequest, tape: Tape | None, broken: Broken, elsewhere: bool = True
+    ) -> Plan:
+        """What to do now that ``broken`` happened; ``elsewhere``: a decode instance other than
+        the broken one is available (the same one is never asked again: a frozen D would hold
+        the continuation up to ``--first-token-timeout``)."""
         if tape is None:
             why = refusal(req) if self.limit > 0 else "migration is off"
             return self._count(broken, Plan("refused", why=why or "not tracked"))
@@ -396,6 +401,8 @@ class Migrator:
             return self._count(broken, Plan("refused", why=unfit))
         if tape.migrations >= self.limit:
             return self._count(broken, Plan("limit", why=f"--migration-limit {self.limit}"))
+        if not elsewhere:
+            return self._count(broken, Plan("failed", why="no other decode instance available"))
         cont = continuation(req, tape)
         if cont is None:
             return self._count(broken, Plan("closed", closing=closing_events(req, tape)))

@@ -158,10 +158,11 @@ _LAST_MONO_USER = pytest.StashKey[str]()  # ... and of the last that uses the re
 @pytest.hookimpl(trylast=True)  # after ``-m``/``-k`` deselected what will not run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The modules that use the 2P2D deployment run first and together (each module's own
-    order kept; ``DESTRUCTIVE_USER``, which kills one of its engines, last), so it can stop as soon as they are done (``pytest_runtest_teardown``) instead
-    of holding four engines' CPU and memory through the modules with deployments of their own.
-    The reference engine stops after the last test that uses it. Both start now, under
-    the lowest CPU priority, while the tests before them run (``tests/e2e/first.py``)."""
+    order kept; ``DESTRUCTIVE_USER``, which kills one of its engines, last), so it can stop as
+    soon as they are done (``pytest_runtest_teardown``) instead of holding four engines' CPU
+    and memory through the modules with deployments of their own. The reference engine stops
+    after the last test that uses it. Both start now, under the lowest CPU priority, while the
+    tests before them run (``tests/e2e/first.py``)."""
 
     def module(item: pytest.Item) -> str:
         return item.nodeid.split("::", 1)[0]

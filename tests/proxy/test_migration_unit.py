@@ -335,3 +335,16 @@ async def test_reasoning_output_is_not_continued() -> None:
     assert b"not continued elsewhere: reasoning or tool-call output" in ex.chunks[-1]
     assert len(backend.calls_of("decode")) == 1
     await px.settle()
+
+
+async def test_the_broken_decoder_is_never_asked_again() -> None:
+    """With no other D available the answer ends with an error event at once: the same D,
+    frozen, would hold a continuation up to the first-token timeout."""
+    first = stream(completion_event("a", [1], first=True), CUT)
+    backend = MockBackend({"prefill": PUSHED, "decode": [first, stream(DONE)]})
+    px = InMemoryProxy(backend, Flow.PREFILL_FIRST)  # one D
+    ex = await px.request(stream=True, extra={"prompt": PROMPT_IDS}).done()
+    assert b"not continued elsewhere: no other decode instance available" in ex.chunks[-1]
+    assert len(backend.calls_of("decode")) == 1
+    assert px.metric("pd_migrations_total", reason="broken", outcome="failed") == 1.0
+    await px.settle()
