@@ -119,7 +119,7 @@ class Tape:
 
     __slots__ = (
         "bad", "created", "finish", "generated", "id", "ids_seen", "migrations", "model",
-        "prompt_ids", "resent", "shown", "text_len",
+        "prompt_ids", "resent", "shown", "text_len", "usage_sent",
     )  # fmt: skip
 
     def __init__(self, prompt_ids: list[int] | None) -> None:
@@ -135,6 +135,7 @@ class Tape:
         self.model: str | None = None
         self.ids_seen = False  # D's answer carried token ids
         self.migrations = 0
+        self.usage_sent = False  # the usage event reached the client
 
     def note(self, payload: bytes) -> _Chunk | None:
         """Record one event's JSON (``data: `` removed); returns it parsed (``None``: not a
@@ -147,6 +148,8 @@ class Tape:
             self.id, self.created, self.model = c.id, c.created, c.model
         if c.prompt_token_ids is not None and self.prompt_ids is None:
             self.prompt_ids = c.prompt_token_ids
+        if c.usage is not None:
+            self.usage_sent = True
         for ch in c.choices[:1]:
             if ch.prompt_token_ids is not None and self.prompt_ids is None:
                 self.prompt_ids = ch.prompt_token_ids
@@ -307,7 +310,7 @@ class Splicer:
 def closing_events(req: ClientRequest, tape: Tape) -> bytes:
     """The end of a stream whose D broke with nothing left to generate: a last chunk with the
     ``finish_reason`` when the client has none yet (``length``), the usage event when it
-    asked for one, then ``[DONE]``."""
+    asked for one and has none yet, then ``[DONE]``."""
     head = {
         "id": tape.id,
         "object": "chat.completion.chunk" if req.chat else "text_completion",
@@ -323,7 +326,7 @@ def closing_events(req: ClientRequest, tape: Tape) -> bytes:
         else:
             choice["text"] = ""
         out += b"data: " + encode({**head, "choices": [choice]}) + b"\n\n"
-    if req.include_usage:
+    if req.include_usage and not tape.usage_sent:
         prompt = len(tape.prompt_ids or ())
         usage = {
             "prompt_tokens": prompt,

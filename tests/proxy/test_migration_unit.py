@@ -348,3 +348,15 @@ async def test_the_broken_decoder_is_never_asked_again() -> None:
     assert len(backend.calls_of("decode")) == 1
     assert px.metric("pd_migrations_total", reason="broken", outcome="failed") == 1.0
     await px.settle()
+
+
+async def test_a_break_after_the_usage_event_only_ends_the_stream() -> None:
+    first = stream(completion_event("a", [1], first=True, finish="length"), usage_event(4, 1), CUT)
+    _, px = two_decoders(first, stream(DONE))
+    ex = await px.request(
+        stream=True, extra={"prompt": PROMPT_IDS, "stream_options": {"include_usage": True}}
+    ).done()
+    usages = [o["usage"] for o in events(ex.body) if o.get("usage")]
+    assert usages == [{"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}]
+    assert ex.body.endswith(DONE) and b"error" not in ex.body
+    await px.settle()
