@@ -95,8 +95,10 @@ class CompletionsHandler:
         assert at.up is not None and at.d is not None
         hook = self._migrator.hook(req, tape) if tape is not None else None
         broken = await relay_stream(at.up, send, req.include_usage, watcher.finish, hook)
+        gone: set[str] = set()  # the D that broke, each time: never asked again
         while broken is not None:
-            others = self.rt.registry.available(Role.DECODE, frozenset({at.d.url}))
+            gone.add(at.d.url)
+            others = self.rt.registry.available(Role.DECODE, frozenset(gone))
             plan = self._migrator.plan(req, tape, broken, elsewhere=bool(others))
             if plan.request is None:
                 if plan.closing:  # D broke after its last token: the client has it all
@@ -106,13 +108,12 @@ class CompletionsHandler:
                 await end_broken(send, broken, f"not continued elsewhere: {plan.why}")
                 return False
             assert tape is not None and at.up is not None and at.d is not None
-            gone = frozenset({at.d.url})
             self._leave(at.up, at.d, at.held, t0, span)
             at.up = at.d = None
             try:
                 assert self.rt.dispatcher is not None
                 at.up, at.d, _ = await self.rt.dispatcher.open(
-                    plan.request, COMPLETIONS, flow, span, gone
+                    plan.request, COMPLETIONS, flow, span, frozenset(gone)
                 )
             except ProxyError:
                 self._migrator.counted(broken, "failed")

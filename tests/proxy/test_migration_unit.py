@@ -360,3 +360,19 @@ async def test_a_break_after_the_usage_event_only_ends_the_stream() -> None:
     assert usages == [{"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}]
     assert ex.body.endswith(DONE) and b"error" not in ex.body
     await px.settle()
+
+
+async def test_a_second_break_goes_to_a_third_decoder() -> None:
+    first = stream(completion_event("a", [1], first=True), CUT)
+    second = stream(completion_event("b", [2], first=True), CUT)
+    third = stream(completion_event("c", [3], first=True, finish="length"), DONE)
+    backend = MockBackend({"prefill": PUSHED, "decode": [first, second, third]})
+    px = InMemoryProxy(
+        backend, Flow.PREFILL_FIRST, decode=[D_URL, D2_URL, "http://d2:8202"], migration_limit=2
+    )
+    ex = await px.request(stream=True, extra={"prompt": PROMPT_IDS}).done()
+    assert text_of(events(ex.body)) == "abc" and b"error" not in ex.body
+    urls = [c.url for c in backend.calls_of("decode")]
+    assert len(set(urls)) == 3, urls  # neither broken D was asked again
+    assert backend.calls_of("decode")[2].json()["prompt"] == [*PROMPT_IDS, 1, 2]
+    await px.settle()
