@@ -28,6 +28,18 @@ class MetaserverSettings(LayeredSettings, TlsListener):
     retain_s: float = Field(900.0, gt=0, description="how long done/failed/aborted bindings stay")
     instance_ttl_s: float = Field(30.0, gt=0, description="default heartbeat TTL of instances")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="request bodies above this get 413")
+    receipt_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a request (head and body) must arrive within this many seconds of its "
+        "first byte, else the connection is closed",
+    )
+    max_client_connections: int = Field(
+        0,
+        ge=0,
+        description="connections one client address may hold; its next ones are closed at once "
+        "(0: no cap)",
+    )
     max_wait_s: float = Field(120.0, gt=0, le=3600, description="cap of ?wait= on long-polls")
     stats_scan_limit: int = Field(10_000, ge=1, description="bindings scanned by /v1/stats")
     log_level: str = Field("info", pattern=r"^(debug|info|warning|error)$")

@@ -33,7 +33,9 @@ class ProxyApp:
 
     def __init__(self, runtime: Runtime, hot: CompletionsHandler, rest: ASGIApp) -> None:
         self.runtime = runtime
-        self.receipt_timeout_s = runtime.settings.receipt_timeout_s  # read by proxy.server
+        # read by the listener's protocol (pdwire.guarded_http)
+        self.receipt_timeout_s = runtime.settings.receipt_timeout_s
+        self.max_client_connections = runtime.settings.max_client_connections
         self._hot = hot
         self._rest = rest
 

@@ -142,6 +142,12 @@ class ProxySettings(LayeredSettings, TlsListener):
         description="a request's head must arrive within this many seconds of its first byte "
         "(else the connection is closed), and its body within as many after the head (else 408)",
     )
+    max_client_connections: int = Field(
+        0,
+        ge=0,
+        description="connections one client address may hold; its next ones are closed at once "
+        "(0: no cap; behind a load balancer every client has the balancer's address)",
+    )
     max_choices: int = Field(
         16,
         ge=1,

@@ -7,23 +7,18 @@ the first body part right after the start, so the head is held back and written 
 it (one syscall less per response; measured in ``docs/benchmarks.md``). The hot
 requests' scope also gets an ``ON_DISCONNECT`` slot, called from ``connection_lost``, so the
 handler notices a client that went away without a watcher task per request. Other paths are
-left exactly as uvicorn serves them.
+left as uvicorn serves them, with ``pdwire.guarded_http``'s receipt deadlines and per-client cap.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 from typing import Any, cast
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
+from pdwire.guarded_http import GuardedHttpToolsProtocol
 from proxy.handler import HOT_PATHS
 from proxy.watcher import ON_DISCONNECT
-
-log = logging.getLogger("pdgate.proxy")
-RECEIPT_TIMEOUT_S = 30.0  # when the app does not name one (ProxyApp.receipt_timeout_s)
 
 
 class _HeldHead:
@@ -58,49 +53,12 @@ class _HeldHead:
         return getattr(self._transport, name)
 
 
-def _receipt_timeout_of(app: Any) -> float:
-    """``receipt_timeout_s`` of the proxy's app, under whatever uvicorn wrapped it in."""
-    for _ in range(8):
-        if app is None or hasattr(app, "receipt_timeout_s"):
-            break
-        app = getattr(app, "app", None)
-    return float(getattr(app, "receipt_timeout_s", RECEIPT_TIMEOUT_S))
-
-
-class CoalescingHttpToolsProtocol(HttpToolsProtocol):
-    """Also receipt deadlines: from a request's first byte its head must be complete within
-    the app's ``receipt_timeout_s``, else the connection is closed (a client sending a head
-    byte by byte holds a connection forever otherwise); a new connection that sends nothing is
-    closed after the keep-alive timeout, as an idle one is. A request costs two attribute
-    writes; one sweep per server (a timer while it has connections) closes the late ones."""
-
-    _due: float | None = None  # when the pending head (or first byte) is late
-    _awaiting = ""
-    _receipt_s = RECEIPT_TIMEOUT_S
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._receipt_s = _receipt_timeout_of(self.app)
-        self._due = self.loop.time() + self.timeout_keep_alive
-        self._awaiting = "sent nothing"
-        _Sweep.of(self).ensure()
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._due = self.loop.time() + self._receipt_s
-        self._awaiting = "no complete request head"
-
-    def close_if_late(self, now: float) -> None:
-        if self._due is not None and now > self._due:
-            self._due = None
-            log.info("closing the connection of %s: %s in time", self.client, self._awaiting)
-            self.transport.close()
-
-    def sweep_period(self) -> float:
-        return max(0.05, min(self._receipt_s, self.timeout_keep_alive, 4.0) / 4)
+class CoalescingHttpToolsProtocol(GuardedHttpToolsProtocol):
+    """The hot paths' head held for their first body part, and their client's disconnect
+    reported to the handler; receipt deadlines (the head only: the handler bounds the body)
+    and the per-client cap from ``pdwire.guarded_http``."""
 
     def on_headers_complete(self) -> None:
-        self._due = None
         before = self.cycle
         super().on_headers_complete()
         cycle = self.cycle
@@ -114,7 +72,6 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
             cast(dict[str, Any], self.scope)[ON_DISCONNECT] = None  # the handler's watcher
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._due = None
         cycle = self.cycle
         hook: Callable[[], None] | None = None
         if cycle is not None and not cycle.response_complete:
@@ -124,36 +81,3 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
         if hook is not None:
             hook()
-
-
-class _Sweep:
-    """One per server (kept on uvicorn's ``ServerState``): every ``sweep_period`` it closes the
-    connections whose head is late, and it stops while the server has no connection."""
-
-    def __init__(self, state: Any, loop: asyncio.AbstractEventLoop, period: float) -> None:
-        self._state = state
-        self._loop = loop
-        self._period = period
-        self._timer: asyncio.TimerHandle | None = None
-
-    @classmethod
-    def of(cls, proto: CoalescingHttpToolsProtocol) -> _Sweep:
-        state = proto.server_state
-        sweep: _Sweep | None = getattr(state, "pdgate_sweep", None)
-        if sweep is None:
-            sweep = cls(state, proto.loop, proto.sweep_period())
-            setattr(state, "pdgate_sweep", sweep)  # noqa: B010 (uvicorn's ServerState has no slot)
-        return sweep
-
-    def ensure(self) -> None:
-        if self._timer is None:
-            self._timer = self._loop.call_later(self._period, self._run)
-
-    def _run(self) -> None:
-        self._timer = None
-        now = self._loop.time()
-        for proto in list(self._state.connections):
-            if isinstance(proto, CoalescingHttpToolsProtocol):
-                proto.close_if_late(now)
-        if self._state.connections:
-            self.ensure()

@@ -1,0 +1,153 @@
+"""Slow senders and connection hogs against the real listeners (issue 29, item 4): a
+``pd-metaserver`` process, whose requests must arrive whole within ``--receipt-timeout``, and
+the proxy's and the metaserver's ``--max-client-connections``. Before ``pdwire.guarded_http``
+the metaserver served plain uvicorn: a request head trickled one byte every 0.1 s was held
+for as long as the sender liked, and one address could open any number of connections. Each
+attack is cut here while an ordinary request beside it is answered."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.proxy.conftest import serve_proxy
+from tests.support.procs import free_port
+from tests.support.services import MetaserverProcess
+
+RECEIPT_S = 1.0
+GIVE_UP_S = 20.0  # far above the deadline: only a server that never cuts the sender fails
+CAP = 3
+
+
+@pytest.fixture
+def metaserver(tmp_path: Path) -> Iterator[MetaserverProcess]:
+    ms = MetaserverProcess(
+        "memory", "--receipt-timeout", str(RECEIPT_S), "--max-client-connections", str(CAP),
+        log_dir=tmp_path,
+    )  # fmt: skip
+    try:
+        yield ms
+    finally:
+        ms.stop()
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+async def _answered(url: str) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+        assert (await c.get("/health")).status_code == 200
+
+
+async def _cut_after(
+    writer: asyncio.StreamWriter, reader: asyncio.StreamReader, drip: bytes
+) -> float:
+    """Send ``drip`` one byte every 0.1 s until the server closes the connection; how long
+    that took."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    read = asyncio.ensure_future(reader.read())
+    for i in range(int(GIVE_UP_S / 0.1)):
+        if read.done():
+            break
+        try:
+            writer.write(drip[i % len(drip) : i % len(drip) + 1])
+            await writer.drain()
+        except ConnectionError:
+            break
+        await asyncio.wait([read], timeout=0.1)
+    else:
+        raise AssertionError("the server kept the trickled request open")
+    try:
+        assert await read == b""  # cut, not answered
+    except ConnectionResetError:  # closed while a byte was on its way
+        pass
+    return loop.time() - began
+
+
+async def test_metaserver_cuts_a_request_head_sent_byte_by_byte(
+    metaserver: MetaserverProcess,
+) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(metaserver.url))
+    try:
+        writer.write(b"GET /v1/bindings HTTP/1.1\r\nhost: x\r\nx-slow: ")
+        took = asyncio.ensure_future(_cut_after(writer, reader, b"abcdefgh"))
+        await _answered(metaserver.url)  # served meanwhile
+        assert await took < RECEIPT_S + 5
+    finally:
+        writer.close()
+
+
+async def test_metaserver_cuts_a_body_that_stops(metaserver: MetaserverProcess) -> None:
+    """A whole head and a body that never comes: cut too (plain uvicorn waits for it)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(metaserver.url))
+    try:
+        writer.write(
+            b"PUT /v1/bindings/t-1 HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 100000\r\n\r\n{"
+        )
+        took = await _cut_after(writer, reader, b'"a": 1, ')
+        assert took < RECEIPT_S + 5
+    finally:
+        writer.close()
+
+
+async def _held(port: int, n: int) -> list[asyncio.StreamWriter]:
+    """``n`` open, idle-free connections (each has sent part of a request head)."""
+    out = []
+    for _ in range(n):
+        _, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"GET /health HTTP/1.1\r\n")
+        await w.drain()
+        out.append(w)
+    return out
+
+
+async def _refused_at_once(port: int) -> bool:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        await writer.drain()
+        got = await asyncio.wait_for(reader.read(), 5)
+    except ConnectionResetError:
+        return True
+    finally:
+        writer.close()
+    return got == b""
+
+
+async def test_metaserver_caps_connections_per_client(metaserver: MetaserverProcess) -> None:
+    port = _port(metaserver.url)
+    held = await _held(port, CAP)
+    try:
+        assert await _refused_at_once(port)  # the cap reached: closed unanswered
+    finally:
+        for w in held:
+            w.close()
+    await asyncio.sleep(0.3)
+    await _answered(metaserver.url)  # the held ones gone, the address is served again
+
+
+async def test_proxy_caps_connections_per_client() -> None:
+    proxy = await serve_proxy(
+        {"prefill": ["http://127.0.0.1:9"], "decode": ["http://127.0.0.1:9"], "flow": "direct",
+         "port": free_port(), "max_client_connections": CAP}
+    )  # fmt: skip
+    try:
+        port = _port(proxy.url)
+        held = await _held(port, CAP)
+        try:
+            assert await _refused_at_once(port)
+        finally:
+            for w in held:
+                w.close()
+        await asyncio.sleep(0.3)
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as c:
+            assert (await c.get("/metrics")).status_code == 200
+    finally:
+        await proxy.stop()
