@@ -122,19 +122,33 @@ def test_live_metaserver_probes_and_token(stack: dict[str, Any]) -> None:
     listed = httpx.get(f"{base}/v1/instances", timeout=5).json()
     assert "d-0" in str(listed)
     # The write went to the rendered Redis (state shared by the metaserver replicas).
-    keys = subprocess.run(
-        [
-            "redis-cli",
-            "-p",
-            str(stack["render"].get("Service", f"{FULLNAME}-redis")["spec"]["ports"][0]["port"]),
-            "--scan",
-        ],
+    assert "d-0" in _redis_cli(stack, "--scan", "--pattern", "pdgate:*").stdout
+
+
+def _redis_cli(stack: dict[str, Any], *args: str, user: str = "pdgate") -> Any:
+    """``redis-cli`` against the rendered Redis as ``user`` (the metaserver's ACL user), with
+    the password the rendered environment holds."""
+    port = str(stack["render"].get("Service", f"{FULLNAME}-redis")["spec"]["ports"][0]["port"])
+    return subprocess.run(
+        ["redis-cli", "-p", port, "--user", user, *args],
         env={"PATH": "/usr/bin:/bin", **stack["redis_env"]},
         capture_output=True,
         text=True,
         timeout=10,
     )
-    assert "d-0" in keys.stdout
+
+
+def test_live_redis_gives_the_metaserver_its_own_keys_and_nothing_dangerous(
+    stack: dict[str, Any],
+) -> None:
+    """The metaserver's ACL user writes under the key prefix, nowhere else, runs no
+    ``@dangerous`` command; the default user is off (the password alone opens nothing)."""
+    assert _redis_cli(stack, "set", "pdgate:probe", "1").stdout.strip() == "OK"
+    for denied in (("set", "other:key", "1"), ("flushall",), ("config", "get", "*"), ("keys", "*")):
+        got = _redis_cli(stack, *denied)
+        assert "NOPERM" in got.stdout + got.stderr, (denied, got)
+    default = _redis_cli(stack, "ping", user="default")
+    assert "PONG" not in default.stdout, default
 
 
 @contextmanager

@@ -113,7 +113,7 @@ def test_wiring_metaserver_settings_accept_the_rendered_flags(
     redis_values = values.get("redis", {})
     if redis_values.get("enabled", True):
         password = r.secret_data(f"{FULLNAME}-auth")["redis-password"]
-        assert store == f"redis://:{password}@{FULLNAME}-redis:6379/0"
+        assert store == f"redis://pdgate:{password}@{FULLNAME}-redis:6379/0"
         redis = container(r.get("StatefulSet", f"{FULLNAME}-redis"))
         assert container_port(redis, "redis") == 6379
     elif redis_values.get("external", {}).get("url"):
