@@ -94,6 +94,24 @@ async def serving_decoder(engines: Engines) -> str:
     return name
 
 
+async def both_decoders_serve(proxy: str, timeout_s: float = 60.0) -> None:
+    """Wait until the proxy counts both decode engines available again: a D frozen by the
+    case before failed its health probes meanwhile, and a break with no other D available
+    is not continued."""
+    deadline = time.monotonic() + timeout_s
+    async with observer(proxy) as http:
+        while True:
+            listed = (await http.get("/v1/instances")).json()["instances"]
+            up = [
+                i for i in listed
+                if i["role"] == "decode" and i["healthy"] and i["circuit"] == "closed"
+            ]  # fmt: skip
+            if len(up) >= 2:
+                return
+            assert time.monotonic() < deadline, f"decode instances not back: {listed}"
+            await asyncio.sleep(0.2)
+
+
 def hit(engines: Engines, name: str, sig: signal.Signals) -> None:
     os.killpg(engines.pd.supervisor.procs[name].pid, sig)
 
@@ -164,6 +182,7 @@ async def test_e2e_frozen_decoder_mid_stream_answer_goes_on(
 ) -> None:
     prompt = prompt_ids(PROMPT_TOKENS, seed=SEEDS[point])
     ref = references[point]
+    await both_decoders_serve(migrating)
     before = await migrations(migrating)
     started = time.monotonic()
     got, victim = await faulted_stream(engines, migrating, prompt, POINTS[point], signal.SIGSTOP)
@@ -187,6 +206,7 @@ async def test_e2e_frozen_decoder_non_streamed_answer_is_retried(
 ) -> None:
     prompt = prompt_ids(PROMPT_TOKENS, seed=SEEDS["non-streamed"])
     ref = references["non-streamed"]
+    await both_decoders_serve(migrating)
     c = client(migrating)
     started = time.monotonic()
     asking = asyncio.create_task(c.completions.create(**_args(engines, prompt, NONSTREAM_TOKENS)))
@@ -228,6 +248,7 @@ async def test_e2e_killed_decoder_mid_stream_answer_goes_on(
     """Last: the killed D stays down."""
     prompt = prompt_ids(PROMPT_TOKENS, seed=SEEDS["killed"])
     ref = references["killed"]
+    await both_decoders_serve(migrating)
     before = await migrations(migrating)
     started = time.monotonic()
     got, victim = await faulted_stream(engines, migrating, prompt, KILL_AT, signal.SIGKILL)
