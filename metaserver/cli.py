@@ -35,6 +35,7 @@ def build_parser() -> SettingsParser[MetaserverSettings]:
     p.option("--max-wait", "max_wait_s", float)
     p.option("--receipt-timeout", "receipt_timeout_s", float)
     p.option("--max-client-connections", "max_client_connections", int)
+    p.option("--write-timeout", "write_timeout_s", float)
     p.option("--stats-scan-limit", "stats_scan_limit", int)
     p.option("--log-level", "log_level")
     p.option("--tls-cert", "tls_cert_file")
@@ -92,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http="pdwire.guarded_http:GuardedHttpToolsProtocol",
+        http="metaserver.listener:GuardedHttpToolsProtocol",
         log_level=settings.log_level,
         access_log=False,
         timeout_graceful_shutdown=5,
@@ -121,11 +122,12 @@ def _build(settings: MetaserverSettings) -> Any:
         app = create_app(settings)
     except ValueError as exc:
         build_parser().error(str(exc))
-    # read by the listener's protocol (pdwire.guarded_http): a whole request within the
+    # read by the listener's guards (pdwire.guarded_http): a whole request within the
     # deadline (no handler here reads a body as it streams)
     app.receipt_timeout_s = settings.receipt_timeout_s
     app.receipt_whole_request = True
     app.max_client_connections = settings.max_client_connections
+    app.write_timeout_s = settings.write_timeout_s
     # Everything built so far (app, models, imported modules) lives as long as the process:
     # keep it out of the collector's full passes, which otherwise show up as p99 latency.
     gc.collect()

@@ -34,6 +34,12 @@ class MetaserverSettings(LayeredSettings, TlsListener):
         description="a request (head and body) must arrive within this many seconds of its "
         "first byte, else the connection is closed",
     )
+    write_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        description="a client that reads nothing of its answer for this long while the "
+        "connection's send buffer is full is cut off (0: never)",
+    )
     max_client_connections: int = Field(
         0,
         ge=0,

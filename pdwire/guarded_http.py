@@ -1,5 +1,6 @@
-"""uvicorn's httptools protocol with receipt deadlines and a per-client connection cap, for the
-proxy's and the metaserver's listeners.
+"""Guards for the proxy's and the metaserver's listeners: a mixin for uvicorn's httptools
+protocol (``class P(ListenerGuards, HttpToolsProtocol)``; this package does not import uvicorn,
+each part puts the two together).
 
 * **Receipt deadline**: from a request's first byte its head must be complete within the app's
   ``receipt_timeout_s`` (with ``receipt_whole_request``: its whole body too), else the
@@ -7,6 +8,11 @@ proxy's and the metaserver's listeners.
   good otherwise. A new connection that sends nothing is closed after the keep-alive timeout,
   as an idle one is. A request costs two attribute writes; one sweep per server (a timer while
   it has connections) closes the late ones.
+* **Write timeout**: a client that reads nothing of its answer while the connection's write
+  buffer is full (the transport paused writing) for the app's ``write_timeout_s`` has its
+  connection aborted, so a stalled reader cannot hold its request (and a decode instance's
+  sequence behind it) for good. No cost while the client keeps up: a timer runs only while
+  writing is paused.
 * **Connections per client**: with the app's ``max_client_connections`` > 0, a peer address
   that already holds that many connections has its next one closed at once (logged once per
   minute per address). Behind a load balancer every client has the balancer's address: leave
@@ -20,8 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any
-
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("pdgate.http")
 RECEIPT_TIMEOUT_S = 30.0  # when the app does not name one
@@ -37,17 +41,29 @@ def app_setting(app: Any, name: str, default: Any) -> Any:
     return getattr(app, name, default)
 
 
-class GuardedHttpToolsProtocol(HttpToolsProtocol):
+class ListenerGuards:
+    """The guards above; the attributes it reads are uvicorn's protocol's."""
+
+    app: Any
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    client: tuple[str, int] | None
+    server_state: Any
+    timeout_keep_alive: int
+
     _due: float | None = None  # when the pending head (or first byte, or body) is late
     _awaiting = ""
     _receipt_s = RECEIPT_TIMEOUT_S
     _whole = False
     _peer: str | None = None
+    _write_s = 0.0
+    _stalled: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
         self._receipt_s = float(app_setting(self.app, "receipt_timeout_s", RECEIPT_TIMEOUT_S))
         self._whole = bool(app_setting(self.app, "receipt_whole_request", False))
+        self._write_s = float(app_setting(self.app, "write_timeout_s", 0.0))
         guard = _Guard.of(self)
         cap = int(app_setting(self.app, "max_client_connections", 0))
         if cap > 0 and self.client is not None:
@@ -61,7 +77,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         guard.ensure()
 
     def on_message_begin(self) -> None:
-        super().on_message_begin()
+        super().on_message_begin()  # type: ignore[misc]
         self._due = self.loop.time() + self._receipt_s
         self._awaiting = "no complete request head"
 
@@ -70,11 +86,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._awaiting = "no complete request body"
         else:
             self._due = None
-        super().on_headers_complete()
+        super().on_headers_complete()  # type: ignore[misc]
 
     def on_message_complete(self) -> None:
         self._due = None
-        super().on_message_complete()
+        super().on_message_complete()  # type: ignore[misc]
 
     def close_if_late(self, now: float) -> None:
         if self._due is not None and now > self._due:
@@ -85,12 +101,34 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def sweep_period(self) -> float:
         return max(0.05, min(self._receipt_s, self.timeout_keep_alive, 4.0) / 4)
 
+    def pause_writing(self) -> None:
+        super().pause_writing()  # type: ignore[misc]
+        if self._write_s > 0 and self._stalled is None:
+            self._stalled = self.loop.call_later(self._write_s, self._reader_stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()  # type: ignore[misc]
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+
+    def _reader_stalled(self) -> None:
+        self._stalled = None
+        log.info(
+            "aborting the connection of %s: it read nothing of its answer for %.0fs",
+            self.client, self._write_s,
+        )  # fmt: skip
+        self.transport.abort()  # close() would first wait for the buffer to drain
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._due = None
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
         if self._peer is not None:
             _Guard.of(self).leave(self._peer)
             self._peer = None
-        super().connection_lost(exc)
+        super().connection_lost(exc)  # type: ignore[misc]
 
 
 class _Guard:
@@ -107,7 +145,7 @@ class _Guard:
         self._told: dict[str, float] = {}
 
     @classmethod
-    def of(cls, proto: GuardedHttpToolsProtocol) -> _Guard:
+    def of(cls, proto: ListenerGuards) -> _Guard:
         state = proto.server_state
         guard: _Guard | None = getattr(state, "pdgate_guard", None)
         if guard is None:
@@ -141,7 +179,7 @@ class _Guard:
         self._timer = None
         now = self._loop.time()
         for proto in list(self._state.connections):
-            if isinstance(proto, GuardedHttpToolsProtocol):
+            if isinstance(proto, ListenerGuards):
                 proto.close_if_late(now)
         if self._state.connections:
             self.ensure()

@@ -36,6 +36,7 @@ class ProxyApp:
         # read by the listener's protocol (pdwire.guarded_http)
         self.receipt_timeout_s = runtime.settings.receipt_timeout_s
         self.max_client_connections = runtime.settings.max_client_connections
+        self.write_timeout_s = runtime.settings.write_timeout_s
         self._hot = hot
         self._rest = rest
 

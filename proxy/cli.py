@@ -97,6 +97,7 @@ def build_parser() -> SettingsParser[ProxySettings]:
     opt("--max-body-bytes", "max_body_bytes", int)
     opt("--receipt-timeout", "receipt_timeout_s", float)
     opt("--max-client-connections", "max_client_connections", int)
+    opt("--write-timeout", "write_timeout_s", float)
     opt("--max-choices", "max_choices", int)
     opt("--max-connections", "max_connections", int)
     opt("--http-client", "http_client", choices=["native", "aiohttp"])

@@ -142,6 +142,12 @@ class ProxySettings(LayeredSettings, TlsListener):
         description="a request's head must arrive within this many seconds of its first byte "
         "(else the connection is closed), and its body within as many after the head (else 408)",
     )
+    write_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        description="a client that reads nothing of its answer for this long while the "
+        "connection's send buffer is full is cut off, its legs aborted (0: never)",
+    )
     max_client_connections: int = Field(
         0,
         ge=0,

@@ -16,7 +16,9 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, cast
 
-from pdwire.guarded_http import GuardedHttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from pdwire.guarded_http import ListenerGuards
 from proxy.handler import HOT_PATHS
 from proxy.watcher import ON_DISCONNECT
 
@@ -53,7 +55,7 @@ class _HeldHead:
         return getattr(self._transport, name)
 
 
-class CoalescingHttpToolsProtocol(GuardedHttpToolsProtocol):
+class CoalescingHttpToolsProtocol(ListenerGuards, HttpToolsProtocol):
     """The hot paths' head held for their first body part, and their client's disconnect
     reported to the handler; receipt deadlines (the head only: the handler bounds the body)
     and the per-client cap from ``pdwire.guarded_http``."""

@@ -1,9 +1,11 @@
 """Relay D's answer to the client: SSE bytes passed through as they come.
 
-A stream that breaks (connection lost, idle timeout) or ends without ``data: [DONE]`` is closed
-with an SSE error event and ``[DONE]`` — never a silent truncation. When P reported cached
-tokens and the client asked for usage, the usage event is rewritten (events are then split
-on their boundaries; otherwise chunks are forwarded untouched).
+A stream that breaks (connection lost, idle timeout) or ends without ``data: [DONE]`` is
+reported to the caller, which continues it on another pair (``proxy.migration``) or closes it
+with an SSE error event and ``[DONE]`` — never a silent truncation. With an event hook (the
+migration's record of the answer) or when P reported cached tokens and the client asked for
+usage, events are split on their boundaries and passed through the hook / the usage fix;
+otherwise chunks are forwarded untouched.
 """
 
 from __future__ import annotations

@@ -1,19 +1,23 @@
-"""Slow senders and connection hogs against the real listeners (issue 29, item 4): a
-``pd-metaserver`` process, whose requests must arrive whole within ``--receipt-timeout``, and
-the proxy's and the metaserver's ``--max-client-connections``. Before ``pdwire.guarded_http``
-the metaserver served plain uvicorn: a request head trickled one byte every 0.1 s was held
-for as long as the sender liked, and one address could open any number of connections. Each
-attack is cut here while an ordinary request beside it is answered."""
+"""Slow senders, stalled readers and connection hogs against the real listeners (issue 29,
+item 4): a ``pd-metaserver`` process, whose requests must arrive whole within
+``--receipt-timeout``; the proxy's ``--write-timeout``; both ``--max-client-connections``.
+Before the listeners' guards (``pdwire.guarded_http``) the metaserver served plain uvicorn: a
+request head trickled one byte every 0.1 s was held for as long as the sender liked, and one
+address could open any number of connections. Each attack is cut here while an ordinary
+request beside it is answered."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.fakes.control import FakeVLLM
 from tests.proxy.conftest import serve_proxy
 from tests.support.procs import free_port
 from tests.support.services import MetaserverProcess
@@ -21,6 +25,7 @@ from tests.support.services import MetaserverProcess
 RECEIPT_S = 1.0
 GIVE_UP_S = 20.0  # far above the deadline: only a server that never cuts the sender fails
 CAP = 3
+STALLED_TOKENS = 200_000  # about 12 MB of events: more than every buffer on the way holds
 
 
 @pytest.fixture
@@ -151,3 +156,41 @@ async def test_proxy_caps_connections_per_client() -> None:
             assert (await c.get("/metrics")).status_code == 200
     finally:
         await proxy.stop()
+
+
+async def test_proxy_cuts_a_client_that_stops_reading_its_stream(tmp_path: Path) -> None:
+    """A client asks for a long stream and reads none of it: once the proxy's send buffer is
+    full it waits ``--write-timeout`` (1 s here), then aborts the connection, and D's request
+    is dropped. Before ``write_timeout_s`` the proxy stopped reading D and both waited for
+    good."""
+    decode = FakeVLLM("decode", log_dir=tmp_path)
+    proxy = await serve_proxy(
+        {"prefill": [decode.url], "decode": [decode.url], "flow": "direct",
+         "port": free_port(), "write_timeout_s": 1.0}
+    )  # fmt: skip
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader that stalls soon
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", _port(proxy.url)))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        body = json.dumps(
+            {"model": "fake-model", "prompt": "x", "max_tokens": STALLED_TOKENS, "stream": True}
+        ).encode()
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        await writer.drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + GIVE_UP_S
+        while decode.stats()["cancelled"] < 1:  # the proxy dropped D's leg
+            assert loop.time() < deadline, f"the stalled reader is still served: {decode.stats()}"
+            await asyncio.sleep(0.2)
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as c:  # others served
+            r = await c.post("/v1/completions", json={"model": "fake-model", "prompt": "y"})
+            assert r.status_code == 200
+        writer.close()
+    finally:
+        await proxy.stop()
+        decode.stop()
