@@ -136,15 +136,21 @@ class CompletionsHandler:
         answer closed (vLLM aborts the request), its load released, a failure on its circuit,
         the binding marked ``migrated``."""
         rt = self.rt
-        up.close()
+        self._abort(up, "migrated")
         d.release(held)
         d.circuit.record(False)
         if up.binding_tracked and rt.events is not None:
-            for bid in up.binding_ids or (up.tid,):
-                rt.events.post(bid, BindingState.ABORTED, "migrated")
             rt.events.mark(up.tid, MarkKind.MIGRATED, time.perf_counter() - t0, d.url[:64])
         if span is not None:
             span.event("migrated", {"pdgate.transfer_id": up.tid, "server.address": d.url})
+
+    def _abort(self, up: Upstream, why: str) -> None:
+        """Drop D's answer (vLLM aborts the request) and mark its bindings ``aborted``."""
+        up.close()
+        events = self.rt.events
+        if up.binding_tracked and events is not None:
+            for bid in up.binding_ids or (up.tid,):
+                events.post(bid, BindingState.ABORTED, why)
 
     def _count(self, endpoint: str, flow: Flow, outcome: str, status: int) -> Any:
         """The label child of ``pd_requests_total``, resolved once per label set."""
@@ -287,10 +293,7 @@ class CompletionsHandler:
                 if complete:
                     up.release()
                 else:
-                    up.close()
-                    if up.binding_tracked and rt.events is not None:
-                        for bid in up.binding_ids or (up.tid,):
-                            rt.events.post(bid, BindingState.ABORTED, outcome)
+                    self._abort(up, outcome)
                 if self._marks and up.binding_tracked and rt.events is not None:
                     rt.events.mark(up.tid, MarkKind.END, time.perf_counter() - t0, outcome)
             if d is not None:

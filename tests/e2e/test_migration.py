@@ -18,12 +18,11 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.chaos import Answer, Outcome, ReliabilityTable, Row
 from tests.e2e.client import Generation, client
 from tests.e2e.conftest import LOG_DIR, Engines
-from tests.e2e.engine_metrics import metrics_text
+from tests.e2e.engine_metrics import samples
 from tests.e2e.observe import observer
 from tests.e2e.stack import READY_TIMEOUT_S, start, with_port
 from tests.e2e.test_equality import assert_same, prompt_ids
@@ -37,6 +36,7 @@ POINTS = {"first-token": 1, "middle": 300, "late": 550}
 KILL_AT = 300
 NONSTREAM_TOKENS = 200
 SEEDS = {**{p: 9100 + at for p, at in POINTS.items()}, "non-streamed": 9200, "killed": 9300}
+MIGRATIONS = "pd_migrations_total{"
 MIGRATING_ARGS = ("--idle-timeout", "2", "--request-timeout", "8", "--migration-limit", "2")
 
 
@@ -77,11 +77,17 @@ def _ids(tokens: list[str]) -> tuple[int, ...]:
     return tuple(int(t.removeprefix("token_id:")) for t in tokens)
 
 
-async def reference(engines: Engines, prompt: list[int], max_tokens: int) -> Generation:
-    r = await client(engines.mono_url).completions.create(**_args(engines, prompt, max_tokens))
+def generation(r: Any) -> Generation:
+    """A non-streamed completion (logprobs on, ids as tokens) as a ``Generation``."""
     lp = r.choices[0].logprobs
     assert lp is not None and lp.tokens is not None
     return Generation(r.choices[0].text, _ids(lp.tokens), tuple(lp.token_logprobs or []))
+
+
+async def reference(engines: Engines, prompt: list[int], max_tokens: int) -> Generation:
+    return generation(
+        await client(engines.mono_url).completions.create(**_args(engines, prompt, max_tokens))
+    )
 
 
 async def serving_decoder(engines: Engines) -> str:
@@ -117,12 +123,13 @@ def hit(engines: Engines, name: str, sig: signal.Signals) -> None:
 
 
 async def migrations(proxy: str) -> dict[tuple[str, str], float]:
-    """``pd_migrations_total`` by (reason, outcome)."""
+    """``pd_migrations_total`` by (reason, outcome) (``samples`` gives the label values sorted
+    by label name: outcome, reason)."""
     out: dict[tuple[str, str], float] = {}
-    for family in text_string_to_metric_families(await metrics_text(proxy)):
-        for s in family.samples:
-            if s.name == "pd_migrations_total":
-                out[(s.labels["reason"], s.labels["outcome"])] = s.value
+    for key, value in (await samples(proxy)).items():
+        if key.startswith(MIGRATIONS):
+            outcome, reason = key.removeprefix(MIGRATIONS).removesuffix("}").split(",")
+            out[(reason, outcome)] = value
     return out
 
 
@@ -228,9 +235,7 @@ async def test_e2e_frozen_decoder_non_streamed_answer_is_retried(
             hit(engines, victim, signal.SIGCONT)
         if not asking.done():
             asking.cancel()
-    lp = r.choices[0].logprobs
-    assert lp is not None and lp.tokens is not None
-    got = Generation(r.choices[0].text, _ids(lp.tokens), tuple(lp.token_logprobs or []))
+    got = generation(r)
     record(
         reliability, "D frozen (SIGSTOP) during a non-streamed answer", got, ref, started,
         f"{NONSTREAM_TOKENS} tokens; retried from the start on the other pair after the 8 s "

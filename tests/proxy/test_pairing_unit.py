@@ -82,10 +82,8 @@ async def test_pairing_two_revisions_side_by_side_never_cross() -> None:
     await px.settle()
 
 
-async def test_pairing_a_revision_with_no_prefill_left_is_served_by_d_alone() -> None:
-    """v2's only P has other weights registered (or is gone): v2's D computes the prompt
-    itself, counted, instead of taking v1's KV."""
-    backend = _backend()
+def _two_revisions_v2_p_other_weights(backend: MockBackend) -> InMemoryProxy:
+    """v1: a P and a D; v2: a D, and a P registered with other weights than v2's D."""
     px = _proxy(backend)
     other = KV.model_copy(update={"model": "sha256:" + "b" * 32})
     px.runtime.registry.apply_registry(
@@ -96,6 +94,14 @@ async def test_pairing_a_revision_with_no_prefill_left_is_served_by_d_alone() ->
             registered("d-new", "decode", D2_URL, "v2"),
         ]
     )
+    return px
+
+
+async def test_pairing_a_revision_with_no_prefill_left_is_served_by_d_alone() -> None:
+    """v2's only P has other weights registered (or is gone): v2's D computes the prompt
+    itself, counted, instead of taking v1's KV."""
+    backend = _backend()
+    px = _two_revisions_v2_p_other_weights(backend)
     for _ in range(4):
         assert (await px.send()).status == 200
     d_calls = [c.url for c in backend.calls_of("decode")]
@@ -117,16 +123,7 @@ async def test_every_pair_that_cannot_push_is_shown_and_logged_once(caplog: Any)
     """``pd_pair_unpairable`` names each registered pair that is never paired and why; the
     proxy's log says it once per pair, not once per request."""
     backend = _backend()
-    px = _proxy(backend)
-    other = KV.model_copy(update={"model": "sha256:" + "b" * 32})
-    px.runtime.registry.apply_registry(
-        [
-            registered("p-old", "prefill", P_URL, "v1"),
-            registered("p-new", "prefill", P2_URL, "v2", kv=other),
-            registered("d-old", "decode", D_URL, "v1"),
-            registered("d-new", "decode", D2_URL, "v2"),
-        ]
-    )
+    px = _two_revisions_v2_p_other_weights(backend)
     with caplog.at_level(logging.WARNING, logger="pdgate.proxy"):
         for _ in range(6):
             assert (await px.send()).status == 200
