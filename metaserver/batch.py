@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from metaserver import service
+from metaserver.access import Principal
 from metaserver.context import Context
 from metaserver.errors import MetaserverError
 from metaserver.problems import render_problem
@@ -26,22 +27,26 @@ log = logging.getLogger("pdgate.metaserver")
 _PREFIX = "/v1/bindings/"
 
 
-async def _put(c: Context, transfer_id: str, body: dict[str, Any]) -> service.Reply:
-    return await service.put_spec(c, transfer_id, parse_obj(BindingSpec, body))
+async def _put(c: Context, who: Principal, transfer_id: str, body: dict[str, Any]) -> service.Reply:
+    return await service.put_spec(c, who, transfer_id, parse_obj(BindingSpec, body))
 
 
-async def _event(c: Context, transfer_id: str, body: dict[str, Any]) -> service.Reply:
-    return await service.apply_event(c, transfer_id, parse_obj(EventIn, body))
+async def _event(
+    c: Context, who: Principal, transfer_id: str, body: dict[str, Any]
+) -> service.Reply:
+    return await service.apply_event(c, who, transfer_id, parse_obj(EventIn, body))
 
 
-async def _mark(c: Context, transfer_id: str, body: dict[str, Any]) -> service.Reply:
-    return await service.apply_mark(c, transfer_id, parse_obj(MarkIn, body))
+async def _mark(
+    c: Context, who: Principal, transfer_id: str, body: dict[str, Any]
+) -> service.Reply:
+    return await service.apply_mark(c, who, transfer_id, parse_obj(MarkIn, body))
 
 
 # each call's body is validated as its own request's would be, from the decoded batch (not
 # serialised again): the same model, the same 422 shape
 _WRITES: dict[
-    tuple[str, str], Callable[[Context, str, dict[str, Any]], Awaitable[service.Reply]]
+    tuple[str, str], Callable[[Context, Principal, str, dict[str, Any]], Awaitable[service.Reply]]
 ] = {("PUT", ""): _put, ("POST", "events"): _event, ("POST", "marks"): _mark}
 
 
@@ -52,14 +57,14 @@ def _split(path: str) -> tuple[str, str]:
     return transfer_id, what
 
 
-async def _one(c: Context, call: BatchCall) -> tuple[int, bytes]:
+async def _one(c: Context, who: Principal, call: BatchCall) -> tuple[int, bytes]:
     transfer_id, what = _split(call.path)
     write = _WRITES.get((call.method, what))
     if write is None:
         detail = f"{call.method} {call.path} is not a write (PUT a binding, POST events or marks)"
         return 405, json.dumps({"detail": detail}).encode()
     try:
-        reply = await write(c, transfer_id, call.body)
+        reply = await write(c, who, transfer_id, call.body)
     except (MetaserverError, BodyInvalid) as exc:
         status, payload, _ = render_problem(exc, c.metrics)
         return status, payload
@@ -69,7 +74,7 @@ async def _one(c: Context, call: BatchCall) -> tuple[int, bytes]:
     return reply.status, reply.body
 
 
-async def run(c: Context, body: bytes) -> service.Reply:
+async def run(c: Context, who: Principal, body: bytes) -> service.Reply:
     calls = parse_body(BatchIn, body).calls
     results: list[tuple[int, bytes]] = [(0, b"")] * len(calls)
     by_transfer: dict[str, list[int]] = {}
@@ -78,7 +83,7 @@ async def run(c: Context, body: bytes) -> service.Reply:
 
     async def in_order(indexes: list[int]) -> None:
         for i in indexes:
-            results[i] = await _one(c, calls[i])
+            results[i] = await _one(c, who, calls[i])
 
     await asyncio.gather(*(in_order(indexes) for indexes in by_transfer.values()))
     c.metrics.batch_calls.observe(len(calls))

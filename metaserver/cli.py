@@ -27,6 +27,7 @@ def build_parser() -> SettingsParser[MetaserverSettings]:
     p.option("--store", "store")
     p.option("--namespace", "namespace")
     p.option("--token", "token")
+    p.option("--credentials-file", "credentials_file")
     p.switch("--protect-reads", "protect_reads")
     p.option("--ttl", "binding_ttl_s", float)
     p.option("--retain", "retain_s", float)
@@ -77,13 +78,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         app = _build(settings)
     log = logging.getLogger("pdgate.metaserver")
+    mode = "roles" if settings.credentials_file else "single token" if settings.token else "open"
     log.info(
-        "pd-metaserver listening on %s://%s:%d (store: %s, writes %s, %d process(es))",
+        "pd-metaserver listening on %s://%s:%d (store: %s, access: %s, %d process(es))",
         settings.scheme,
         settings.host,
         settings.port,
         redact_url(settings.store),
-        "need a token" if settings.token else "are open (no --token)",
+        mode if mode != "open" else "open, anyone may write (no --token or --credentials-file)",
         settings.workers,
     )
     uvicorn.run(

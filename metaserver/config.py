@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator
@@ -22,7 +23,14 @@ class MetaserverSettings(LayeredSettings, TlsListener):
     namespace: str = Field(
         "pdgate", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Redis key prefix"
     )
-    token: SecretStr | None = Field(None, description="bearer token required for writes")
+    token: SecretStr | None = Field(
+        None, description="single-token mode: this bearer token may do everything"
+    )
+    credentials_file: Path | None = Field(
+        None,
+        description="roles mode: a YAML file of bearer tokens with roles (admin, proxy, engine "
+        "bound to instance ids, reader); see docs/security.md",
+    )
     protect_reads: bool = Field(False, description="require the token for reads too")
     binding_ttl_s: float = Field(600.0, gt=0, description="lifetime of an unfinished binding")
     retain_s: float = Field(900.0, gt=0, description="how long done/failed/aborted bindings stay")

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import Request
 
+from metaserver.access import Access, Principal
 from metaserver.config import MetaserverSettings
-from metaserver.errors import Unauthorized
 from metaserver.metrics import Metrics
 from metaserver.store import Store
 
@@ -28,18 +27,19 @@ class Context:
     ascend: DecodeEndpoints | None = None  # the vllm-ascend decode pool (metaserver.ascend)
     feeds: FeedHub | None = None  # binding feeds (metaserver.feeds)
 
-    def __post_init__(self) -> None:
-        token = self.settings.token
-        self._expected = None if token is None else f"Bearer {token.get_secret_value()}".encode()
+    access: Access | None = None  # built from the settings when not given
 
-    def authorize(self, header: str | bytes | None, *, write: bool) -> None:
-        """Writes need the token whenever one is configured; reads only with protect_reads.
-        ``header`` is the request's Authorization header."""
-        if self._expected is None or (not write and not self.settings.protect_reads):
-            return
-        got = header.encode() if isinstance(header, str) else (header or b"")
-        if not hmac.compare_digest(got, self._expected):
-            raise Unauthorized("missing or wrong bearer token")
+    def __post_init__(self) -> None:
+        if self.access is None:
+            s = self.settings
+            token = None if s.token is None else s.token.get_secret_value()
+            self.access = Access.load(token, s.credentials_file, s.protect_reads)
+
+    def authorize(self, header: str | bytes | None, *, write: bool) -> Principal:
+        """The caller (``metaserver.access``) from the request's Authorization header: 401
+        without a known token where one is needed, 403 for a reader's write."""
+        assert self.access is not None
+        return self.access.who(header, write=write)
 
 
 def ctx(request: Request) -> Context:

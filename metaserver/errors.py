@@ -5,6 +5,7 @@ MetaserverError
 ├── Conflict              409  (different content for an existing id, illegal state change)
 ├── Unprocessable         422  (valid JSON, unacceptable meaning: unknown decode instance …)
 ├── Unauthorized          401
+├── Forbidden             403  (a known credential whose role does not allow the call)
 ├── PayloadTooLarge       413
 └── StoreUnavailable      503  (Redis down or too slow; retry later)
 """
@@ -34,6 +35,10 @@ class Unprocessable(MetaserverError):
 
 class Unauthorized(MetaserverError):
     status_code = 401
+
+
+class Forbidden(MetaserverError):
+    status_code = 403
 
 
 class PayloadTooLarge(MetaserverError):

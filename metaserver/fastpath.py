@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from metaserver import ascend, batch, service
+from metaserver.access import Principal
 from metaserver.context import Context
 from metaserver.errors import MetaserverError, PayloadTooLarge
 from metaserver.problems import render_problem
@@ -39,25 +40,21 @@ _PREFIX = "/v1/bindings/"
 _ID = re.compile(TRANSFER_ID_PATTERN)
 _ROUTE = "/v1/bindings/{transfer_id}"
 _EVENTS_ROUTE = "/v1/bindings/{transfer_id}/events"
-_ASCEND = "ascend"  # marks the vllm-ascend compat call (its token may come in the query)
+_ASCEND = "ascend"  # marks the vllm-ascend compat call (its capability comes in the query)
 _BATCH = "batch"  # marks POST /v1/batch (no transfer id of its own)
 _MARKS_ROUTE = "/v1/bindings/{transfer_id}/marks"
 _JSON = [(b"content-type", b"application/json")]
 _TIMED_OUT = [*_JSON, (b"x-pdgate-wait", b"timeout")]
 
-Handler = Callable[[Context, str, bytes], Awaitable[service.Reply]]
+Handler = Callable[[Context, Principal, str, bytes], Awaitable[service.Reply]]
 
 
-async def _get(c: Context, transfer_id: str, body: bytes) -> service.Reply:
+async def _get(c: Context, who: Principal, transfer_id: str, body: bytes) -> service.Reply:
     return await service.get_binding(c, transfer_id)
 
 
-async def _ascend(c: Context, transfer_id: str, body: bytes) -> service.Reply:
-    return await ascend.post_binding(c, body)
-
-
-async def _batch(c: Context, transfer_id: str, body: bytes) -> service.Reply:
-    return await batch.run(c, body)
+async def _batch(c: Context, who: Principal, transfer_id: str, body: bytes) -> service.Reply:
+    return await batch.run(c, who, body)
 
 
 def _long_poll(query: bytes) -> Handler | None:
@@ -81,7 +78,7 @@ def _long_poll(query: bytes) -> Handler | None:
     if wait is None:
         return None
 
-    async def handler(c: Context, transfer_id: str, body: bytes) -> service.Reply:
+    async def handler(c: Context, who: Principal, transfer_id: str, body: bytes) -> service.Reply:
         return await service.get_binding(c, transfer_id, wait, state)
 
     return handler
@@ -106,10 +103,16 @@ class FastPath:
             )  # fmt: skip
         }
 
-    def _match(self, scope: Scope) -> tuple[str, Handler, str] | None:
+    async def _body(self, receive: Receive, declared: int) -> bytes:
+        try:
+            return await read_body(receive, self.max_body, declared)
+        except BodyTooLarge as exc:
+            raise PayloadTooLarge(str(exc)) from None
+
+    def _match(self, scope: Scope) -> tuple[str, Handler | None, str] | None:
         path: str = scope["path"]
         if path == COMPAT_PATH and scope["method"] == "POST":
-            return _ASCEND, _ascend, COMPAT_PATH
+            return _ASCEND, None, COMPAT_PATH  # ascend.post_binding, with its own grant
         if path == BATCH_PATH and scope["method"] == "POST":
             return _BATCH, _batch, BATCH_PATH
         if not path.startswith(_PREFIX):
@@ -149,15 +152,14 @@ class FastPath:
                     auth = value
                 elif name == b"content-length":
                     declared = int(value) if value.isdigit() else -1
-            if transfer_id is _ASCEND:
-                ascend.authorize(self.ctx, auth, scope["query_string"])
+            if handler is None:  # the vllm-ascend compat call
+                grant = ascend.authorize(self.ctx, auth, scope["query_string"])
+                body = await self._body(receive, declared)
+                reply = await ascend.post_binding(self.ctx, grant, body)
             else:
-                self.ctx.authorize(auth, write=method != "GET")
-            try:
-                body = b"" if method == "GET" else await read_body(receive, self.max_body, declared)
-            except BodyTooLarge as exc:
-                raise PayloadTooLarge(str(exc)) from None
-            reply = await handler(self.ctx, transfer_id, body)
+                who = self.ctx.authorize(auth, write=method != "GET")
+                body = b"" if method == "GET" else await self._body(receive, declared)
+                reply = await handler(self.ctx, who, transfer_id, body)
             status, payload = reply.status, reply.body
             if reply.wait_timed_out:
                 headers = _TIMED_OUT

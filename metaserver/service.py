@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from metaserver.access import Principal
 from metaserver.context import Context
 from metaserver.errors import NotFound, StoreUnavailable
 from metaserver.store.base import BindingPut, PutOutcome, StoredBinding, event_json, mark_json
@@ -20,11 +21,12 @@ class Reply:
     wait_timed_out: bool = False
 
 
-async def put_binding(c: Context, transfer_id: str, body: bytes) -> Reply:
-    return await put_spec(c, transfer_id, parse_body(BindingSpec, body))
+async def put_binding(c: Context, who: Principal, transfer_id: str, body: bytes) -> Reply:
+    return await put_spec(c, who, transfer_id, parse_body(BindingSpec, body))
 
 
-async def put_spec(c: Context, transfer_id: str, spec: BindingSpec) -> Reply:
+async def put_spec(c: Context, who: Principal, transfer_id: str, spec: BindingSpec) -> Reply:
+    who.may_bind(spec.decode_instance_id)
     now = c.clock()
     outcome, record = await c.store.put_binding(BindingPut.of(transfer_id, spec, now), now)
     if outcome is PutOutcome.CREATED:
@@ -72,11 +74,12 @@ async def get_binding(
     return Reply(200, record.to_json(), timed_out)
 
 
-async def post_event(c: Context, transfer_id: str, body: bytes) -> Reply:
-    return await apply_event(c, transfer_id, parse_body(EventIn, body))
+async def post_event(c: Context, who: Principal, transfer_id: str, body: bytes) -> Reply:
+    return await apply_event(c, who, transfer_id, parse_body(EventIn, body))
 
 
-async def apply_event(c: Context, transfer_id: str, event: EventIn) -> Reply:
+async def apply_event(c: Context, who: Principal, transfer_id: str, event: EventIn) -> Reply:
+    who.may_post_event(event.actor)
     now = c.clock()
     detail = None if event.detail is None else event.detail.model_dump_json(exclude_none=True)
     raw = event_json(event.state, event.actor, now, None if detail is None else detail.encode())
@@ -87,11 +90,12 @@ async def apply_event(c: Context, transfer_id: str, event: EventIn) -> Reply:
     return Reply(200, record.to_json())
 
 
-async def post_mark(c: Context, transfer_id: str, body: bytes) -> Reply:
-    return await apply_mark(c, transfer_id, parse_body(MarkIn, body))
+async def post_mark(c: Context, who: Principal, transfer_id: str, body: bytes) -> Reply:
+    return await apply_mark(c, who, transfer_id, parse_body(MarkIn, body))
 
 
-async def apply_mark(c: Context, transfer_id: str, mark: MarkIn) -> Reply:
+async def apply_mark(c: Context, who: Principal, transfer_id: str, mark: MarkIn) -> Reply:
+    who.may_mark()
     detail = None if mark.detail is None else mark.detail.model_dump_json(exclude_none=True)
     raw = mark_json(mark.mark, mark.actor, c.clock(), None if detail is None else detail.encode())
     await c.store.add_mark(transfer_id, mark.mark, raw)

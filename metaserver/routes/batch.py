@@ -26,6 +26,6 @@ router = APIRouter(tags=["bindings"])
 )
 async def post_batch(request: Request) -> Response:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=True)
-    reply = await batch.run(c, await request.body())
+    who = c.authorize(request.headers.get("authorization"), write=True)
+    reply = await batch.run(c, who, await request.body())
     return json_bytes(reply.body, reply.status)

@@ -46,8 +46,8 @@ def _body(model: type[BindingSpec] | type[EventIn] | type[MarkIn]) -> dict[str, 
 )
 async def put_binding(request: Request, transfer_id: TransferId) -> Response:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=True)
-    return _send(await service.put_binding(c, transfer_id, await request.body()))
+    who = c.authorize(request.headers.get("authorization"), write=True)
+    return _send(await service.put_binding(c, who, transfer_id, await request.body()))
 
 
 def _send(reply: service.Reply) -> Response:
@@ -77,7 +77,7 @@ async def get_binding(
 @router.delete("/{transfer_id}", status_code=204, responses={404: {}}, openapi_extra=_WRITE)
 async def delete_binding(request: Request, transfer_id: TransferId) -> Response:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=True)
+    c.authorize(request.headers.get("authorization"), write=True).may_administer()
     if not await c.store.delete_binding(transfer_id):
         raise NotFound(f"binding {transfer_id} not found")
     return Response(status_code=204)
@@ -104,8 +104,8 @@ async def list_bindings(
 )
 async def post_event(request: Request, transfer_id: TransferId) -> Response:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=True)
-    return _send(await service.post_event(c, transfer_id, await request.body()))
+    who = c.authorize(request.headers.get("authorization"), write=True)
+    return _send(await service.post_event(c, who, transfer_id, await request.body()))
 
 
 @router.post(
@@ -117,6 +117,6 @@ async def post_event(request: Request, transfer_id: TransferId) -> Response:
 )
 async def post_mark(request: Request, transfer_id: TransferId) -> Response:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=True)
-    await service.post_mark(c, transfer_id, await request.body())
+    who = c.authorize(request.headers.get("authorization"), write=True)
+    await service.post_mark(c, who, transfer_id, await request.body())
     return Response(status_code=204)

@@ -34,8 +34,9 @@ _SPEC = {"$ref": "#/components/schemas/InstanceSpec"}
 )
 async def put_instance(request: Request, instance_id: InstanceId) -> Response:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=True)
+    who = c.authorize(request.headers.get("authorization"), write=True)
     spec = parse_body(InstanceSpec, await request.body())
+    who.may_register(instance_id, spec.role)
     kv = None if spec.kv_endpoint is None else (spec.kv_endpoint.host, spec.kv_endpoint.port)
     ttl = spec.ttl_s if spec.ttl_s is not None else c.settings.instance_ttl_s
     # fields newer readers know, left out when unset: a reader from before them (a proxy or
@@ -74,7 +75,7 @@ async def list_instances(request: Request, role: InstanceRole | None = None) -> 
 )
 async def delete_instance(request: Request, instance_id: InstanceId) -> Response:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=True)
+    c.authorize(request.headers.get("authorization"), write=True).may_manage(instance_id)
     if not await c.store.delete_instance(instance_id):
         raise NotFound(f"instance {instance_id} not registered")
     return Response(status_code=204)
@@ -82,7 +83,7 @@ async def delete_instance(request: Request, instance_id: InstanceId) -> Response
 
 async def _set_draining(request: Request, instance_id: str, draining: bool) -> Response:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=True)
+    c.authorize(request.headers.get("authorization"), write=True).may_drain(instance_id)
     record = await c.store.set_draining(instance_id, draining)
     if record is None:
         raise NotFound(f"instance {instance_id} not registered")

@@ -127,3 +127,34 @@ def binding_spec(**over: Any) -> BindingSpec:
     }
     base.update(over)
     return BindingSpec(**base)
+
+
+TOKENS = {
+    "admin": "admin-token-0123456789",
+    "proxy": "proxy-token-0123456789",
+    "reader": "reader-token-012345678",
+    "decode-0": "decode-0-token-0123456",
+    "prefill-pool": "prefill-pool-token-012",
+}
+
+
+def write_credentials(tmp_path: Path, **tokens: str) -> Path:
+    """A roles-mode credentials file: admin, proxy, reader, an engine bound to ``decode-0`` (may
+    register only a decode), and a pool credential for every ``prefill-*`` id (its token read
+    from a file). ``tokens`` overrides TOKENS by name."""
+    t = TOKENS | tokens
+    token_file = tmp_path / "prefill-pool.token"
+    token_file.write_text(t["prefill-pool"] + "\n")
+    text = f"""\
+credentials:
+  - {{name: ops, role: admin, token: {t["admin"]}}}
+  - {{name: proxies, role: proxy, token: {t["proxy"]}}}
+  - {{name: grafana, role: reader, token: {t["reader"]}}}
+  - {{name: decode-0, role: engine, instance: decode-0, engine_role: decode,
+      token: {t["decode-0"]}}}
+  - {{name: prefill-pool, role: engine, instance: "prefill-*", engine_role: prefill,
+      token_file: {token_file}}}
+"""
+    path = tmp_path / "credentials.yaml"
+    path.write_text(text)
+    return path

@@ -71,7 +71,7 @@ def test_cli_logs_address_and_store(tmp_path: Path) -> None:
         wait_http(f"http://127.0.0.1:{port}/health", proc=proc)
         text = log.read_text()
         assert f"listening on http://127.0.0.1:{port}" in text
-        assert "store: memory" in text and "need a token" in text
+        assert "store: memory" in text and "access: single token" in text
     finally:
         proc.stop()
 
