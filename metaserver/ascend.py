@@ -10,14 +10,14 @@ The decode pool (``DecodeEndpoints``): ``--ascend-decode HOST:PORT[-PORT]`` entr
 address or a DNS name (a headless Service: every address it resolves to), re-resolved every few
 seconds; plus, unless ``--no-ascend-registry``, the KV endpoints of registered decode instances.
 A binding naming anything else is refused (422): whoever can reach this URL must not be able to
-send P's KV push elsewhere. D sends no Authorization header; with a metaserver ``--token`` the
-URL must carry it as ``?token=`` (the proxy builds such URLs).
+send P's KV push elsewhere. D sends no Authorization header: where the metaserver needs
+credentials, the URL carries ``?rid=<X-Request-Id>&cap=<capability>`` (``pdwire.ascend.capability``,
+keyed with a proxy's token; the proxy builds such URLs), good for that request's bindings alone.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import ipaddress
 import logging
 import re
@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from urllib.parse import parse_qs
 
 from metaserver.context import Context
-from metaserver.errors import Unauthorized, Unprocessable
+from metaserver.errors import Forbidden, Unauthorized, Unprocessable
 from metaserver.service import Reply
 from metaserver.store import Store
 from metaserver.store.base import BindingPut, PutOutcome, event_json
 from metaserver.validation import parse_body
-from pdwire.ascend import AscendBinding
+from pdwire.ascend import AscendBinding, x_request_id_of
 from pdwire.ids import valid_id
 from pdwire.models import BindingState, InstanceSpec
 
@@ -152,28 +152,52 @@ class DecodeEndpoints:
         self._registered = found
 
 
-def query_token(query: bytes) -> bytes | None:
-    values = parse_qs(query.decode("latin-1")).get("token")
-    return values[0].encode("latin-1") if values else None
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What the caller of the compat endpoint may bind: any request (a header credential, or
+    no credentials needed), or only D requests made from one ``X-Request-Id``."""
+
+    x_request_id: str | None = None
 
 
-def authorize(c: Context, header: bytes | None, query: bytes) -> None:
-    """The Authorization header or ``?token=`` (D's connector cannot send a header)."""
-    if c.settings.token is None:
-        return
-    token = query_token(query)
-    if token is not None:
-        expected = c.settings.token.get_secret_value().encode()
-        if hmac.compare_digest(token, expected):
-            return
-        raise Unauthorized("wrong token in ?token=")
-    c.authorize(header, write=True)
+_warned: list[bool] = []
 
 
-async def post_binding(c: Context, body: bytes) -> Reply:
+def authorize(c: Context, header: bytes | None, query: bytes) -> Grant:
+    """``?rid=&cap=`` (D's connector cannot send a header), else an admin's Authorization."""
+    assert c.access is not None
+    if c.access.open:
+        return Grant()
+    values = parse_qs(query.decode("latin-1"))
+    rid, cap = values.get("rid"), values.get("cap")
+    if rid and cap:
+        if c.access.capability_ok(rid[0], cap[0]):
+            return Grant(rid[0])
+        raise Unauthorized("wrong capability in ?cap=")
+    legacy = values.get("token")  # what proxies before capabilities sent (single-token mode)
+    if legacy and c.access.mode == "single token":
+        if not c.access.token_ok(legacy[0]):
+            raise Unauthorized("wrong token in ?token=")
+        if not _warned:
+            _warned.append(True)
+            log.warning(
+                "a proxy sent the metaserver token in ?token=: upgrade it (it now sends "
+                "a per-request capability); this form goes in the next release"
+            )
+        return Grant()
+    c.authorize(header, write=True).may_administer()
+    return Grant()
+
+
+async def post_binding(c: Context, grant: Grant, body: bytes) -> Reply:
     """Validate, vet, store; ``{"status": "ok", ...}`` at once (D ignores the answer)."""
     assert c.ascend is not None
     spec = parse_body(AscendBinding, body)
+    if grant.x_request_id is not None and x_request_id_of(spec.request_id) != grant.x_request_id:
+        raise Forbidden(
+            f"the capability is for X-Request-Id {grant.x_request_id!r}, not for "
+            f"request {spec.request_id!r}"
+        )
     why = await c.ascend.problem(spec.remote_host, spec.remote_port)
     if why is not None:
         c.metrics.ascend_refused.inc()

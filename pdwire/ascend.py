@@ -5,7 +5,8 @@ Read from vllm-project/vllm-ascend (HEAD 182b75e, 2026-08):
 ``examples/disaggregated_prefill_v1/load_balance_proxy_layerwise_server_example.py``.
 
 proxy → D   ``ascend_decode_leg``: ``{"do_remote_decode": false, "do_remote_prefill": true,
-            "metaserver": URL}`` with ``X-Request-Id: T``; vLLM's OpenAI server names D's
+            "metaserver": URL}`` with ``X-Request-Id: T``; URL carries ``?rid=T&cap=C``
+            where a metaserver needs credentials (``capability``); vLLM's OpenAI server names D's
             requests ``cmpl-T-<i>`` (one per prompt of a completions batch) or ``chatcmpl-T``
             (``ascend_request_ids``)
 D → URL     ``AscendBinding``: the dict ``MooncakeLayerwiseConnectorScheduler.
@@ -20,7 +21,9 @@ proxy → P   ``ascend_prefill_params``: D's dict as P's ``kv_transfer_params`` 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+import hmac
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -68,6 +71,33 @@ class AscendBinding(BaseModel):
     remote_pcp_size: Size = 1
     remote_dcp_size: Size = 1
     remote_cached_tokens: Annotated[int, Field(ge=0, le=2**24)] = 0
+
+
+def capability(key: bytes, x_request_id: str) -> str:
+    """The right to post the blocks of one request (``X-Request-Id``) to the metaserver: an
+    HMAC-SHA256 over it keyed with a proxy's (or the single) metaserver token. D's connector
+    cannot send a header; the URL carries this instead of a token that could do more."""
+    mac = hmac.new(key, b"pdgate-ascend-binding\n" + x_request_id.encode(), hashlib.sha256)
+    return mac.hexdigest()[:32]
+
+
+def callback_urls(base_url: str, token: str | None) -> Callable[[str], str]:
+    """``X-Request-Id`` → the URL D posts that request's blocks to."""
+    if token is None:
+        return lambda x_request_id: base_url
+    key = token.encode()
+    sep = "&" if "?" in base_url else "?"
+    return lambda rid: f"{base_url}{sep}rid={rid}&cap={capability(key, rid)}"
+
+
+def x_request_id_of(request_id: str) -> str | None:
+    """The ``X-Request-Id`` a D request id was made from (``ascend_request_ids``' inverse)."""
+    if request_id.startswith("chatcmpl-"):
+        return request_id[9:] or None
+    if request_id.startswith("cmpl-"):
+        rid, _, index = request_id[5:].rpartition("-")
+        return rid if rid and index.isdigit() else None
+    return None
 
 
 def ascend_decode_leg(metaserver_url: str) -> dict[str, Any]:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Annotated, Any
-from urllib.parse import quote
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
@@ -67,8 +67,8 @@ class ProxySettings(LayeredSettings, TlsListener):
     ascend_callback_url: str | None = Field(
         None,
         description="ascend-layerwise: the URL vllm-ascend D engines POST their blocks to "
-        "(default: --metaserver + /v1/ascend/metaserver; with --metaserver-token, ?token= "
-        "is appended)",
+        "(default: --metaserver + /v1/ascend/metaserver; with --metaserver-token, each "
+        "request's URL carries a capability for that request alone, never the token)",
         pattern=r"^https?://[^\s?#]+$",
     )
 
@@ -225,15 +225,15 @@ class ProxySettings(LayeredSettings, TlsListener):
             raise ValueError(f"flow {self.flow} needs --metaserver")
         return self
 
-    def ascend_url(self) -> str:
-        """Where vllm-ascend D engines POST their blocks (the metaserver's compat endpoint)."""
-        from pdwire.ascend import COMPAT_PATH
+    def ascend_urls(self) -> Callable[[str], str]:
+        """``X-Request-Id`` → where vllm-ascend D engines POST that request's blocks (the
+        metaserver's compat endpoint; with a token, a per-request capability in the query)."""
+        from pdwire.ascend import COMPAT_PATH, callback_urls
 
         assert self.metaserver is not None
         url = self.ascend_callback_url or self.metaserver.rstrip("/") + COMPAT_PATH
-        if self.metaserver_token is not None:
-            url += "?token=" + quote(self.metaserver_token.get_secret_value(), safe="")
-        return url
+        token = self.metaserver_token
+        return callback_urls(url, None if token is None else token.get_secret_value())
 
     def __repr_args__(self) -> Any:
         for key, value in super().__repr_args__():

@@ -156,7 +156,7 @@ class Runtime:
             flows[Flow.DECODE_FIRST] = DecodeFirst(legs, bindings, self.events)
             flows[Flow.CONCURRENT] = DecodeFirst(legs, bindings, self.events, concurrent=True)
             flows[Flow.ASCEND_LAYERWISE] = AscendLayerwise(
-                legs, bindings, self.events, s.ascend_url()
+                legs, bindings, self.events, s.ascend_urls()
             )
         canary_flow = flows.get(s.flow)
         if guard is not None and s.canary_interval_s > 0 and canary_flow is not None:

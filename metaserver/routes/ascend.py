@@ -16,24 +16,32 @@ _BODY = {"$ref": "#/components/schemas/AscendBinding"}
 
 @router.post(
     COMPAT_PATH,
-    responses={200: {}, 401: {}, 409: {}, 422: {}},
+    responses={200: {}, 401: {}, 403: {}, 409: {}, 422: {}},
     openapi_extra={
         "requestBody": {"required": True, "content": {"application/json": {"schema": _BODY}}},
         "parameters": [
             {
-                "name": "token",
+                "name": "rid",
                 "in": "query",
                 "required": False,
                 "schema": {"type": "string"},
-                "description": "the metaserver token, when one is set (D sends no header)",
-            }
+                "description": "the X-Request-Id the capability is for",
+            },
+            {
+                "name": "cap",
+                "in": "query",
+                "required": False,
+                "schema": {"type": "string"},
+                "description": "that request's capability, when the metaserver needs "
+                "credentials (D sends no header)",
+            },
         ],
     },
     summary="Record a vllm-ascend decode engine's blocks (MooncakeLayerwiseConnector)",
 )
 async def post_ascend_binding(request: Request) -> Response:
     c = ctx(request)
-    ascend.authorize(c, request.headers.get("authorization", "").encode() or None,
-                     request.scope.get("query_string", b""))  # fmt: skip
-    reply = await ascend.post_binding(c, await request.body())
+    grant = ascend.authorize(c, request.headers.get("authorization", "").encode() or None,
+                             request.scope.get("query_string", b""))  # fmt: skip
+    reply = await ascend.post_binding(c, grant, await request.body())
     return json_bytes(reply.body, reply.status)

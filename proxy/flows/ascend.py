@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -39,12 +40,16 @@ class AscendLayerwise:
     needs_prefill = True
 
     def __init__(
-        self, legs: Legs, bindings: BindingSource, events: EventSink, callback_url: str
+        self,
+        legs: Legs,
+        bindings: BindingSource,
+        events: EventSink,
+        callback_urls: Callable[[str], str],
     ) -> None:
         self._legs = legs
         self._bindings = bindings
         self._events = events
-        self._d_kv = ascend_decode_leg(callback_url)
+        self._callback_urls = callback_urls
         self._wait_s = legs.timeouts.binding_wait
         self._grace_s = legs.timeouts.prefill_grace
         self._binding_hist = legs.metrics.binding_wait_seconds
@@ -54,7 +59,7 @@ class AscendLayerwise:
         task = asyncio.current_task()
         assert task is not None
         d_task = asyncio.get_running_loop().create_task(
-            self._legs.decode(a, a.decode_body(self._d_kv))
+            self._legs.decode(a, a.decode_body(ascend_decode_leg(self._callback_urls(a.tid))))
         )
         watch = DecodeWatch(task, self._grace_s)
         d_task.add_done_callback(watch)

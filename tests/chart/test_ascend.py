@@ -44,7 +44,8 @@ def test_chart_vllm_ascend_proxy_and_metaserver_flags(chart: helm.Chart) -> None
     proxy_args = container(r.get("Deployment", f"{FULLNAME}-proxy"))["args"]
     proxy = load_proxy_settings(proxy_args)
     assert proxy.flow.value == "ascend-layerwise"
-    assert proxy.ascend_url() == f"http://{FULLNAME}-metaserver:8300/v1/ascend/metaserver"
+    urls = proxy.ascend_urls()
+    assert urls("pd-1").split("?")[0] == f"http://{FULLNAME}-metaserver:8300/v1/ascend/metaserver"
     ms_args = container(r.get("Deployment", f"{FULLNAME}-metaserver"))["args"]
     ms = load_metaserver_settings(ms_args)
     (entry,) = [PoolEntry.parse(e) for e in ms.ascend_decode]

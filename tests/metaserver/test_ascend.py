@@ -4,6 +4,7 @@ decode pool, on each store (memory, real Redis, Redis behind Sentinel)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -11,8 +12,8 @@ import pytest
 
 from metaserver.ascend import DecodeEndpoints, PoolEntry
 from metaserver.store import MemoryStore
-from pdwire.ascend import COMPAT_PATH, binding_of_record
-from tests.metaserver.conftest import decode_instance
+from pdwire.ascend import COMPAT_PATH, binding_of_record, callback_urls, x_request_id_of
+from tests.metaserver.conftest import decode_instance, write_credentials
 
 
 def ascend_body(**over: Any) -> dict[str, Any]:
@@ -134,13 +135,39 @@ async def test_ascend_post_bad_body_is_422(
     assert (await api.get("/v1/bindings/cmpl-pd-1-0")).status_code == 404
 
 
-async def test_ascend_post_needs_token_in_query(api_factory: Callable[..., Any]) -> None:
-    api: httpx.AsyncClient = await api_factory(ascend_decode=["10.0.0.9:36000"], token="s3cret")
+async def test_ascend_post_needs_a_capability_for_its_request(
+    api_factory: Callable[..., Any],
+) -> None:
+    """D posts to the URL the proxy gave it: a capability for one X-Request-Id, never a token."""
+    token = "s3cret-s3cret-s3cret"
+    api: httpx.AsyncClient = await api_factory(ascend_decode=["10.0.0.9:36000"], token=token)
+    url = callback_urls(COMPAT_PATH, token)("pd-1")
+    assert token not in url and "cap=" in url
     assert (await api.post(COMPAT_PATH, json=ascend_body())).status_code == 401
-    bad = await api.post(COMPAT_PATH + "?token=nope", json=ascend_body())
+    bad = await api.post(url.replace("cap=", "cap=0"), json=ascend_body())
     assert bad.status_code == 401
-    ok = await api.post(COMPAT_PATH + "?token=s3cret", json=ascend_body())
+    other = await api.post(url, json=ascend_body(request_id="cmpl-pd-2-0"))
+    assert other.status_code == 403, other.text  # that capability names another request
+    assert (await api.get("/v1/bindings/cmpl-pd-2-0")).status_code == 404
+    assert (await api.post(url, json=ascend_body())).status_code == 200
+    batch_child = await api.post(url, json=ascend_body(request_id="cmpl-pd-1-3"))
+    assert batch_child.status_code == 200  # every prompt of that request's batch
+    assert x_request_id_of("chatcmpl-pd-1") == "pd-1" and x_request_id_of("cmpl-pd-1-x") is None
+    # an engine's credential cannot mint one: only proxy (and admin) tokens key them
+    assert callback_urls(COMPAT_PATH, "engine-token-123456")("pd-1") != url
+
+
+async def test_ascend_legacy_token_query_only_in_single_token_mode(
+    api_factory: Callable[..., Any], tmp_path: Path
+) -> None:
+    token = "s3cret-s3cret-s3cret"
+    api: httpx.AsyncClient = await api_factory(ascend_decode=["10.0.0.9:36000"], token=token)
+    assert (await api.post(COMPAT_PATH + "?token=nope", json=ascend_body())).status_code == 401
+    ok = await api.post(COMPAT_PATH + f"?token={token}", json=ascend_body())
     assert ok.status_code == 200
+    roles = write_credentials(tmp_path, proxy=token)
+    api = await api_factory(ascend_decode=["10.0.0.9:36000"], credentials_file=roles)
+    assert (await api.post(COMPAT_PATH + f"?token={token}", json=ascend_body())).status_code == 401
 
 
 async def test_decode_pool_resolves_dns_names() -> None:
