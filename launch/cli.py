@@ -17,12 +17,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
 from connector.seal import load_keys
 from launch import smollm2
-from launch.plan import LaunchOptions, LaunchPlan, build_plan, default_flow
+from launch.plan import ADMIN_TOKEN, LaunchOptions, LaunchPlan, build_plan, default_flow
 from launch.supervisor import ChildFailed, Printer, Supervisor
 
 DESCRIPTION = """\
@@ -91,7 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument(
         "--local-redis", action="store_true", help="start a redis-server for the metaserver"
     )
-    p.add_argument("--token", help="metaserver write token (passed to every part)")
+    access = p.add_mutually_exclusive_group()
+    access.add_argument(
+        "--token", help="the metaserver's single token (every part holds it; see --roles)"
+    )
+    access.add_argument(
+        "--roles",
+        action="store_true",
+        help="metaserver roles: each engine gets a token that acts only as itself, the proxy "
+        "its own; an admin token is written to a private file (printed). Removed at exit",
+    )
     p.add_argument(
         "--side-channel-secret-file",
         metavar="PATH",
@@ -189,6 +199,9 @@ def print_endpoints(plan: LaunchPlan, out: Printer) -> None:
         out(f"  prefill             {url}")
     for url in plan.decode_urls:
         out(f"  decode              {url}")
+    if plan.options.credentials_dir:
+        admin = Path(plan.options.credentials_dir) / ADMIN_TOKEN
+        out(f"  metaserver roles    admin token in {admin} (removed at exit)")
     out("")
     out(f"  curl -s {plan.proxy_url}/v1/chat/completions -H 'content-type: application/json' \\")
     body = {"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
@@ -214,11 +227,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.local_redis:
         redis_sup, redis_url = start_local_redis(log_dir, out)
     secret_dir = None
-    if args.connector == "pdgate" and not args.side_channel_secret_file:
+    sealed = args.connector == "pdgate" and not args.side_channel_secret_file
+    if sealed or args.roles:
         secret_dir = tempfile.TemporaryDirectory(prefix="pd-launch-secret-")  # mode 0700
     try:
-        secret = new_secret_file(Path(secret_dir.name)) if secret_dir is not None else ""
-        plan = build_plan(options_from(args, redis_url, secret))
+        secret = new_secret_file(Path(secret_dir.name)) if secret_dir and sealed else ""
+        opts = options_from(args, redis_url, secret)
+        if args.roles:
+            assert secret_dir is not None
+            opts = replace(opts, credentials_dir=secret_dir.name)
+        plan = build_plan(opts)
     except ValueError as exc:  # e.g. --connector nixl with a push flow
         if redis_sup is not None:
             redis_sup.stop()

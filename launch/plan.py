@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,7 +91,10 @@ class LaunchOptions:
     engine_base_port: int = 8100
     side_channel_base_port: int = 5600
     redis_url: str | None = None
-    token: str | None = None
+    token: str | None = None  # the metaserver's single token (every part holds it)
+    # roles mode instead: a private directory where the plan writes the metaserver's
+    # credentials file (one engine credential per instance, a proxy's, an admin's)
+    credentials_dir: str = ""
     # pdgate connector: the side channel's key file ('' = unauthenticated side channel)
     side_channel_secret_file: str = ""
     flow: str = "decode-first"
@@ -290,6 +294,38 @@ def check_pairing(o: LaunchOptions) -> None:
         )
 
 
+CREDENTIALS = "credentials.yaml"
+ADMIN_TOKEN = "admin.token"
+
+
+def give_credentials(directory: Path, children: list[Child]) -> None:
+    """Roles mode: a fresh token per engine (bound to its instance id and role), one for the
+    proxy and one for an admin (``ADMIN_TOKEN``), the metaserver's credentials file listing
+    them; each part gets its own token in its environment. Files are readable by this user
+    only."""
+    entries = []
+    for child in children:
+        token = secrets.token_urlsafe(24)
+        if child.kind == "engine":
+            role = "prefill" if child.name.startswith("prefill") else "decode"
+            entries.append({"name": child.name, "role": "engine", "instance": child.name,
+                            "engine_role": role, "token": token})  # fmt: skip
+            child.env["PDGATE_METASERVER_TOKEN"] = token
+        elif child.name == "proxy":
+            entries.append({"name": "proxy", "role": "proxy", "token": token})
+            child.env["PD_PROXY_METASERVER_TOKEN"] = token
+    admin = secrets.token_urlsafe(24)
+    entries.append({"name": "admin", "role": "admin", "token": admin})
+    _private(directory / ADMIN_TOKEN, admin + "\n")
+    _private(directory / CREDENTIALS, json.dumps({"credentials": entries}, indent=1))  # YAML
+
+
+def _private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def build_plan(o: LaunchOptions) -> LaunchPlan:
     check_connector(o)
     check_pairing(o)
@@ -307,8 +343,13 @@ def build_plan(o: LaunchOptions) -> LaunchPlan:
                 "--store",
                 o.redis_url or "memory",
             ]
-            + (["--token", o.token] if o.token else []),
+            + (
+                ["--credentials-file", str(Path(o.credentials_dir) / CREDENTIALS)]
+                if o.credentials_dir
+                else []
+            ),
             metaserver_url + "/ready",
+            {"PD_METASERVER_TOKEN": o.token} if o.token else {},  # never in a process's argv
         )
     ]
     port = o.engine_base_port
@@ -352,4 +393,6 @@ def build_plan(o: LaunchOptions) -> LaunchPlan:
     proxy_argv += ["--flow-header", *o.extra_proxy_args]
     proxy_env = {"PD_PROXY_METASERVER_TOKEN": o.token} if o.token else {}
     children.append(Child("proxy", proxy_argv, proxy_url + "/health", proxy_env, kind="gate"))
+    if o.credentials_dir:
+        give_credentials(Path(o.credentials_dir), children)
     return LaunchPlan(o, children, proxy_url, metaserver_url, prefill_urls, decode_urls)

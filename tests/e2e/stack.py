@@ -56,6 +56,8 @@ def base_options(model: Path, **over: object) -> LaunchOptions:
         extra_engine_args=ENGINE_ARGS,
         extra_proxy_args=PROXY_ARGS,
         side_channel_secret_file=side_channel_secret(),
+        # metaserver roles: each engine acts only as itself (what pd-launch --roles does)
+        credentials_dir=tempfile.mkdtemp(prefix="pdgate-e2e-roles-"),
     )
     return replace(opts, **over)  # type: ignore[arg-type]
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.plan import LaunchOptions, build_plan
+from launch.plan import ADMIN_TOKEN, LaunchOptions, build_plan
+from metaserver.access import Access, Role
 
 
 def kv_config(argv: list[str]) -> dict[str, object]:
@@ -45,6 +46,35 @@ def test_plan_wires_roles_ports_and_metaserver() -> None:
     assert proxy.argv.count("--prefill") == 2 and proxy.argv.count("--decode") == 2
     assert proxy.env["PD_PROXY_METASERVER_TOKEN"] == "tok"
     assert plan.prefill_urls == [f"http://127.0.0.1:{p}" for p in ports[:2]]
+    metaserver = plan.children[0]
+    assert metaserver.env["PD_METASERVER_TOKEN"] == "tok" and "tok" not in metaserver.argv
+
+
+def test_plan_roles_give_each_part_its_own_credential(tmp_path: Path) -> None:
+    """``--roles``: the metaserver loads the written file; each engine's token acts as that
+    engine alone, the proxy's as a proxy; no token is on a command line."""
+    plan = build_plan(
+        LaunchOptions(model="/m/tiny", prefill=2, decode=1, credentials_dir=str(tmp_path))
+    )
+    ms = plan.children[0]
+    path = Path(ms.argv[ms.argv.index("--credentials-file") + 1])
+    assert path.parent == tmp_path and path.stat().st_mode & 0o077 == 0
+    access = Access.load(None, path, protect_reads=False)
+    assert access.mode == "roles"
+    tokens = set()
+    for child in plan.children[1:]:
+        token = child.env.get("PDGATE_METASERVER_TOKEN") or child.env["PD_PROXY_METASERVER_TOKEN"]
+        tokens.add(token)
+        assert token not in " ".join(c for ch in plan.children for c in ch.argv)
+        who = access.who(f"Bearer {token}", write=True)
+        if child.kind == "engine":
+            assert who.role is Role.ENGINE and who.covers(child.name)
+            assert not any(who.covers(o.name) for o in plan.children if o is not child)
+        else:
+            assert who.role is Role.PROXY
+    assert len(tokens) == 4
+    admin = (tmp_path / ADMIN_TOKEN).read_text().strip()
+    assert access.who(f"Bearer {admin}", write=True).role is Role.ADMIN
 
 
 def test_plan_device_presets() -> None:
