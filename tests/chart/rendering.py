@@ -46,6 +46,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "metaserver": {"protectReads": True},
     },
     "auth-given-token": {"auth": {"token": "s3cr3t-given-token"}},
+    "auth-single-token": {"auth": {"mode": "single"}},
     "observability": {
         "metrics": {
             "serviceMonitor": {"enabled": True, "labels": {"release": "kps"}},

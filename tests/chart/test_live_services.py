@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from tests.chart.rendering import FULLNAME, REPO, container, render, resolve_env
+from tests.chart.wiring import mount_credentials
 from tests.support.procs import VENV_BIN, Process, free_port, wait_http, wait_port
 
 
@@ -56,6 +57,7 @@ def stack(tmp_path: Path) -> Iterator[dict[str, Any]]:
 
         ms = container(r.get("Deployment", f"{FULLNAME}-metaserver"))
         ms_env = resolve_env(ms, secrets=secrets, fields=_fields("ms-0"))
+        ms_env |= mount_credentials(r, secrets, tmp_path / "ms-root") or {}
         # Cluster DNS: the Redis Service name is this machine.
         ms_env["PD_METASERVER_STORE"] = ms_env["PD_METASERVER_STORE"].replace(
             f"@{FULLNAME}-redis:", "@127.0.0.1:"
@@ -121,6 +123,12 @@ def test_live_metaserver_probes_and_token(stack: dict[str, Any]) -> None:
     assert ok.status_code in (200, 201), ok.text
     listed = httpx.get(f"{base}/v1/instances", timeout=5).json()
     assert "d-0" in str(listed)
+    # roles (the chart's default): the decode pool's token acts only as a decode pod
+    pool = {"Authorization": f"Bearer {stack['secrets'][f'{FULLNAME}-auth']['decode-token']}"}
+    own = httpx.put(f"{base}/v1/instances/{FULLNAME}-decode-1", json=spec, headers=pool)
+    assert own.status_code == 201, own.text
+    other = httpx.put(f"{base}/v1/instances/{FULLNAME}-prefill-1", json=spec, headers=pool)
+    assert other.status_code == 403, other.text
     # The write went to the rendered Redis (state shared by the metaserver replicas).
     assert "d-0" in _redis_cli(stack, "--scan", "--pattern", "pdgate:*").stdout
 

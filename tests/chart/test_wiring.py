@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 
+from metaserver.access import Access, Role
 from metaserver.cli import load_settings as load_metaserver_settings
 from proxy.cli import load_settings as load_proxy_settings
 from tests.chart.rendering import (
@@ -26,6 +28,7 @@ from tests.chart.wiring import (
     fake_secrets,
     fields,
     matches,
+    mount_credentials,
     pods_selected,
     service_for,
     svc_port,
@@ -83,8 +86,8 @@ def test_wiring_proxy_cli_accepts_the_rendered_flags(
         assert settings.metaserver_token is None
     else:
         assert settings.metaserver_token is not None
-        if auth.get("existingSecret"):
-            assert settings.metaserver_token.get_secret_value() == "user-token"
+        if auth.get("existingSecret"):  # roles mode: the proxy's own credential
+            assert settings.metaserver_token.get_secret_value() == "user-proxy-token"
     if name == "auth-existing-secret":
         assert [k.get_secret_value() for k in settings.api_keys] == ["k1", "k2"]
         assert [k.get_secret_value() for k in settings.admin_keys] == ["a1"]
@@ -96,12 +99,14 @@ def test_wiring_proxy_cli_accepts_the_rendered_flags(
 
 
 def test_wiring_metaserver_settings_accept_the_rendered_flags(
-    scenario: tuple[str, Rendered], monkeypatch: pytest.MonkeyPatch
+    scenario: tuple[str, Rendered], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     name, r = scenario
     ms = container(r.get("Deployment", f"{FULLNAME}-metaserver"))
     assert ms["command"] == ["pd-metaserver"]
-    env = resolve_env(ms, secrets=fake_secrets(r), fields=fields("ms-0"))
+    secrets = fake_secrets(r)
+    env = resolve_env(ms, secrets=secrets, fields=fields("ms-0"))
+    env |= mount_credentials(r, secrets, tmp_path) or {}
     for key in [k for k in os.environ if k.startswith("PD_METASERVER_")]:
         monkeypatch.delenv(key)
     for key, value in env.items():
@@ -125,6 +130,28 @@ def test_wiring_metaserver_settings_accept_the_rendered_flags(
     auth = values.get("auth", {})
     assert (settings.token is not None) == auth.get("enabled", True)
     assert settings.protect_reads == values.get("metaserver", {}).get("protectReads", False)
+    roles = auth.get("enabled", True) and auth.get("mode", "roles") == "roles"
+    assert (settings.credentials_file is not None) == roles
+    if roles:
+        _check_pool_credentials(r, secrets, Access.load(None, settings.credentials_file, False))
+
+
+def _check_pool_credentials(
+    r: Rendered, secrets: dict[str, dict[str, str]], access: Access
+) -> None:
+    """Each pool's pods, with the token their env reads, act as themselves and as no pod of
+    the other pool; the proxy's token is a proxy's."""
+    for role, other in (("prefill", "decode"), ("decode", "prefill")):
+        w = r.get("StatefulSet", f"{FULLNAME}-{role}")
+        pod = f"{FULLNAME}-{role}-0"
+        env = resolve_env(container(w), secrets=secrets, fields=fields(pod))
+        who = access.who(f"Bearer {env['PDGATE_METASERVER_TOKEN']}", write=True)
+        assert who.role is Role.ENGINE and who.engine_role is not None
+        assert who.engine_role.value == role
+        assert who.covers(pod) and not who.covers(f"{FULLNAME}-{other}-0")
+    proxy = container(r.get("Deployment", f"{FULLNAME}-proxy"))
+    env = resolve_env(proxy, secrets=secrets, fields=fields("proxy-0"))
+    assert access.who(f"Bearer {env['PD_PROXY_METASERVER_TOKEN']}", write=True).role is Role.PROXY
 
 
 # --- labels, ports, secrets -----------------------------------------------------------------
@@ -221,8 +248,11 @@ def test_wiring_secrets_are_referenced_never_inlined(scenario: tuple[str, Render
 
 
 def test_wiring_token_reaches_every_component(scenario: tuple[str, Rendered]) -> None:
-    """Proxy, metaserver and both pools read the token from one and the same Secret key."""
+    """Single-token mode: proxy, metaserver and both pools read one and the same Secret key.
+    Roles mode: one Secret, a key of its own for each (the metaserver's is the admin's)."""
     name, r = scenario
+    auth = SCENARIOS[name].get("auth", {})
+    roles = auth.get("mode", "roles") == "roles"
     wanted = {
         f"{FULLNAME}-proxy": "PD_PROXY_METASERVER_TOKEN",
         f"{FULLNAME}-metaserver": "PD_METASERVER_TOKEN",
@@ -239,7 +269,8 @@ def test_wiring_token_reaches_every_component(scenario: tuple[str, Rendered]) ->
         (item,) = items
         ref = item["valueFrom"]["secretKeyRef"]
         refs.add((ref["name"], ref["key"]))
-    assert len(refs) <= 1
+    assert len({secret for secret, _ in refs}) <= 1
+    assert len(refs) == (4 if roles and auth.get("enabled", True) else min(len(refs), 1))
 
 
 def test_wiring_pods_run_unprivileged_where_they_can(scenario: tuple[str, Rendered]) -> None:

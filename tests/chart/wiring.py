@@ -2,9 +2,37 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from tests.chart.rendering import NAMESPACE, Rendered
+from tests.chart.rendering import FULLNAME, NAMESPACE, Rendered, container
+
+
+def mount_credentials(
+    r: Rendered, secrets: dict[str, dict[str, str]], root: Path
+) -> dict[str, str] | None:
+    """Roles mode: the metaserver pod's credential volumes as the kubelet mounts them (the
+    ConfigMap's file and the Secret's items, under ``root`` instead of ``/``). Returns the
+    env to override (PD_METASERVER_CREDENTIALS_FILE), or None in single-token mode."""
+    ms = r.get("Deployment", f"{FULLNAME}-metaserver")
+    volumes = {v["name"]: v for v in ms["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in container(ms)["volumeMounts"]}
+    if "access" not in volumes:
+        return None
+    config = r.get("ConfigMap", volumes["access"]["configMap"]["name"])
+    secret = volumes["credentials"]["secret"]
+    auth_dir = root / mounts["credentials"].lstrip("/")
+    auth_dir.mkdir(parents=True)
+    for item in secret["items"]:
+        (auth_dir / item["path"]).write_text(secrets[secret["secretName"]][item["key"]])
+    access_dir = root / mounts["access"].lstrip("/")
+    access_dir.mkdir(parents=True)
+    for name, text in config["data"].items():
+        (access_dir / name).write_text(text.replace(mounts["credentials"], str(auth_dir)))
+    env = {e["name"]: e.get("value") for e in container(ms)["env"]}
+    path = env["PD_METASERVER_CREDENTIALS_FILE"]
+    assert path is not None and path.startswith(mounts["access"] + "/")
+    return {"PD_METASERVER_CREDENTIALS_FILE": str(root / path.lstrip("/"))}
 
 
 def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -22,7 +50,9 @@ def fake_secrets(r: Rendered) -> dict[str, dict[str, str]]:
     secrets = {
         s["metadata"]["name"]: r.secret_data(s["metadata"]["name"]) for s in r.of_kind("Secret")
     }
-    secrets["pd-token"] = {"tok": "user-token"}
+    secrets["pd-token"] = {"tok": "user-token"} | {
+        f"{part}-token": f"user-{part}-token" for part in ("proxy", "prefill", "decode")
+    }
     secrets["client-keys"] = {"api-keys": "k1,k2"}
     secrets["admin-keys"] = {"admin-keys": "a1"}
     secrets["my-redis"] = {"url": "redis://:pw@kv:6379/0"}

@@ -202,7 +202,7 @@ spec:
               valueFrom: {fieldRef: {fieldPath: status.podIP}}
             - name: HF_HOME
               value: {{ $v.model.cache.mountPath | quote }}
-            {{- with include "pdgate.token.env" (dict "root" $root "name" "PDGATE_METASERVER_TOKEN") }}
+            {{- with include "pdgate.token.env" (dict "root" $root "name" "PDGATE_METASERVER_TOKEN" "part" .role) }}
             {{- . | nindent 12 }}
             {{- end }}
             {{- with $v.model.hfTokenSecret.name }}

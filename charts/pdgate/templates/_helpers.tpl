@@ -77,14 +77,31 @@ app.kubernetes.io/part-of: pdgate
 {{- if .Values.auth.existingSecret -}}{{ .Values.auth.existingSecretKey }}{{- else -}}token{{- end -}}
 {{- end -}}
 
-{{/* An env entry reading the token from the Secret; call with (dict "root" $ "name" "ENV"). */}}
+{{/* True when the metaserver runs in roles mode (each part its own credential). */}}
+{{- define "pdgate.auth.roles" -}}
+{{- if and .Values.auth.enabled (eq .Values.auth.mode "roles") -}}true{{- end -}}
+{{- end -}}
+
+{{/* The parts that hold a credential of their own in roles mode (Secret keys <part>-token). */}}
+{{- define "pdgate.auth.parts" -}}proxy prefill decode{{- end -}}
+
+{{/*
+An env entry reading a part's metaserver credential from the Secret; call with
+(dict "root" $ "name" "ENV" "part" "metaserver"|"proxy"|"prefill"|"decode"). In roles mode the
+proxy and each engine pool get their own (key <part>-token); the single token ("token", or
+existingSecretKey) is then the admin credential, which only the metaserver holds.
+*/}}
 {{- define "pdgate.token.env" -}}
 {{- if .root.Values.auth.enabled -}}
 - name: {{ .name }}
   valueFrom:
     secretKeyRef:
       name: {{ include "pdgate.token.secretName" .root }}
+      {{- if and (include "pdgate.auth.roles" .root) (ne .part "metaserver") }}
+      key: {{ .part }}-token
+      {{- else }}
       key: {{ include "pdgate.token.secretKey" .root }}
+      {{- end }}
 {{- end -}}
 {{- end -}}
 
