@@ -27,6 +27,11 @@ class Transport(Protocol):
         the connection is dropped for lack of progress (one more deadline)."""
         ...
 
+    def session_problem(self, session: str, host: str) -> str | None:
+        """Why a D reached at ``host`` may not name ``session`` as its memory (None: it may).
+        A Welcome naming another process's session would have P write into that process."""
+        ...
+
     def register(self, ptr: int, length: int) -> None: ...
 
     def write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:

@@ -28,8 +28,9 @@ def memmove(src: list[int], dst: list[int], lengths: list[int]) -> None:
 
 
 class InProcessTransport:
-    def __init__(self, copy: Copy = memmove) -> None:
+    def __init__(self, copy: Copy = memmove, host: str = "127.0.0.1") -> None:
         self._copy = copy
+        self.host = host  # the machine it stands for (as Mooncake's session names one)
         self._session = f"inprocess:{next(_IDS)}"
         self._regions: list[tuple[int, int]] = []
         self.fail_writes_to: set[str] = set()
@@ -41,6 +42,12 @@ class InProcessTransport:
     @property
     def session(self) -> str:
         return self._session
+
+    def session_problem(self, session: str, host: str) -> str | None:
+        peer = _REGISTRY.get(session)
+        if peer is not None and peer.host == host:
+            return None
+        return f"D at {host} names session {session!r}, not one on {host}"
 
     @property
     def lands_on_completion(self) -> bool:

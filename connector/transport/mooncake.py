@@ -72,6 +72,16 @@ def set_deadlines(write_timeout_s: int) -> dict[str, str]:
     return {name: os.environ[name] for name in DEADLINE_ENV}
 
 
+def session_problem(session: str, host: str) -> str | None:
+    """A Mooncake session is ``<host the engine was started with>:<rpc port>``, and the
+    connector starts it with its side-channel host: D's session must be on the host P reached
+    D's side channel at. (Engines sharing one host are not told apart.)"""
+    named, sep, port = session.rpartition(":")
+    if sep and port.isdigit() and named.strip("[]") == host.strip("[]"):
+        return None
+    return f"D at {host} names Mooncake session {session!r}, not one on {host}"
+
+
 class MooncakeTransport:
     def __init__(
         self,
@@ -115,6 +125,9 @@ class MooncakeTransport:
     @property
     def session(self) -> str:
         return self._session
+
+    def session_problem(self, session: str, host: str) -> str | None:
+        return session_problem(session, host)
 
     @property
     def lands_on_completion(self) -> bool:

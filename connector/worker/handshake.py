@@ -48,7 +48,7 @@ class HandshakeCache:
         timeout_s: float,
         on_ready: Callable[[], None],
         ask: Ask = handshake,
-        check: Callable[[Peer], None] | None = None,
+        check: Callable[[Peer, str], None] | None = None,
         protocol: int = PROTOCOL_VERSION,
         workers: int = 4,
         retry_after_s: float = 2.0,
@@ -95,7 +95,7 @@ class HandshakeCache:
                 )
             result = Peer.of(welcome)
             if self._check is not None:
-                self._check(result)
+                self._check(result, key[0])
         except Exception as exc:
             result = exc
         if isinstance(result, Exception):

@@ -20,6 +20,7 @@ from functools import partial
 
 from connector import tp
 from connector.device import Event, host_checksums
+from connector.errors import HandshakeError
 from connector.metadata import SendChunk
 from connector.seal import OPEN, Channel
 from connector.stats import StatsCollector
@@ -105,6 +106,7 @@ class Sender:
             check=self._pairable,
             stats=self.stats,
         )
+        self._transport = transport
         self._writer = RetryingWriter(transport, options.write_retries, self.stats, _gone)
         signer = Signer(checksums, options.recheck_sources) if options.verify else None
         recorder = Recorder(
@@ -184,7 +186,10 @@ class Sender:
         heads = d.num_kv_heads or o.total_kv_heads
         return tp.routes(o.rank, o.tp_size, d.tp_size, heads, d.use_mla)
 
-    def _pairable(self, peer: Peer) -> None:
+    def _pairable(self, peer: Peer, host: str) -> None:
+        problem = self._transport.session_problem(peer.welcome.session, host)
+        if problem is not None:
+            raise HandshakeError(problem)
         check_pairable(self._memory, peer)
 
     def _wake(self) -> None:

@@ -68,6 +68,9 @@ class TamperingTransport:
     def session(self) -> str:
         return self._inner.session
 
+    def session_problem(self, session: str, host: str) -> str | None:
+        return self._inner.session_problem(session, host)
+
     @property
     def lands_on_completion(self) -> bool:
         return self._inner.lands_on_completion

@@ -14,6 +14,7 @@ import torch
 from connector import tp, wire
 from connector.metadata import Abandoned, PdgateMetadata, RecvEntry, SendChunk
 from connector.transport import InProcessTransport
+from connector.transport.mooncake import session_problem as mooncake_session_problem
 from connector.worker.keepalive import KeepAlive
 from connector.worker.ledger import Ledger
 from connector.worker.receiver import RecvTracker
@@ -321,6 +322,49 @@ def test_worker_handshake_refused_for_a_different_engine_fails_d_at_once() -> No
         assert not d.caches[0][C.LAYERS[0]].any()
     finally:
         C.close(p, d)
+
+
+class NamesAnotherSession(InProcessTransport):
+    """D's transport, naming in its Welcome the memory of a process on another machine."""
+
+    def __init__(self, victim: InProcessTransport) -> None:
+        super().__init__()
+        self._victim = victim
+
+    @property
+    def session(self) -> str:
+        return self._victim.session
+
+
+def test_worker_refuses_a_d_naming_another_hosts_session() -> None:
+    """P writes only into a session on the host it reached D's side channel at: a D (a
+    compromised engine holding the side-channel key) cannot aim P's push at another machine's
+    registered memory."""
+    port = C.free_port_range(1)
+    victim = InProcessTransport(host="10.9.9.9")
+    d = C.make_instance("d-eng", "kv_consumer", 1, port=port,
+                        transports=[NamesAnotherSession(victim)])  # fmt: skip
+    p_transport = InProcessTransport()
+    p = C.make_instance("p-eng", "kv_producer", 1, transports=[p_transport])
+    try:
+        C.fill_prefill(p)
+        C.expect(d, "dreq", "tsess", [1])
+        C.push(p, "preq", "tsess", C.destination(d, port), [[(0, 1)]])
+        C.poll(p, {"preq"}, lambda acc: "preq" in acc[0][0])
+        got = C.poll(d, set(), lambda acc: "dreq" in acc[0][1])
+        assert got[0][2] == {"dreq"}  # D told the push failed: vLLM recomputes
+        assert p_transport.calls == 0 and p_transport.bytes_written == 0
+        assert victim.session_problem(victim.session, "10.9.9.9") is None
+        assert "not one on 127.0.0.1" in (victim.session_problem(victim.session, "127.0.0.1") or "")
+    finally:
+        C.close(p, d)
+
+
+def test_mooncake_session_must_be_on_the_host_p_reached() -> None:
+    assert mooncake_session_problem("10.0.0.7:15123", "10.0.0.7") is None
+    assert mooncake_session_problem("[fd00::7]:15123", "fd00::7") is None
+    for named in ("10.0.0.8:15123", "10.0.0.7", "10.0.0.7:x", "evil:10.0.0.7"):
+        assert mooncake_session_problem(named, "10.0.0.7") is not None, named
 
 
 def test_worker_names_the_blocks_of_a_failed_load_without_d_prefix_hit() -> None:
