@@ -166,6 +166,14 @@ class Mark(_Strict):
 class Binding(BindingSpec):
     """A binding as the metaserver returns it."""
 
+    def differs_from(self, other: BindingSpec) -> str | None:
+        """The first field of what D wrote in which ``other`` differs (None: the same
+        binding): P pushes only into the binding it took the lease of."""
+        for name in BindingSpec.model_fields:
+            if getattr(self, name) != getattr(other, name):
+                return name
+        return None
+
     transfer_id: str
     state: BindingState
     created_at: float

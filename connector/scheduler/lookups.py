@@ -32,6 +32,7 @@ class Claim:
 
     won: bool
     why: str = ""  # when lost: the reason P pushes nothing
+    record: Binding | None = None  # when won: the binding as the metaserver holds it
 
 
 class Lookups:
@@ -109,8 +110,10 @@ class Lookups:
         while True:
             tries += 1
             try:
-                await self._http().post_event(transfer_id, BindingState.PREFILL_STARTED, actor)
-                result = Claim(True)
+                record = await self._http().post_event(
+                    transfer_id, BindingState.PREFILL_STARTED, actor
+                )
+                result = Claim(True, record=record)
             except ConflictError as exc:
                 result = Claim(False, f"the binding ended before P took it ({exc.detail})")
             except NotFoundError:

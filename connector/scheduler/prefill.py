@@ -195,6 +195,16 @@ class PrefillSide:
             log.info("transfer %s: %s; no push", tid, claim.why)
             state.no_push = claim.why
             return 0, False
+        field = None if claim.record is None else claim.record.differs_from(binding)
+        if field is not None:  # the request's binding is not the one D wrote
+            self.untrusted += 1
+            why = f"the request's binding differs from the stored one in {field}"
+            log.warning("transfer %s: %s; no push", tid, why)
+            state.no_push = why
+            if self._events is not None:  # P holds the lease: D is told at once
+                detail = EventDetail(error=why)
+                self._events.post_event(tid, BindingState.FAILED, self._actor, detail)
+            return 0, False
         state.claimed = binding
         return 0, False
 

@@ -528,3 +528,30 @@ def test_prefill_pushes_nothing_into_a_binding_that_ended_before_p_took_it(
     assert ended in report["reason"], report
     assert httpx.get(f"{metaserver.url}/v1/bindings/{tid}").json()["state"] == ended
     H.assert_empty(s)
+
+
+def test_prefill_pushes_nothing_when_the_requests_binding_is_not_the_stored_one(
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    """The binding in P's request (passed on by a proxy, or by anyone who reaches P) names other
+    blocks than the one D wrote: P takes the lease, sees the stored record differ, writes
+    nothing and fails the transfer so D recomputes at once (another request's blocks are
+    never overwritten)."""
+    _register_decoder(metaserver.url)
+    s = make_prefiller(metaserver.url, batched=64)
+    tid = "tid-swapped"
+    b = _bind(metaserver.url, tid, 40)
+    swapped = {**b, "block_ids": [[7, 8, 9]]}  # another request's blocks on the same D
+    req = H.request(H.prompt(40), _send_params(tid, swapped), max_tokens=1)
+    s.add_request(req)
+    out, meta = _step_until_scheduled(s, req.request_id)
+    assert meta.sends == []
+    for _ in range(2):
+        out, meta = H.step(s)
+        assert meta.sends == []
+    report = H.FINISHED_PARAMS[req.request_id]
+    assert report is not None and report["push"] == "none"
+    assert report["reason"] == "the request's binding differs from the stored one in block_ids"
+    record = httpx.get(f"{metaserver.url}/v1/bindings/{tid}").json()
+    assert [e["state"] for e in record["events"]] == ["bound", "prefill_started", "failed"]
+    H.assert_empty(s)
