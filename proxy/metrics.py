@@ -290,7 +290,8 @@ class Metrics:
             "D was sent the plain request and computed the prompt itself, by reason: no_push "
             "(P pushed nothing), binding_unreadable (the metaserver did not answer, refused or "
             "failed while D's binding was awaited), prefill_failed (P's leg broke after P took "
-            "the binding), first_token_mismatch (P's and D's first tokens differed)",
+            "the binding), first_token_mismatch (P's and D's first tokens differed), "
+            "binding_foreign (the binding named another decode than the one chosen)",
             ["reason"],
             registry=r,
         )

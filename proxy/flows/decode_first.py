@@ -60,6 +60,7 @@ class Without(enum.Enum):
     UNREADABLE = "binding_unreadable"  # the metaserver could not give D's binding
     P_FAILED = "prefill_failed"  # P's leg broke after P took the binding
     MISMATCH = "first_token_mismatch"  # P's first token and D's differed (``proxy.integrity``)
+    FOREIGN = "binding_foreign"  # the binding names another decode than the one chosen
 
 
 _WITHOUT = {
@@ -67,7 +68,24 @@ _WITHOUT = {
     Without.UNREADABLE: "binding unreadable",
     Without.P_FAILED: "P failed after taking the binding",
     Without.MISMATCH: "pair quarantined",
+    Without.FOREIGN: "binding names another decode",
 }
+
+
+class _Names(msgspec.Struct):
+    decode_instance_id: str
+
+
+_names = msgspec.json.Decoder(_Names)  # reads one field of the binding P is sent as it is
+
+
+def _foreign(a: Attempt, binding: msgspec.Raw) -> str | None:
+    """Why ``binding`` is not the chosen D's (None: it is, or the registry does not know D):
+    P must push only into the D this request was sent to."""
+    if a.decode.spec is None:
+        return None
+    named = _names.decode(binding).decode_instance_id
+    return None if named == a.decode.id else f"it names {named}, {a.decode.id} was chosen"
 
 
 class DecodeFirst:
@@ -110,6 +128,9 @@ class DecodeFirst:
                         raise
                     return await d_task  # D answered (or failed) without waiting for KV
                 watch.disarm()
+                foreign = _foreign(a, binding)
+                if foreign is not None:
+                    return await self._decode_alone(a, d_task, foreign, Without.FOREIGN)
             # from now on D's failure interrupts P at once, D's answer after the grace (a D
             # that ended since the binding came has its callback pending: it runs armed, at
             # P's leg's first await)

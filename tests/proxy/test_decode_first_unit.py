@@ -28,6 +28,7 @@ from tests.proxy.inmemory import (
     sse_text,
     wait_until,
 )
+from tests.proxy.test_pairing_unit import registered
 
 ABORTED, FAILED = BindingState.ABORTED, BindingState.FAILED
 
@@ -521,6 +522,31 @@ async def test_decode_first_unreadable_binding_sends_decode_the_plain_request(
     assert px.metric("pd_decode_without_prefill_total", reason="binding_unreadable") == 1.0
     assert px.metric("pd_prefill_no_push_total") == 0.0
     assert f"{tid}: binding unreadable ({why}); D computes the prompt itself" in caplog.text
+
+
+async def test_decode_first_binding_naming_another_decode_is_not_sent_to_prefill(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The binding for this transfer names another registered decode than the one the request
+    went to (written by someone else under this id): P is never sent it, D computes alone."""
+    foreign = {**BINDING, "decode_instance_id": "d-other"}
+    backend = MockBackend(
+        {"decode": plain_decode_answers, "get": Reply.json(foreign), "prefill": PUSHED}
+    )
+    px = InMemoryProxy(backend)
+    px.runtime.registry.apply_registry([registered("d0", "decode", D_URL, "v1")])
+    ex = await px.send(stream=True)
+    assert ex.status == 200 and sse_text(ex.body) == "Hello world"
+    tid = sent_plain(backend)
+    assert backend.calls_of("prefill") == []
+    await px.settle()
+    why = "binding names another decode: it names d-other, d0 was chosen"
+    assert px.events == [RecordedEvent(tid, FAILED, "proxy", why)]
+    assert px.metric("pd_decode_without_prefill_total", reason="binding_foreign") == 1.0
+    # the binding of the chosen decode goes to P as before
+    backend.route("get", Reply.json(BINDING))
+    backend.route("decode", SSE)
+    assert (await px.send()).status == 200 and len(backend.calls_of("prefill")) == 1
 
 
 async def test_decode_first_metaserver_refusing_the_read_is_an_error() -> None:
