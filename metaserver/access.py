@@ -39,6 +39,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from metaserver.errors import Forbidden, Unauthorized
+from pdwire.ascend import capability as make_capability
 from pdwire.ids import ID_BODY
 from pdwire.models import InstanceRole
 
@@ -215,8 +216,7 @@ class Access:
 
     def capability_ok(self, subject: str, capability: str) -> bool:
         """A vllm-ascend D's per-request capability (``pdwire.ascend.capability``)."""
-        from pdwire.ascend import capability as make
-
         return any(
-            hmac.compare_digest(make(key, subject), capability) for key in self._capability_keys
+            hmac.compare_digest(make_capability(key, subject), capability)
+            for key in self._capability_keys
         )
