@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -13,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 
+from metaserver.advisor import refresh
 from metaserver.ascend import DecodeEndpoints
 from metaserver.config import MetaserverSettings
 from metaserver.context import Context
@@ -22,7 +24,7 @@ from metaserver.feeds import FeedHub
 from metaserver.metrics import Metrics, MetricsMiddleware
 from metaserver.problems import render_problem
 from metaserver.responses import JSON
-from metaserver.routes import ascend, batch, bindings, feeds, instances, ops, ui
+from metaserver.routes import ascend, batch, bindings, breakdown, feeds, instances, ops, ui
 from metaserver.store import Store, create_store
 from metaserver.validation import BodyInvalid
 from pdwire.ascend import AscendBinding
@@ -53,9 +55,14 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await store.start()
         log.info("metaserver store: %s", store.description)
+        advising = None
+        if settings.ttft_target_p90_s is not None:
+            advising = asyncio.get_running_loop().create_task(refresh(context))
         try:
             yield
         finally:
+            if advising is not None:
+                advising.cancel()
             await store.close()
 
     app = _MetaserverApp(
@@ -73,7 +80,7 @@ def create_app(
     hub = FeedHub(store, metrics)
     context = Context(settings, store, metrics, clock, ascend=pool, feeds=hub)
     app.state.ctx = context
-    for module in (bindings, batch, feeds, instances, ops, ascend):
+    for module in (bindings, batch, breakdown, feeds, instances, ops, ascend):
         app.include_router(module.router)
     app.include_router(ui.make_router())
     _install_error_handlers(app, metrics)

@@ -55,7 +55,16 @@ class MetaserverSettings(LayeredSettings, TlsListener):
         "(0: no cap)",
     )
     max_wait_s: float = Field(120.0, gt=0, le=3600, description="cap of ?wait= on long-polls")
-    stats_scan_limit: int = Field(10_000, ge=1, description="bindings scanned by /v1/stats")
+    stats_scan_limit: int = Field(
+        10_000, ge=1, description="bindings scanned by /v1/stats and /v1/breakdown"
+    )
+    ttft_target_p90_s: float | None = Field(
+        None,
+        gt=0,
+        description="p90 TTFT target: keeps the pool_recommended gauges current (P:D advice)",
+    )
+    advice_window_s: float = Field(300.0, gt=0, le=86_400, description="advice's window")
+    advice_interval_s: float = Field(15.0, gt=0, description="how often the gauges are refreshed")
     log_level: str = Field("info", pattern=r"^(debug|info|warning|error)$")
     workers: int = Field(
         1, ge=1, le=64, description="server processes on the port (more than 1 needs Redis)"

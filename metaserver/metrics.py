@@ -41,6 +41,18 @@ class Metrics:
             buckets=_BUCKETS,
             registry=self.registry,
         )
+        self.pool_recommended = Gauge(
+            "pdgate_metaserver_pool_recommended",
+            "instances the P:D advice recommends per pool for --ttft-target (GET /v1/breakdown)",
+            ["pool"],
+            registry=self.registry,
+        )
+        self.pool_current = Gauge(
+            "pdgate_metaserver_pool_current",
+            "instances registered per pool when the advice was made",
+            ["pool"],
+            registry=self.registry,
+        )
         self.batch_calls = Histogram(
             "pdgate_metaserver_batch_calls",
             "writes per POST /v1/batch",

@@ -27,7 +27,7 @@ MAX_MODEL_LEN = 2048
 # served a 1,600-token prompt in 1.4-1.6 s against 1.4 s, 128 tokens in 2.5 s against 2.3 s
 # (docs/development.md).
 ENGINE_ARGS: tuple[str, ...] = ("--enforce-eager",)
-PROXY_ARGS = ("--disagg-min-tokens", "0", "--decode-policy", "prefix")
+PROXY_ARGS = ("--disagg-min-tokens", "0", "--decode-policy", "prefix", "--binding-marks")
 
 
 _SECRET: list[str] = []

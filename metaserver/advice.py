@@ -1,0 +1,242 @@
+"""A P:D recommendation from a breakdown (``metaserver.breakdown``) and a TTFT target.
+
+The model, per pool, from the window's own numbers:
+
+- **prefill**: a P serves S seconds per transfer, S = the P pool's busy time (per P, the
+  union of its transfers' compute-and-push spans: vLLM interleaves their chunks) ÷ transfers;
+  transfers arrive at λ = transfers / window. A transfer's measured wait for P is its
+  ``prefill_queue`` above the stage's 10th percentile (the hop to P) plus the part of its
+  ``prefill_compute`` beyond S (other transfers' chunks). With c P the wait is Erlang C's
+  M/M/c wait W(c), scaled by k = measured ÷ W(c_now) (within 1/4 … 4; 1 when today's c is
+  saturated in the model), so another c moves the mean wait from the measured one to k·W(c).
+- **decode**: D's two stages (``binding``: the request waiting for D's blocks;
+  ``decode_first_token``: D's next step after the KV landed) are a floor (their 10th
+  percentile, an unloaded D) plus a part that grows with the requests each D carries: with c D
+  that part becomes (c_now / c) of today's.
+
+The predicted p90 TTFT of a P:D pair of counts is today's p90 moved by both changes. The
+recommendation is the smallest total that meets the target (ties: the fewest changes), or, when
+the target is met already, the smallest that still meets it with every P below 80% busy. D
+is never shrunk: its load shows only through its stages, not how close it is to its limit.
+With no target it names the bottleneck only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from metaserver.breakdown import DECODE_STAGES, Breakdown, Timeline, quantile
+
+BUSY_CAP = 0.8  # a P busier than this queues steeply: never advise shrinking into it
+SEARCH = 8  # counts tried: today's − 2 … today's + SEARCH
+SCALE_LIMIT = 4.0  # the model is trusted within 4x of what was measured
+MODEL_EPSILON_S = 1e-4  # below this the model says "no wait": nothing to scale
+NEAR_S, NEAR_SHARE = 0.01, 0.02  # predictions this close count as the same
+OVERHEAD_SHARE = 0.25  # disaggregation pays once the exposed push is under this share of compute
+
+
+def erlang_wait(c: int, offered: float, service_s: float) -> float:
+    """Mean wait in queue of M/M/c with ``offered`` = λ·S erlangs (inf when saturated)."""
+    if c <= 0 or offered >= c:
+        return math.inf
+    if offered <= 0:
+        return 0.0
+    term, total = 1.0, 1.0  # a^k / k!, summed for k < c
+    for k in range(1, c):
+        term *= offered / k
+        total += term
+    top = term * offered / c * (c / (c - offered))  # a^c / c! · c / (c − a)
+    p_wait = top / (total + top)
+    return p_wait * service_s / (c - offered)
+
+
+@dataclass(frozen=True)
+class Pools:
+    prefill: int
+    decode: int
+
+
+@dataclass(frozen=True)
+class Model:
+    breakdown: Breakdown
+    now: Pools
+    rate: float  # transfers per second
+    service_s: float  # P's mean busy time per transfer
+    queue_s: float  # measured mean wait for P (see ``of``)
+    scale: float  # k: measured ÷ modelled wait at today's count
+    decode_floor_s: float
+    decode_load_s: float  # today's mean D stage time above its floor
+
+    @classmethod
+    def of(cls, b: Breakdown, now: Pools) -> Model:
+        ts = b.timelines
+        # P's own work per transfer: each P's busy time (the union of its transfers' compute
+        # and push, which overlap when vLLM interleaves their chunks) over the transfers it ran
+        busy = sum(busy_s(spans) for spans in _prefill_spans(ts).values())
+        service = busy / len(ts) if ts else 0.0
+        rate = len(ts) / b.window_s if b.window_s > 0 else 0.0
+        queued = sorted(t.stages["prefill_queue"] for t in ts)
+        # waiting for P: the queue stage above its floor (the hop to P), plus the part of the
+        # compute stage spent on other transfers' chunks
+        waited = (sum(queued) / len(queued) - quantile(queued, 0.1)) if queued else 0.0
+        if ts:
+            waited += sum(max(0.0, t.stages["prefill_compute"] - service) for t in ts) / len(ts)
+        modelled = erlang_wait(now.prefill, rate * service, service)
+        scale = 1.0
+        if MODEL_EPSILON_S < modelled < math.inf:
+            scale = min(SCALE_LIMIT, max(1 / SCALE_LIMIT, waited / modelled))
+        d = sorted(_decode_s(t) for t in ts if all(s in t.stages for s in DECODE_STAGES))
+        floor = quantile(d, 0.1) if d else 0.0
+        load = (sum(d) / len(d) - floor) if d else 0.0
+        return cls(b, now, rate, service, waited, scale, floor, max(0.0, load))
+
+    def busy(self, prefill: int) -> float:
+        return self.rate * self.service_s / prefill if prefill > 0 else math.inf
+
+    def prefill_wait(self, prefill: int) -> float:
+        return self.scale * erlang_wait(prefill, self.rate * self.service_s, self.service_s)
+
+    def ttft_p90(self, pools: Pools) -> float | None:
+        """Today's p90 TTFT moved by the change in mean P wait and D load (None: unknown)."""
+        if self.breakdown.ttft is None:
+            return None
+        p_shift = 0.0  # today's count: today's wait, as measured
+        if pools.prefill != self.now.prefill:
+            p_shift = self.prefill_wait(pools.prefill) - self.queue_s
+        d_shift = self.decode_load_s * (self.now.decode / pools.decode - 1.0)
+        return max(0.0, self.breakdown.ttft.p90 + p_shift + d_shift)
+
+
+def _prefill_spans(ts: list[Timeline]) -> dict[str, list[tuple[float, float]]]:
+    """Each P's (start, end) of compute and push per transfer."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for t in ts:
+        start = t.at - t.stages["push_exposed"] - t.stages["prefill_compute"]
+        out.setdefault(t.prefill or "", []).append((start, t.at))
+    return out
+
+
+def busy_s(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of ``spans``."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def _decode_s(t: Timeline) -> float:
+    return sum(t.stages[s] for s in DECODE_STAGES)
+
+
+def recommend(m: Model, target_p90_s: float | None) -> dict[str, Any]:
+    b = m.breakdown
+    shares = b.shares()
+    words = []
+    if b.bottleneck is not None:
+        words.append(
+            f"{b.bottleneck} is {shares[b.bottleneck]:.0%} of the time to first token "
+            f"(mean {b.stages[b.bottleneck].mean:.3f} s)"
+        )
+    words.append(
+        f"each P is {m.busy(m.now.prefill):.0%} busy ({m.rate:.2f} transfers/s, "
+        f"{m.service_s:.3f} s of P per transfer, {m.now.prefill} P)"
+    )
+    out: dict[str, Any] = {
+        "now": {"prefill": m.now.prefill, "decode": m.now.decode},
+        "prefill_busy": _num(m.busy(m.now.prefill)),
+        "target_p90_s": target_p90_s,
+        "predicted_p90_s": _num(m.ttft_p90(m.now)),
+    }
+    best = _choose(m, target_p90_s) if target_p90_s is not None else None
+    if best is not None:
+        pools, predicted, met = best
+        out["recommended"] = {"prefill": pools.prefill, "decode": pools.decode}
+        out["recommended_p90_s"] = _num(predicted)
+        change = _change(m.now, pools)
+        verdict = "meets" if met else "comes closest to"
+        words.append(
+            f"{change}: the model predicts p90 TTFT {predicted:.3f} s, which {verdict} the "
+            f"target {target_p90_s:.3f} s"
+        )
+    elif target_p90_s is not None:
+        words.append("no TTFT is known (the proxy posts no first_token marks): no counts")
+    out["reasoning"] = "; ".join(words) + "."
+    out["disaggregation"] = disaggregation(b, m)
+    return out
+
+
+def _choose(m: Model, target: float) -> tuple[Pools, float, bool] | None:
+    if m.ttft_p90(m.now) is None:
+        return None
+    candidates = []
+    for p in range(max(1, m.now.prefill - 2), m.now.prefill + SEARCH + 1):
+        for d in range(m.now.decode, m.now.decode + SEARCH + 1):  # D is never shrunk
+            pools = Pools(p, d)
+            predicted = m.ttft_p90(pools)
+            assert predicted is not None
+            shrink_ok = p >= m.now.prefill or m.busy(p) < BUSY_CAP
+            changes = (p != m.now.prefill) + (d != m.now.decode)
+            candidates.append((predicted <= target and shrink_ok, pools, predicted, changes))
+    meeting = [c for c in candidates if c[0]]
+    if meeting:
+        _, pools, predicted, _ = min(
+            meeting, key=lambda c: (c[1].prefill + c[1].decode, c[3], c[2])
+        )
+        return pools, predicted, True
+    # none meets it: the fewest instances among those within a hair of the best prediction
+    best = min(c[2] for c in candidates)
+    near = [c for c in candidates if c[2] <= best + max(NEAR_S, NEAR_SHARE * best)]
+    _, pools, predicted, _ = min(near, key=lambda c: (c[1].prefill + c[1].decode, c[3], c[2]))
+    return pools, predicted, False
+
+
+def _change(now: Pools, to: Pools) -> str:
+    parts = []
+    for name, a, z in (("P", now.prefill, to.prefill), ("D", now.decode, to.decode)):
+        if a != z:
+            parts.append(f"{z} {name} instead of {a}")
+    return "with " + " and ".join(parts) if parts else "with today's counts"
+
+
+def disaggregation(b: Breakdown, m: Model) -> dict[str, Any]:
+    """Whether pushing KV pays for these prompts, and the ``--disagg-min-tokens`` it suggests:
+    the shortest prompt length (a power of two) from which the exposed push stays under
+    OVERHEAD_SHARE of P's compute, in the median of every longer length seen."""
+    buckets: dict[int, list[Timeline]] = {}
+    for t in b.timelines:
+        n = max(1, t.prompt_tokens - t.cached_tokens)
+        buckets.setdefault(1 << (n.bit_length() - 1), []).append(t)
+    pays = {}
+    for low, ts in sorted(buckets.items()):
+        exposed = sorted(t.stages["push_exposed"] for t in ts)
+        compute = sorted(t.stages["prefill_compute"] for t in ts)
+        pays[low] = quantile(exposed, 0.5) <= OVERHEAD_SHARE * quantile(compute, 0.5)
+    lows = sorted(pays)
+    suggest = next((lo for i, lo in enumerate(lows) if all(pays[x] for x in lows[i:])), None)
+    idle = m.busy(m.now.prefill) < 0.2
+    if not lows:
+        text = "no finished transfers in the window"
+    elif suggest is None:
+        text = "the exposed push is a large part of P's compute at every prompt length seen"
+    elif suggest == lows[0]:
+        text = "the push is hidden behind P's compute at every prompt length seen"
+    else:
+        text = f"prompts under {suggest} uncached tokens gain little from P: the push shows"
+    if idle and lows:
+        text += "; P is mostly idle (under 20% busy)"
+    # 0: every length pays; None: none does (or nothing was seen)
+    minimum = None if suggest is None else 0 if suggest == lows[0] else suggest
+    return {
+        "suggested_min_tokens": minimum,
+        "pays_by_prompt_tokens": {str(k): v for k, v in pays.items()},
+        "prefill_idle": idle,
+        "text": text,
+    }
+
+
+def _num(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else round(value, 6)

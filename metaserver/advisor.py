@@ -1,0 +1,61 @@
+"""The breakdown and the P:D advice as the metaserver serves them (``GET /v1/breakdown``) and
+exports them (``pdgate_metaserver_pool_recommended``), from its store's recent bindings."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from metaserver.advice import Model, Pools, recommend
+from metaserver.breakdown import Breakdown, Timeline, timeline_of
+from metaserver.context import Context
+from pdwire.models import BindingState
+
+log = logging.getLogger("pdgate.metaserver.advice")
+
+
+async def pools(c: Context) -> Pools:
+    """Registered instances per pool (``both`` counts in each)."""
+    roles = [i.role for i in await c.store.list_instances(None)]
+    both = roles.count("both")
+    return Pools(roles.count("prefill") + both, roles.count("decode") + both)
+
+
+async def advise(c: Context, window_s: float, target_p90_s: float | None) -> dict[str, Any]:
+    now = c.clock()
+    records = await c.store.list_bindings(
+        state=BindingState.DONE, instance_id=None, limit=c.settings.stats_scan_limit
+    )
+    timelines: list[Timeline] = []
+    for record in records:
+        if record.updated_at < now - window_s:
+            continue
+        t = timeline_of(record)
+        if t is not None:
+            timelines.append(t)
+    b = Breakdown.of(timelines, window_s)
+    counts = await pools(c)
+    out = b.json()
+    if timelines and counts.prefill and counts.decode:
+        advice = recommend(Model.of(b, counts), target_p90_s)
+        out["advice"] = advice
+        if target_p90_s is not None and "recommended" in advice:
+            for pool in ("prefill", "decode"):
+                c.metrics.pool_recommended.labels(pool).set(advice["recommended"][pool])
+                c.metrics.pool_current.labels(pool).set(advice["now"][pool])
+    else:
+        out["advice"] = None
+    return out
+
+
+async def refresh(c: Context) -> None:
+    """Keep the pool gauges current (``--ttft-target``): one advice every interval."""
+    s = c.settings
+    assert s.ttft_target_p90_s is not None
+    while True:
+        try:
+            await advise(c, s.advice_window_s, s.ttft_target_p90_s)
+        except Exception as exc:  # a store outage: the gauges keep their last values
+            log.warning("P:D advice not refreshed: %s", exc)
+        await asyncio.sleep(s.advice_interval_s)

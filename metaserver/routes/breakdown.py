@@ -1,0 +1,30 @@
+"""``GET /v1/breakdown``: where the time to first token goes, and what P:D to run."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+
+from metaserver.advisor import advise
+from metaserver.context import ctx
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get(
+    "/v1/breakdown",
+    summary="TTFT split into stages over a recent window, per instance, with P:D advice",
+)
+async def breakdown(
+    request: Request,
+    window: Annotated[float | None, Query(gt=0, le=86_400, description="seconds back")] = None,
+    ttft_p90: Annotated[
+        float | None, Query(gt=0, le=3600, description="p90 TTFT target in seconds")
+    ] = None,
+) -> dict[str, Any]:
+    c = ctx(request)
+    c.authorize(request.headers.get("authorization"), write=False)
+    s = c.settings
+    target = ttft_p90 if ttft_p90 is not None else s.ttft_target_p90_s
+    return await advise(c, window or s.advice_window_s, target)
