@@ -171,8 +171,9 @@ class Dispatcher:
                 self._charge(exc, d, p)
                 give_up = not exc.retryable or attempt >= self._retries
                 log.warning(
-                    "attempt failed tid=%s flow=%s leg=%s instance=%s kind=%s next=%s: %s",
-                    a.tid, chosen.value, exc.leg, exc.url, exc.kind,
+                    "attempt failed tid=%s engine_request_id=%s flow=%s leg=%s instance=%s "
+                    "kind=%s next=%s: %s",
+                    a.tid, a.request_id, chosen.value, exc.leg, exc.url, exc.kind,
                     "give-up" if give_up else "retry", exc.message,
                 )  # fmt: skip
                 if trace is not None:

@@ -165,6 +165,16 @@ class Call:
     def json(self) -> Any:
         return msgspec.json.decode(self.body)
 
+    @property
+    def transfer_id(self) -> str:
+        """The transfer an engine call is part of (its ``kv_transfer_params``); the engines'
+        request id (``request_id``) is another. ``LookupError`` for a call without one."""
+        kv = self.json().get("kv_transfer_params") if self.body[:1] == b"{" else None
+        tid = kv.get("transfer_id") if isinstance(kv, dict) else None
+        if not isinstance(tid, str):
+            raise LookupError(f"{self!r} carries no transfer id")
+        return tid
+
     def __repr__(self) -> str:
         return f"Call({self.leg} {self.url}{self.path} {self.request_id}: {self.outcome})"
 

@@ -56,6 +56,7 @@ class AscendLayerwise:
 
     async def open(self, a: Attempt) -> Upstream:
         ids = ascend_request_ids(a.tid, a.req.chat, a.req.body.get("prompt"))
+        a.request_id = a.tid  # vllm-ascend keys the transfer by the engines' request ids
         task = asyncio.current_task()
         assert task is not None
         d_task = asyncio.get_running_loop().create_task(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from pdwire.ids import RANDOM_BYTES
 from pdwire.params import parse_push_report
 from proxy.backend import Backend, LegError, Response
 from proxy.errors import UpstreamError, UpstreamTimeout
@@ -51,7 +53,7 @@ class Timeouts:
 class Attempt:
     """One try of one client request: a fresh transfer id, a chosen D (and P)."""
 
-    __slots__ = ("decode", "info", "path", "prefill", "req", "tid", "trace")
+    __slots__ = ("request_id", "decode", "info", "path", "prefill", "req", "tid", "trace")
 
     def __init__(
         self,
@@ -69,6 +71,10 @@ class Attempt:
         self.decode = decode
         self.prefill = prefill
         self.tid = tid
+        # the X-Request-Id P and D are sent (their logs share it): it names D's answer (its
+        # ``id``), which the client sees, so it is not the transfer id, which would let a
+        # client name its transfer (a flow whose engines key transfers by it sets it so)
+        self.request_id = f"pdr-{os.urandom(RANDOM_BYTES).hex()}"
         self.trace = trace  # the request's span (tracing on)
 
     def decode_body(self, kv: dict[str, Any] | msgspec.Raw | None) -> bytes:
@@ -174,7 +180,9 @@ class Legs:
         t0 = time.perf_counter()
         stream = a.req.stream
         limit = self.timeouts.first_token if stream else self.timeouts.request
-        resp = await self.backend.post(d.url, a.path, body, a.tid, "decode", limit, traceparent)
+        resp = await self.backend.post(
+            d.url, a.path, body, a.request_id, "decode", limit, traceparent
+        )
         try:
             if stream:
                 first = await resp.next_chunk(limit - (time.perf_counter() - t0))
@@ -225,7 +233,9 @@ class Legs:
         # a judged request's first token is compared by id when D's answer shows it
         token_ids = self.guard is not None and judged(a.req.body)
         body = a.req.for_prefill(kv, token_ids)
-        resp = await self.backend.post(p.url, a.path, body, a.tid, "prefill", limit, traceparent)
+        resp = await self.backend.post(
+            p.url, a.path, body, a.request_id, "prefill", limit, traceparent
+        )
         try:
             raw = await resp.read(limit - (time.perf_counter() - t0))
         except UpstreamError as exc:

@@ -30,8 +30,13 @@ async def test_e2e_flow_equals_monolithic(engines: Engines, flow: str) -> None:
 
 async def test_e2e_binding_history_is_inspectable(engines: Engines) -> None:
     prompt = prompt_ids(200, seed=21)
-    await complete(client(engines.pd.proxy), engines.model, prompt, max_tokens=4)
+    answer = await client(engines.pd.proxy).completions.create(
+        model=engines.model, prompt=prompt, max_tokens=4, temperature=0
+    )
     b = await latest_binding(engines)
+    # the answer's id names the engines' request, never the transfer
+    assert b["transfer_id"] not in answer.id and answer.id.startswith("cmpl-pdr-")
+    assert answer.id.removeprefix("cmpl-") in b["request_id"]
     events = b["events"]
     assert isinstance(events, list)
     states = [e["state"] for e in events]

@@ -53,8 +53,11 @@ async def test_decode_first_nonstream_sends_binding_to_prefill() -> None:
     (get,) = backend.calls_of("get")
     (d,) = backend.calls_of("decode", D_URL)
     (p,) = backend.calls_of("prefill", P_URL)
-    tid = d.request_id
-    assert p.request_id == tid and tid.startswith("pd-")
+    tid = d.transfer_id
+    assert p.transfer_id == tid and tid.startswith("pd-")
+    # P and D share one request id, which names D's answer: not the transfer id, which the
+    # client never sees
+    assert p.request_id == d.request_id != tid and tid not in ex.body.decode()
     assert get.url.startswith(f"{MS_URL}/v1/bindings/{tid}?wait=")
     assert get.headers == {"authorization": "Bearer s3cret"}
     assert backend.calls[-1] is p  # P only once the binding is in
@@ -104,7 +107,7 @@ async def test_concurrent_sends_prefill_at_once_without_binding() -> None:
     p = await backend.called("prefill", waiting=True)
     assert p.json()["kv_transfer_params"] == {
         "do_remote_decode": True,
-        "transfer_id": p.request_id,
+        "transfer_id": p.transfer_id,
         "metaserver": MS_URL,
     }
     p_gate.set()
@@ -135,10 +138,13 @@ async def test_decode_first_decode_failure_during_binding_wait_aborts(
     assert ex.json()["error"]["message"] == f"decode {D_URL}: D died"
     assert legs(backend) == [("decode", Outcome.FAILED), ("get", Outcome.CANCELLED)]
     await px.settle()
-    tid = d.request_id
+    tid = d.transfer_id
     assert px.events == [RecordedEvent(tid, ABORTED, "proxy", f"decode {D_URL}: D died")]
     assert px.d.circuit.consecutive == 1 and px.p.circuit.consecutive == 0
-    assert f"attempt failed tid={tid} flow=decode-first leg=decode" in caplog.text
+    assert (
+        f"attempt failed tid={tid} engine_request_id={d.request_id} flow=decode-first leg=decode"
+        in caplog.text
+    )
     assert px.requests("upstream_error", 502) == 1
 
 
@@ -164,7 +170,7 @@ async def test_decode_first_decode_failure_during_prefill_cancels_prefill() -> N
         ("prefill", Outcome.CANCELLED),
     ]
     await px.settle()
-    assert px.events == [RecordedEvent(d.request_id, ABORTED, "proxy", f"decode {D_URL}: D died")]
+    assert px.events == [RecordedEvent(d.transfer_id, ABORTED, "proxy", f"decode {D_URL}: D died")]
     assert px.p.circuit.consecutive == 0  # P is not to blame
 
 
@@ -263,10 +269,10 @@ def sent_plain(backend: MockBackend) -> str:
     """D's first request (with the KV transfer) was dropped and D got the plain one, under the
     same id: the transfer id."""
     first, second = backend.calls_of("decode")
-    tid = first.request_id
+    tid = first.transfer_id
     assert first.outcome == Outcome.CANCELLED and second.outcome == Outcome.RELEASED
     assert first.json()["kv_transfer_params"] == decode_leg(tid, MS_URL)
-    assert "kv_transfer_params" not in second.json() and second.request_id == tid
+    assert "kv_transfer_params" not in second.json() and second.request_id == first.request_id
     return tid
 
 
@@ -331,7 +337,7 @@ async def test_decode_first_prefill_error_marks_binding_failed() -> None:
     ]
     await px.settle()
     ((tid, state, _, error),) = px.events
-    assert tid == backend.calls_of("decode")[0].request_id
+    assert tid == backend.calls_of("decode")[0].transfer_id
     assert state == FAILED and "overloaded" in str(error)
     assert px.p.circuit.consecutive == 1 and px.d.circuit.consecutive == 0
 
@@ -419,9 +425,10 @@ async def test_decode_first_retry_uses_new_transfer_id() -> None:
     assert ex.status == 200 and sse_text(ex.body) == "Hello world"
     first, second = backend.calls_of("decode")
     (p,) = backend.calls_of("prefill")
+    assert first.transfer_id != second.transfer_id == p.transfer_id
     assert first.request_id != second.request_id == p.request_id
     await px.settle()
-    assert [(e.transfer_id, e.state) for e in px.events] == [(first.request_id, ABORTED)]
+    assert [(e.transfer_id, e.state) for e in px.events] == [(first.transfer_id, ABORTED)]
     assert px.metric("pd_retries_total", reason="upstream_error") == 1.0
     assert px.d.circuit.consecutive == 0  # the success closed it again
 

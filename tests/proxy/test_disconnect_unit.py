@@ -49,7 +49,7 @@ async def test_decode_first_disconnect_during_binding_wait(
     assert backend.calls_of("prefill") == []
     await gone(px, caplog)
     assert px.events == [
-        RecordedEvent(d.request_id, BindingState.ABORTED, "proxy", "CancelledError")
+        RecordedEvent(d.transfer_id, BindingState.ABORTED, "proxy", "CancelledError")
     ]
 
 
@@ -85,7 +85,7 @@ async def test_decode_first_disconnect_while_reading_whether_p_took_the_binding(
     ]
     await gone(px, caplog)
     ((tid, state, _, error),) = px.events
-    assert (tid, state) == (d.request_id, BindingState.FAILED)
+    assert (tid, state) == (d.transfer_id, BindingState.FAILED)
     assert "server disconnected" in str(error)
 
 
@@ -112,7 +112,7 @@ async def test_decode_first_disconnect_during_prefill(
     ]
     await gone(px, caplog)
     assert px.events == [
-        RecordedEvent(p.request_id, BindingState.ABORTED, "proxy", "CancelledError")
+        RecordedEvent(p.transfer_id, BindingState.ABORTED, "proxy", "CancelledError")
     ]
     assert px.p.circuit.consecutive == 0 and px.d.circuit.consecutive == 0
 
@@ -137,7 +137,7 @@ async def test_decode_first_disconnect_after_decode_answered_during_prefill(
         ("prefill", Outcome.CANCELLED),
     ]
     await gone(px, caplog)
-    assert [(e.transfer_id, e.state) for e in px.events] == [(d.request_id, BindingState.ABORTED)]
+    assert [(e.transfer_id, e.state) for e in px.events] == [(d.transfer_id, BindingState.ABORTED)]
 
 
 @HOOK
@@ -161,7 +161,7 @@ async def test_decode_first_disconnect_waiting_for_first_token(
         ("prefill", Outcome.RELEASED),
     ]
     await gone(px, caplog)
-    assert [(e.transfer_id, e.state) for e in px.events] == [(p.request_id, BindingState.ABORTED)]
+    assert [(e.transfer_id, e.state) for e in px.events] == [(p.transfer_id, BindingState.ABORTED)]
 
 
 @HOOK
@@ -190,7 +190,7 @@ async def test_decode_first_disconnect_mid_stream_closes_decode(
     await gone(px, caplog)
     (d,) = backend.calls_of("decode")
     assert px.events == [
-        RecordedEvent(d.request_id, BindingState.ABORTED, "proxy", "client_disconnected")
+        RecordedEvent(d.transfer_id, BindingState.ABORTED, "proxy", "client_disconnected")
     ]
 
 
@@ -280,6 +280,6 @@ async def test_decode_first_disconnect_during_retry(caplog: pytest.LogCaptureFix
     assert [c.outcome for c in backend.calls_of("get")] == [Outcome.CANCELLED] * 2
     await gone(px, caplog)
     assert [(e.transfer_id, e.state) for e in px.events] == [
-        (first.request_id, BindingState.ABORTED),
-        (second.request_id, BindingState.ABORTED),
+        (first.transfer_id, BindingState.ABORTED),
+        (second.transfer_id, BindingState.ABORTED),
     ]

@@ -110,7 +110,7 @@ async def test_stream_break_ends_with_error_event_and_aborts_binding() -> None:
     assert d.outcome == Outcome.CLOSED
     await px.settle()
     assert [(e.transfer_id, e.state, e.error) for e in px.events] == [
-        (d.request_id, "aborted", "stream_error")
+        (d.transfer_id, "aborted", "stream_error")
     ]
     assert px.requests("stream_error", 200) == 1
 

@@ -185,7 +185,7 @@ async def test_mismatch_stream_quarantines_and_d_recomputes() -> None:
     assert px.metric("pd_decode_without_prefill_total", reason=reason) == 1
     await px.settle()
     corrupt = [m for m in px.marks if m.mark == "corrupt"]
-    assert len(corrupt) == 1 and corrupt[0].transfer_id == first.request_id
+    assert len(corrupt) == 1 and corrupt[0].transfer_id == first.transfer_id
     assert corrupt[0].detail is not None and "'Bye'" in (corrupt[0].detail.outcome or "")
 
     # the quarantined pair is not paired again: D computes the next prompt itself

@@ -30,8 +30,8 @@ async def test_marks_stream_reports_first_token_then_end() -> None:
     await px.settle()
     (d,) = backend.calls_of("decode")
     assert [(m.transfer_id, m.mark, m.actor) for m in px.marks] == [
-        (d.request_id, FIRST, "proxy"),
-        (d.request_id, END, "proxy"),
+        (d.transfer_id, FIRST, "proxy"),
+        (d.transfer_id, END, "proxy"),
     ]
     first, end = px.marks
     assert first.detail is not None and first.detail.outcome is None
@@ -48,8 +48,8 @@ async def test_marks_nonstream_and_concurrent_flow() -> None:
     await px.settle()
     (d,) = backend.calls_of("decode")
     assert [(m.transfer_id, m.mark) for m in px.marks] == [
-        (d.request_id, FIRST),
-        (d.request_id, END),
+        (d.transfer_id, FIRST),
+        (d.transfer_id, END),
     ]
 
 
@@ -77,7 +77,7 @@ async def test_marks_end_of_an_abandoned_stream_says_why() -> None:
         (END, "client_disconnected"),
     ]
     assert px.events == [
-        RecordedEvent(d.request_id, BindingState.ABORTED, "proxy", "client_disconnected")
+        RecordedEvent(d.transfer_id, BindingState.ABORTED, "proxy", "client_disconnected")
     ]
 
 
@@ -115,8 +115,8 @@ async def test_marks_on_a_binding_failed_because_p_pushed_nothing() -> None:
     await px.settle()
     first, _ = backend.calls_of("decode")
     assert [(m.transfer_id, m.mark) for m in px.marks] == [
-        (first.request_id, FIRST),
-        (first.request_id, END),
+        (first.transfer_id, FIRST),
+        (first.transfer_id, END),
     ]
     assert [e.state for e in px.events] == [BindingState.FAILED]  # no abort of a whole answer
 

@@ -263,15 +263,15 @@ async def test_the_timeline_shows_the_move() -> None:
     await px.settle()
     d0, d1 = backend.calls_of("decode")
     assert [(m.transfer_id, m.mark) for m in px.marks] == [
-        (d0.request_id, MarkKind.FIRST_TOKEN),
-        (d0.request_id, MarkKind.MIGRATED),
-        (d1.request_id, MarkKind.FIRST_TOKEN),
-        (d1.request_id, MarkKind.END),
+        (d0.transfer_id, MarkKind.FIRST_TOKEN),
+        (d0.transfer_id, MarkKind.MIGRATED),
+        (d1.transfer_id, MarkKind.FIRST_TOKEN),
+        (d1.transfer_id, MarkKind.END),
     ]
     moved = px.marks[1].detail
     assert moved is not None and moved.outcome == d0.url
     assert [(e.transfer_id, e.state, e.error) for e in px.events] == [
-        (d0.request_id, "aborted", "migrated")
+        (d0.transfer_id, "aborted", "migrated")
     ]
 
 

@@ -88,14 +88,14 @@ async def test_tracing_decode_first_spans_and_propagation(
         assert child.context.trace_id == trace_id
         assert child.parent is not None and child.parent.span_id == root.context.span_id
         assert child.attributes is not None
-        assert child.attributes["pdgate.transfer_id"] == d.request_id
+        assert child.attributes["pdgate.transfer_id"] == d.transfer_id
     # each engine is sent its own leg's span: header and kv_transfer_params alike
     assert d.traceparent == ids(got["pdgate.decode"])
     assert d.json()["kv_transfer_params"]["traceparent"] == d.traceparent
     assert p.traceparent == ids(got["pdgate.prefill"])
     assert p.json()["kv_transfer_params"]["traceparent"] == p.traceparent
     assert got["pdgate.prefill"].attributes == {
-        "pdgate.transfer_id": d.request_id,
+        "pdgate.transfer_id": d.transfer_id,
         "server.address": P_URL,
         "pdgate.push": "started",
     }
