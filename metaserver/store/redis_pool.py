@@ -5,7 +5,8 @@
 the pool asks them for the master of ``service`` when it connects, and again after a connection
 fails, so a failover moves the store to the promoted replica by itself (the store's retries
 bridge the seconds it takes). ``password`` is the master's; a ``sentinel_password`` query
-parameter authenticates to the Sentinels. ``rediss+sentinel://`` uses TLS to the master.
+parameter authenticates to the Sentinels. ``rediss+sentinel://`` uses TLS to the master, trusting
+the CA file of a ``ssl_ca_certs`` query parameter (as ``rediss://`` URLs do) or the system's.
 
 Either way the pool blocks (``timeout``) rather than fail when its ``max_connections`` are in use.
 """
@@ -31,6 +32,7 @@ class SentinelURL:
     password: str | None = None
     sentinel_password: str | None = None
     ssl: bool = False
+    ssl_ca_certs: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
 
@@ -63,6 +65,7 @@ def parse_sentinel(url: str) -> SentinelURL:
         password=unquote(password) or None,
         sentinel_password=query.pop("sentinel_password", None),
         ssl=parts.scheme.startswith("rediss"),
+        ssl_ca_certs=query.pop("ssl_ca_certs", None),
         extra=query,
     )
 
@@ -91,6 +94,7 @@ def make_pool(url: str, **options: Any) -> aioredis.ConnectionPool:
         username=s.username,
         password=s.password,
         ssl=s.ssl,
+        **({"ssl_ca_certs": s.ssl_ca_certs} if s.ssl_ca_certs else {}),
         **options,
     )
 

@@ -21,6 +21,8 @@ def test_redis_pool_parses_sentinels_service_db_and_passwords() -> None:
         sentinel_password="q",
     )
     assert parse_sentinel("rediss+sentinel://h:1/m").ssl is True
+    tls = make_pool("rediss+sentinel://h:1/m?ssl_ca_certs=/etc/pdgate/ca.pem")
+    assert tls.connection_kwargs["ssl_ca_certs"] == "/etc/pdgate/ca.pem"
     assert parse_sentinel("redis+sentinel://:pw@h:1/m").password == "pw"
 
 
