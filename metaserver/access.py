@@ -108,9 +108,9 @@ class Principal:
         if self.role not in (Role.ADMIN, Role.PROXY):
             raise self._refuse("post marks")
 
-    def may_administer(self) -> None:
+    def may_administer(self, what: str) -> None:
         if self.role is not Role.ADMIN:
-            raise self._refuse("delete bindings")
+            raise self._refuse(what)
 
 
 ANONYMOUS = Principal("anonymous", Role.ADMIN)  # open mode: nobody is asked

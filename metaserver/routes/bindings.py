@@ -77,7 +77,7 @@ async def get_binding(
 @router.delete("/{transfer_id}", status_code=204, responses={404: {}}, openapi_extra=_WRITE)
 async def delete_binding(request: Request, transfer_id: TransferId) -> Response:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=True).may_administer()
+    c.authorize(request.headers.get("authorization"), write=True).may_administer("delete bindings")
     if not await c.store.delete_binding(transfer_id):
         raise NotFound(f"binding {transfer_id} not found")
     return Response(status_code=204)

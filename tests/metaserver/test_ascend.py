@@ -13,7 +13,7 @@ import pytest
 from metaserver.ascend import DecodeEndpoints, PoolEntry
 from metaserver.store import MemoryStore
 from pdwire.ascend import COMPAT_PATH, binding_of_record, callback_urls, x_request_id_of
-from tests.metaserver.conftest import decode_instance, write_credentials
+from tests.metaserver.conftest import TOKENS, decode_instance, write_credentials
 
 
 def ascend_body(**over: Any) -> dict[str, Any]:
@@ -168,6 +168,12 @@ async def test_ascend_legacy_token_query_only_in_single_token_mode(
     roles = write_credentials(tmp_path, proxy=token)
     api = await api_factory(ascend_decode=["10.0.0.9:36000"], credentials_file=roles)
     assert (await api.post(COMPAT_PATH + f"?token={token}", json=ascend_body())).status_code == 401
+    # without a capability only an admin's header may post (a proxy's gets 403)
+    as_proxy = {"authorization": f"Bearer {token}"}
+    r = await api.post(COMPAT_PATH, json=ascend_body(), headers=as_proxy)
+    assert r.status_code == 403 and "without a capability" in r.json()["detail"]
+    as_admin = {"authorization": f"Bearer {TOKENS['admin']}"}
+    assert (await api.post(COMPAT_PATH, json=ascend_body(), headers=as_admin)).status_code == 200
 
 
 async def test_decode_pool_resolves_dns_names() -> None:
