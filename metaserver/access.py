@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Annotated
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from metaserver.errors import Forbidden, Unauthorized
 from pdwire.ascend import capability as make_capability
@@ -193,7 +193,13 @@ class Access:
                 parsed = CredentialsFile.model_validate(raw)
                 entries = [(e.secret(), e) for e in parsed.credentials]
                 return cls(token=token, entries=entries, protect_reads=protect_reads)
-            except (OSError, ValueError, yaml.YAMLError) as exc:  # ValidationError included
+            except ValidationError as exc:  # said without the values: they may be tokens
+                problems = "; ".join(
+                    f"{'.'.join(str(x) for x in e['loc']) or 'file'}: {e['msg']}"
+                    for e in exc.errors(include_input=False)
+                )
+                raise ValueError(f"credentials file {credentials_file}: {problems}") from None
+            except (OSError, ValueError, yaml.YAMLError) as exc:
                 raise ValueError(f"credentials file {credentials_file}: {exc}") from None
         return cls(token=token, protect_reads=protect_reads)
 

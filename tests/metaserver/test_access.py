@@ -166,3 +166,4 @@ def test_a_bad_credentials_file_is_a_clear_cli_error(
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert str(path) in err and says in err, err
+    assert "0123456789abcdef0" not in err and "short" not in err  # no token is repeated
