@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 
 from metaserver.store.base import StoredBinding
+from pdwire import push_summary
 
 STAGES = ("binding", "prefill_queue", "prefill_compute", "push_exposed", "decode_first_token")
 PREFILL_STAGES = ("prefill_queue", "prefill_compute", "push_exposed")
@@ -75,19 +76,6 @@ class Timeline:
         return sum(self.stages.values()) if len(self.stages) == len(STAGES) else None
 
 
-def _summary(message: str | None) -> dict[str, float]:
-    """``key=value`` numbers of the connector's push summary (``connector.worker.overlap``)."""
-    out: dict[str, float] = {}
-    for part in (message or "").split():
-        key, sep, value = part.partition("=")
-        if sep:
-            try:
-                out[key] = float(value)
-            except ValueError:
-                continue
-    return out
-
-
 def timeline_of(b: StoredBinding) -> Timeline | None:
     """The stages of a ``done`` binding (None for any other, or one missing P's moments)."""
     events = [_moment.decode(e) for e in b.events]
@@ -95,7 +83,7 @@ def timeline_of(b: StoredBinding) -> Timeline | None:
     started, done = at.get("prefill_started"), at.get("done")
     if b.state.value != "done" or started is None or done is None:
         return None
-    tail = _summary(done.detail.message if done.detail else None).get("tail_s", 0.0)
+    tail = push_summary.parse(done.detail.message if done.detail else None).get("tail_s", 0.0)
     compute_end = min(max(done.at - tail, started.at), done.at)
     stages = {
         "prefill_queue": max(0.0, started.at - b.created_at),

@@ -17,7 +17,8 @@ from connector.device import Event
 from connector.layout import Piece
 from connector.metadata import Destination
 from connector.worker import digest
-from connector.worker.overlap import PushOverlap, overlap
+from connector.worker.overlap import overlap
+from pdwire.push_summary import PushOverlap
 
 if TYPE_CHECKING:
     from connector.worker.traces import PushTrace

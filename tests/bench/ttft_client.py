@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from connector.worker.overlap import parse
+from pdwire.push_summary import parse
 from tests.bench.corecpu import CoreCpu
 
 

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from connector.worker.overlap import overlap, parse
+from connector.worker.overlap import overlap
 from pdwire.models import BindingState
+from pdwire.push_summary import parse
 from tests.connector import cluster as C
 
 

@@ -13,7 +13,7 @@ Roles:
   the ``report_progress`` knob, first ``prefill_started`` and one ``pushing`` per chunk, and
   ``done`` carrying a push summary, as pdgate's connector does: ``connector/worker/half.py``
   ``_report_pushing``/``_report_end``, the summary in the format of
-  ``connector/worker/overlap.py`` ``PushOverlap.message``); without ``decode`` (concurrent
+  ``pdwire/push_summary.py`` ``PushOverlap.message``); without ``decode`` (concurrent
   mode) it first long-polls the binding itself; without a transfer id (prefill-first) it
   answers with ``kv_transfer_params`` for D to pull.
 * ``both``: either, by request.
