@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
 import shutil
 import signal
@@ -23,7 +22,14 @@ from types import FrameType
 
 from connector.seal import load_keys
 from launch import smollm2
-from launch.plan import ADMIN_TOKEN, LaunchOptions, LaunchPlan, build_plan, default_flow
+from launch.plan import (
+    ADMIN_TOKEN,
+    LaunchOptions,
+    LaunchPlan,
+    build_plan,
+    default_flow,
+    write_private,
+)
 from launch.supervisor import ChildFailed, Printer, Supervisor
 
 DESCRIPTION = """\
@@ -296,9 +302,7 @@ def serve(sup: Supervisor, out: Printer, *, restart: bool, backoff_cap_s: float 
 def new_secret_file(directory: Path) -> str:
     """A file with one fresh random side-channel key (readable by this user only)."""
     path = directory / "side-channel.key"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
+    write_private(path, secrets.token_urlsafe(32) + "\n", new=True)
     return str(path)
 
 

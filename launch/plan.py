@@ -316,13 +316,14 @@ def give_credentials(directory: Path, children: list[Child]) -> None:
             child.env["PD_PROXY_METASERVER_TOKEN"] = token
     admin = secrets.token_urlsafe(24)
     entries.append({"name": "admin", "role": "admin", "token": admin})
-    _private(directory / ADMIN_TOKEN, admin + "\n")
-    _private(directory / CREDENTIALS, json.dumps({"credentials": entries}, indent=1))  # YAML
+    write_private(directory / ADMIN_TOKEN, admin + "\n")
+    write_private(directory / CREDENTIALS, json.dumps({"credentials": entries}, indent=1))  # YAML
 
 
-def _private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
+def write_private(path: Path, text: str, *, new: bool = False) -> None:
+    """Write ``text`` to a file only this user can read (``new``: refuse one that exists)."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if new else os.O_TRUNC)
+    with os.fdopen(os.open(path, flags, 0o600), "w") as f:
         f.write(text)
 
 
