@@ -1,10 +1,10 @@
 """``/ui/``: the transfers timeline page (static HTML, JS and CSS shipped in the package).
 
-The page holds no data: it reads ``GET /v1/bindings`` and ``GET /v1/instances`` from the
-browser, so those calls keep their own authorization (``--protect-reads``: the page asks for the
-token and sends it as a bearer header). The files are read once, when the app is built, and
-served with a content security policy that allows this origin only — the page loads nothing
-from elsewhere and works with no internet.
+The page holds no data: it reads ``GET /v1/bindings``, ``GET /v1/instances`` and
+``GET /v1/breakdown`` from the browser, so those calls keep their own authorization
+(``--protect-reads``: the page asks for the token and sends it as a bearer header). The files
+are read once, when the app is built, and served with a content security policy that allows
+this origin only — the page loads nothing from elsewhere and works with no internet.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ _TYPES = {
     "index.html": "text/html; charset=utf-8",
     "timeline.js": "text/javascript; charset=utf-8",
     "timeline.css": "text/css; charset=utf-8",
+    "breakdown.js": "text/javascript; charset=utf-8",
 }
 _HEADERS = {
     "cache-control": "no-cache",

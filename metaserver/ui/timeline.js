@@ -1,7 +1,8 @@
 // pdgate transfers: recent bindings from GET ../v1/bindings, one timeline per transfer,
 // polled every POLL_MS while "live" is on. Hand-written, no framework, nothing fetched from
 // elsewhere: the page works with no internet. Every string from the store goes in through
-// textContent, never as HTML.
+// textContent, never as HTML. Each refresh fires "pdgate:refresh" on the document, and
+// window.pdgate shares getJSON, el and ms with breakdown.js.
 "use strict";
 
 (() => {
@@ -58,6 +59,8 @@
     if (!r.ok) throw new Error(`${r.status}: ${(await r.text()).slice(0, 300)}`);
     return r.json();
   }
+
+  window.pdgate = Object.freeze({ getJSON, el, ms });
 
   function filters() {
     return {
@@ -238,6 +241,7 @@
   async function refresh() {
     if (busy) return;
     busy = true;
+    document.dispatchEvent(new Event("pdgate:refresh"));
     try {
       const f = filters();
       const q = new URLSearchParams({ limit: f.limit });

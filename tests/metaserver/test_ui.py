@@ -28,6 +28,9 @@ async def test_ui_serves_the_page_and_its_assets(api: httpx.AsyncClient) -> None
     js = await api.get("/ui/timeline.js")
     assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
     assert "../v1/bindings" in js.text  # relative: works under any path prefix
+    panel = await api.get("/ui/breakdown.js")
+    assert panel.status_code == 200 and panel.headers["content-type"].startswith("text/javascript")
+    assert 'src="breakdown.js"' in r.text and "../v1/breakdown" in panel.text
     css = await api.get("/ui/timeline.css")
     assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
     r = await api.get("/ui", follow_redirects=False)
