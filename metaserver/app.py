@@ -24,16 +24,16 @@ from metaserver.feeds import FeedHub
 from metaserver.metrics import Metrics, MetricsMiddleware
 from metaserver.problems import render_problem
 from metaserver.responses import JSON
-from metaserver.routes import ascend, batch, bindings, breakdown, feeds, instances, ops, ui
+from metaserver.routes import ascend, batch, bindings, breakdown, feeds, instances, kv, ops, ui
 from metaserver.store import Store, create_store
 from metaserver.validation import BodyInvalid
 from pdwire.ascend import AscendBinding
 from pdwire.asgi import ASGIApp
 from pdwire.limits import BodySizeLimit
-from pdwire.models import BatchIn, BindingSpec, EventIn, InstanceSpec, MarkIn
+from pdwire.models import BatchIn, BindingSpec, EventIn, InstanceSpec, KVMatchIn, MarkIn
 
 log = logging.getLogger("pdgate.metaserver")
-_BODY_MODELS = (BindingSpec, EventIn, InstanceSpec, AscendBinding, MarkIn, BatchIn)
+_BODY_MODELS = (BindingSpec, EventIn, InstanceSpec, AscendBinding, MarkIn, BatchIn, KVMatchIn)
 
 
 def create_app(
@@ -55,14 +55,23 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await store.start()
         log.info("metaserver store: %s", store.description)
-        advising = None
+        loop = asyncio.get_running_loop()
+        tasks = []
         if settings.ttft_target_p90_s is not None:
-            advising = asyncio.get_running_loop().create_task(refresh(context))
+            tasks.append(loop.create_task(refresh(context)))
+        if settings.kv_events:
+            from metaserver.kvindex.manager import KVEventManager  # needs pyzmq
+
+            context.kv_events = KVEventManager(
+                store, store.kv_index(), interval_s=settings.kv_events_interval_s
+            )
+            tasks.append(loop.create_task(context.kv_events.run()))
         try:
             yield
         finally:
-            if advising is not None:
-                advising.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await store.close()
 
     app = _MetaserverApp(
@@ -80,7 +89,7 @@ def create_app(
     hub = FeedHub(store, metrics)
     context = Context(settings, store, metrics, clock, ascend=pool, feeds=hub)
     app.state.ctx = context
-    for module in (bindings, batch, breakdown, feeds, instances, ops, ascend):
+    for module in (bindings, batch, breakdown, feeds, instances, kv, ops, ascend):
         app.include_router(module.router)
     app.include_router(ui.make_router())
     _install_error_handlers(app, metrics)

@@ -41,6 +41,8 @@ def build_parser() -> SettingsParser[MetaserverSettings]:
     p.option("--ttft-target", "ttft_target_p90_s", float)
     p.option("--advice-window", "advice_window_s", float)
     p.option("--advice-interval", "advice_interval_s", float)
+    p.switch("--kv-events", "kv_events")
+    p.option("--kv-events-interval", "kv_events_interval_s", float)
     p.option("--log-level", "log_level")
     p.option("--tls-cert", "tls_cert_file")
     p.option("--tls-key", "tls_key_file")

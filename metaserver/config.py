@@ -65,6 +65,14 @@ class MetaserverSettings(LayeredSettings, TlsListener):
     )
     advice_window_s: float = Field(300.0, gt=0, le=86_400, description="advice's window")
     advice_interval_s: float = Field(15.0, gt=0, description="how often the gauges are refreshed")
+    kv_events: bool = Field(
+        False,
+        description="follow registered engines' KV cache events into the prefix-cache index "
+        "(POST /v1/kv/match); with replicas on one Redis, one follows at a time",
+    )
+    kv_events_interval_s: float = Field(
+        2.0, gt=0, le=60, description="how often the registry is read for engines to follow"
+    )
     log_level: str = Field("info", pattern=r"^(debug|info|warning|error)$")
     workers: int = Field(
         1, ge=1, le=64, description="server processes on the port (more than 1 needs Redis)"

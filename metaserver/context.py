@@ -16,6 +16,7 @@ from metaserver.store import Store
 if TYPE_CHECKING:
     from metaserver.ascend import DecodeEndpoints
     from metaserver.feeds import FeedHub
+    from metaserver.kvindex.manager import KVEventManager
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Context:
     clock: Callable[[], float]
     ascend: DecodeEndpoints | None = None  # the vllm-ascend decode pool (metaserver.ascend)
     feeds: FeedHub | None = None  # binding feeds (metaserver.feeds)
+    kv_events: KVEventManager | None = None  # --kv-events: engines followed (metaserver.kvindex)
 
     access: Access | None = None  # built from the settings when not given
 

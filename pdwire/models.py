@@ -224,6 +224,18 @@ class KVIdentity(_Strict):
     protocol: Annotated[int, Field(ge=1, le=1_000_000)]
 
 
+class KVEvents(_Strict):
+    """Where an engine publishes vLLM's KV cache events (``--kv-events-config``), and how its
+    block hashes are computed; the metaserver's KV-event index follows it
+    (``metaserver.kvindex``), the proxy hashes prompts alike (``pdwire.block_hash``)."""
+
+    port: Port = Field(description="the ZeroMQ PUB socket, on the host of the instance's url")
+    replay_port: Port | None = Field(default=None, description="the replay (ROUTER) socket")
+    topic: Annotated[str, Field(max_length=128)] = ""
+    block_size: Annotated[int, Field(ge=1, le=4096)]
+    hash_algo: Label = "sha256"
+
+
 class InstanceSpec(_Strict):
     role: InstanceRole
     url: Annotated[str, Field(min_length=1, max_length=512, pattern=r"^https?://[^\s]+$")]
@@ -242,11 +254,14 @@ class InstanceSpec(_Strict):
     ttl_s: Annotated[float, Field(gt=0, le=86_400)] | None = Field(
         default=None, description="heartbeat TTL; the server default when omitted"
     )
+    kv_events: KVEvents | None = Field(
+        default=None, description="the engine publishes KV cache events (prefix-cache routing)"
+    )
 
 
 # InstanceSpec fields added since the first release: the metaserver stores them only when set,
 # so that readers from before them keep parsing the records of instances that do not send them
-LATER_FIELDS = ("revision", "kv")
+LATER_FIELDS = ("revision", "kv", "kv_events")
 
 
 class Instance(InstanceSpec):
@@ -272,6 +287,25 @@ class Stats(BaseModel):
     bound_to_done_ms: dict[str, float | None]
     bound_to_done_samples: int
     instances_by_role: dict[str, int]
+
+
+KV_MATCH_PATH = "/v1/kv/match"
+KV_MATCH_MAX_KEYS = 8192
+BlockKey = Annotated[int, Field(ge=0, le=2**64 - 1)]
+
+
+class KVMatchIn(_Strict):
+    """A prompt's block keys (``pdwire.block_hash``), first block first, and the instances
+    to look them up for."""
+
+    keys: Annotated[list[BlockKey], Field(max_length=KV_MATCH_MAX_KEYS)]
+    instances: Annotated[list[Annotated[str, Field(pattern=INSTANCE_ID_PATTERN)]], Field(
+        min_length=1, max_length=1024
+    )]  # fmt: skip
+
+
+class KVMatchOut(BaseModel):
+    matched: dict[str, int] = Field(description="per instance: leading keys it holds")
 
 
 BATCH_PATH = "/v1/batch"

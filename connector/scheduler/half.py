@@ -10,6 +10,7 @@ from urllib.parse import urlparse
 from connector import fingerprint
 from connector.config import ConnectorSettings
 from connector.errors import ConfigError
+from connector.kv_events import kv_events_of
 from connector.metadata import PdgateMetadata, PdgateWorkerMetadata, skew_margin
 from connector.scheduler.decode import DecodeSide, Identity
 from connector.scheduler.lookups import Lookups
@@ -121,6 +122,7 @@ class ConnectorScheduler:
             ttl_s=max(3 * settings.heartbeat_s, 1.0),
             revision=settings.revision or None,
             kv=kv_identity_of(vllm_config),
+            kv_events=kv_events_of(vllm_config),
         )
         self.registrar = Registrar(make_sync(), self.me.instance_id, spec, settings.heartbeat_s)
         self.registrar.start()

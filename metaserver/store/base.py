@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from metaserver.kvindex.index import KVIndex
 from pdwire.models import BindingSpec, BindingState, MarkKind
 
 # Told of each binding created from now on, on any replica sharing the store; ``None`` when
@@ -234,6 +235,10 @@ class Store(abc.ABC):
         by any replica sharing the store — once the store's notifications flow (see
         ``notifications_live``); ``listener(None)`` when some may have been missed. Returns
         the call that stops it."""
+
+    @abc.abstractmethod
+    def kv_index(self) -> KVIndex:
+        """The KV-event index kept beside this store (``metaserver.kvindex``)."""
 
     async def notifications_live(self) -> None:  # noqa: B027 - always live in memory
         """Return once change notifications flow (Redis: its subscription is confirmed)."""

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from metaserver.errors import Conflict, NotFound, Unprocessable
+from metaserver.kvindex.index import KVIndex, MemoryKVIndex
 from metaserver.store.base import (
     MAX_EVENTS,
     BindingPut,
@@ -67,9 +68,13 @@ class MemoryStore(Store):
         self._writes = 0
         self._due: list[tuple[float, str]] = []  # a heap: the bindings by (past) expiry
         self._waiters = LocalWaiters()
+        self._kv_index = MemoryKVIndex()
 
     async def ping(self) -> None:
         return None
+
+    def kv_index(self) -> KVIndex:
+        return self._kv_index
 
     # ---- bindings -------------------------------------------------------------------------
     def _live_binding(self, transfer_id: str) -> _Binding | None:

@@ -33,6 +33,8 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from metaserver.errors import Conflict, NotFound, StoreUnavailable, Unprocessable
+from metaserver.kvindex.index import KVIndex
+from metaserver.kvindex.redis_index import RedisKVIndex
 from metaserver.store import redis_scripts as lua
 from metaserver.store.base import (
     MAX_EVENTS,
@@ -91,6 +93,7 @@ class RedisStore(Store):
             health_check_interval=10,
         )
         self._r = aioredis.Redis(connection_pool=self._pool)
+        self._kv_index: RedisKVIndex | None = None
         self._put_binding = self._r.register_script(lua.PUT_BINDING)
         self._add_event = self._r.register_script(lua.ADD_EVENT)
         self._read_binding = self._r.register_script(lua.READ_BINDING)
@@ -123,6 +126,11 @@ class RedisStore(Store):
             await _cancel_until_done(self._listener)
         await self._r.aclose()
         await close_pool(self._pool)
+
+    def kv_index(self) -> KVIndex:
+        if self._kv_index is None:
+            self._kv_index = RedisKVIndex(self._r, self._ns)
+        return self._kv_index
 
     async def ping(self) -> None:
         await self._call(self._r.ping)

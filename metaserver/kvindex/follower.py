@@ -1,0 +1,174 @@
+"""One engine's KV event stream into the index.
+
+A SUB socket receives ``(topic, seq, payload)``. The follower keeps the next sequence number it
+expects: a batch already seen (a replay overlapping the live stream) is skipped; a gap is asked
+again from the engine's replay socket (``ZmqEventPublisher``'s ROUTER). When replay cannot give
+every missed batch (no replay socket, a timeout, or the engine's buffer already moved past them)
+the instance's entries are dropped and rebuilt from what replay still holds: the index may then
+miss blocks, but never names one the engine evicted. A sequence number back at 0 means the engine
+restarted (its cache is empty): the same rebuild. On start the follower replays from 0, so a
+metaserver that starts after its engines learns what they already hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from metaserver.kvindex.index import Change, KVIndex, Op
+from pdwire.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    block_key,
+    decode_batch,
+    is_cache_event,
+    seq_frame,
+    seq_of,
+)
+
+log = logging.getLogger("pdgate.metaserver.kvindex")
+REPLAY_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where an instance publishes (``pdwire.models.KVEventsEndpoint``, host resolved)."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+
+
+@dataclass(slots=True)
+class FollowerStats:
+    batches: int = 0
+    skipped: int = 0  # seen already
+    replays: int = 0
+    rebuilds: int = 0  # events lost: entries dropped and rebuilt
+    bad: int = 0  # payloads that were not event batches
+    last_seq: int = -1
+
+
+def changes_of(payload: bytes) -> list[Change]:
+    """The index changes of one batch (raises ``msgspec.DecodeError`` on a bad payload)."""
+    out: list[Change] = []
+    for ev in decode_batch(payload).events:
+        if isinstance(ev, BlockStored):
+            if is_cache_event(ev.medium):
+                out.append(Change(Op.STORE, [block_key(h) for h in ev.block_hashes]))
+        elif isinstance(ev, BlockRemoved):
+            if is_cache_event(ev.medium):
+                out.append(Change(Op.REMOVE, [block_key(h) for h in ev.block_hashes]))
+        elif isinstance(ev, AllBlocksCleared):
+            out.append(Change(Op.CLEAR))
+    return out
+
+
+@dataclass
+class Follower:
+    instance_id: str
+    source: Source
+    index: KVIndex
+    ctx: zmq.asyncio.Context
+    replay_timeout_s: float = REPLAY_TIMEOUT_S
+    stats: FollowerStats = field(default_factory=FollowerStats)
+    _next: int | None = None
+
+    async def run(self) -> None:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
+        sub.connect(self.source.endpoint)
+        log.info("following KV events of %s at %s", self.instance_id, self.source.endpoint)
+        try:
+            await self._rebuild(first=True)
+            while True:
+                frames = await sub.recv_multipart()
+                if len(frames) != 3:
+                    self.stats.bad += 1
+                    continue
+                await self._on_batch(seq_of(frames[1]), frames[2])
+        finally:
+            sub.close(0)
+
+    async def _on_batch(self, seq: int, payload: bytes) -> None:
+        expected = self._next
+        if expected is not None and seq < expected:
+            if seq == 0 and expected > 1:  # the engine restarted: its cache is empty
+                log.info("KV events of %s restarted at 0: rebuilding", self.instance_id)
+                await self.index.drop(self.instance_id)
+                self._next = None
+                await self._apply(seq, payload)
+                return
+            self.stats.skipped += 1
+            return
+        if expected is not None and seq > expected:
+            await self._catch_up(expected)
+            if self._next is not None and seq < self._next:
+                self.stats.skipped += 1
+                return
+        await self._apply(seq, payload)
+
+    async def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            changes = changes_of(payload)
+        except msgspec.DecodeError:
+            self.stats.bad += 1
+            log.warning("KV events of %s: batch %d is not an event batch", self.instance_id, seq)
+            changes = []
+        if changes:
+            await self.index.apply(self.instance_id, changes)
+        self.stats.batches += 1
+        self.stats.last_seq = seq
+        self._next = seq + 1
+
+    async def _catch_up(self, start: int) -> None:
+        """Batches ``start``… from the replay socket; a rebuild where they are gone."""
+        batches = await self._replay(start)
+        if batches is None or not batches or batches[0][0] != start:
+            log.warning(
+                "KV events of %s: batches from %d lost: rebuilding its entries",
+                self.instance_id, start,
+            )  # fmt: skip
+            await self._rebuild(first=False)
+            return
+        for seq, payload in batches:
+            await self._apply(seq, payload)
+
+    async def _rebuild(self, *, first: bool) -> None:
+        await self.index.drop(self.instance_id)
+        if not first:
+            self.stats.rebuilds += 1
+        self._next = None
+        for seq, payload in await self._replay(0) or []:
+            await self._apply(seq, payload)
+
+    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """Every buffered batch from ``start`` (``None``: no replay socket, or no answer)."""
+        if self.source.replay_endpoint is None:
+            return None
+        self.stats.replays += 1
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.source.replay_endpoint)
+        out: list[tuple[int, bytes]] = []
+        try:
+            await sock.send_multipart((b"", seq_frame(start)))
+            while True:
+                if not await sock.poll(int(self.replay_timeout_s * 1000)):
+                    log.warning("KV events of %s: replay timed out", self.instance_id)
+                    return None
+                frames = await sock.recv_multipart()
+                if len(frames) != 4:
+                    continue
+                seq = seq_of(frames[2])
+                if seq == -1:
+                    return out
+                out.append((seq, frames[3]))
+        finally:
+            sock.close(0)

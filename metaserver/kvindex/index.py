@@ -1,0 +1,106 @@
+"""``KVIndex``: ``instance → block keys`` with longest-prefix matching, and its in-memory form.
+
+Keys are ``pdwire.kv_events.block_key`` values (64 bits). Each instance's entries are bounded
+(``max_blocks``, well above any engine's block count): stores past it are dropped and counted,
+which can only make matches shorter, never wrong.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+DEFAULT_MAX_BLOCKS = 1_000_000
+
+
+class Op(enum.Enum):
+    STORE = "store"
+    REMOVE = "remove"
+    CLEAR = "clear"
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    op: Op
+    keys: Sequence[int] = ()
+
+
+class KVIndex(abc.ABC):
+    description: str
+
+    @abc.abstractmethod
+    async def apply(self, instance_id: str, changes: Sequence[Change]) -> None:
+        """Apply one batch of an instance's events, in order."""
+
+    @abc.abstractmethod
+    async def drop(self, instance_id: str) -> None:
+        """Forget the instance (it left, restarted, or its stream lost events)."""
+
+    @abc.abstractmethod
+    async def match(self, keys: Sequence[int], instance_ids: Iterable[str]) -> dict[str, int]:
+        """Per instance: how many of ``keys``, from the first, it holds."""
+
+    @abc.abstractmethod
+    async def sizes(self) -> dict[str, int]:
+        """Entries per indexed instance."""
+
+    async def lead(self, me: str, ttl_s: float) -> bool:
+        """Whether ``me`` follows the engines (one metaserver does; a lease of ``ttl_s``)."""
+        return True
+
+    async def touch(self, instance_id: str) -> None:  # noqa: B027 - nothing expires in memory
+        """Keep the instance's entries (a shared index expires what nobody follows)."""
+
+    @property
+    @abc.abstractmethod
+    def dropped(self) -> int:
+        """Stores dropped because an instance was at ``max_blocks`` (this process)."""
+
+
+class MemoryKVIndex(KVIndex):
+    description = "memory"
+
+    def __init__(self, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+        self._blocks: dict[str, set[int]] = {}
+        self._max = max_blocks
+        self._dropped = 0
+
+    async def apply(self, instance_id: str, changes: Sequence[Change]) -> None:
+        held = self._blocks.setdefault(instance_id, set())
+        for change in changes:
+            if change.op is Op.STORE:
+                room = self._max - len(held)
+                keys = change.keys
+                if len(keys) > room:
+                    self._dropped += len(keys) - max(room, 0)
+                    keys = keys[: max(room, 0)]
+                held.update(keys)
+            elif change.op is Op.REMOVE:
+                held.difference_update(change.keys)
+            else:
+                held.clear()
+
+    async def drop(self, instance_id: str) -> None:
+        self._blocks.pop(instance_id, None)
+
+    async def match(self, keys: Sequence[int], instance_ids: Iterable[str]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for iid in instance_ids:
+            held = self._blocks.get(iid)
+            n = 0
+            if held:
+                for k in keys:
+                    if k not in held:
+                        break
+                    n += 1
+            out[iid] = n
+        return out
+
+    async def sizes(self) -> dict[str, int]:
+        return {iid: len(held) for iid, held in self._blocks.items()}
+
+    @property
+    def dropped(self) -> int:
+        return self._dropped

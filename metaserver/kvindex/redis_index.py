@@ -1,0 +1,153 @@
+"""The KV-event index in Redis: one SET of 8-byte block keys per instance, shared by every
+metaserver replica (``<ns>:kv:<instance>``, and ``<ns>:kvi`` listing the indexed instances).
+
+Writes are pipelined in event order; a store goes through a script that respects the per-instance
+bound. Each key carries a TTL that the following metaserver renews (``touch``), so an index
+nobody follows any more expires by itself. A match is one pipelined ``SMISMEMBER`` per candidate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from metaserver.errors import StoreUnavailable
+from metaserver.kvindex.index import DEFAULT_MAX_BLOCKS, Change, KVIndex, Op
+
+_CHUNK = 1000  # keys per command (Lua's stack bounds the script's arguments)
+_STORE = """
+local room = tonumber(ARGV[1]) - redis.call('SCARD', KEYS[1])
+local n = #ARGV - 2
+if room > 0 then
+  local last = math.min(n, room) + 2
+  redis.call('SADD', KEYS[1], unpack(ARGV, 3, last))
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return n - (last - 2)
+end
+return n
+"""
+
+_LEAD = """
+local holder = redis.call('GET', KEYS[1])
+if holder == false or holder == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
+def _member(key: int) -> bytes:
+    return key.to_bytes(8, "big")
+
+
+class RedisKVIndex(KVIndex):
+    def __init__(
+        self,
+        r: aioredis.Redis,
+        namespace: str,
+        *,
+        ttl_s: float = 600.0,
+        max_blocks: int = DEFAULT_MAX_BLOCKS,
+    ) -> None:
+        self.description = f"redis (namespace {namespace!r})"
+        self._r = r
+        self._ns = namespace
+        self._ttl_ms = int(ttl_s * 1000)
+        self._max = max_blocks
+        self._store = r.register_script(_STORE)
+        self._lead = r.register_script(_LEAD)
+        self._dropped = 0
+
+    def _key(self, instance_id: str) -> str:
+        return f"{self._ns}:kv:{instance_id}"
+
+    async def apply(self, instance_id: str, changes: Sequence[Change]) -> None:
+        key = self._key(instance_id)
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                pipe.sadd(f"{self._ns}:kvi", instance_id)
+                scripts: list[int] = []  # positions of the store scripts' replies
+                calls = 1
+                for change in changes:
+                    if change.op is Op.CLEAR:
+                        pipe.delete(key)
+                        calls += 1
+                        continue
+                    for i in range(0, len(change.keys), _CHUNK):
+                        members = [_member(k) for k in change.keys[i : i + _CHUNK]]
+                        if change.op is Op.STORE:
+                            await self._store(  # queued in the pipeline
+                                keys=[key], args=[self._max, self._ttl_ms, *members], client=pipe
+                            )
+                            scripts.append(calls)
+                        else:
+                            pipe.srem(key, *members)
+                        calls += 1
+                results = await pipe.execute()
+        except RedisError as exc:
+            raise StoreUnavailable(f"KV index: {exc}") from exc
+        self._dropped += sum(int(results[i]) for i in scripts)
+
+    async def drop(self, instance_id: str) -> None:
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                pipe.delete(self._key(instance_id))
+                pipe.srem(f"{self._ns}:kvi", instance_id)
+                await pipe.execute()
+        except RedisError as exc:
+            raise StoreUnavailable(f"KV index: {exc}") from exc
+
+    async def lead(self, me: str, ttl_s: float) -> bool:
+        try:
+            won = await self._lead(keys=[f"{self._ns}:kvlead"], args=[me, int(ttl_s * 1000)])
+        except RedisError as exc:
+            raise StoreUnavailable(f"KV index: {exc}") from exc
+        return bool(won)
+
+    async def touch(self, instance_id: str) -> None:
+        """Renew the instance's entries' TTL (the follower does, while it follows)."""
+        try:
+            await self._r.pexpire(self._key(instance_id), self._ttl_ms)
+        except RedisError as exc:
+            raise StoreUnavailable(f"KV index: {exc}") from exc
+
+    async def match(self, keys: Sequence[int], instance_ids: Iterable[str]) -> dict[str, int]:
+        ids = list(instance_ids)
+        if not keys or not ids:
+            return dict.fromkeys(ids, 0)
+        members = [_member(k) for k in keys]
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                for iid in ids:
+                    pipe.smismember(self._key(iid), members)
+                found = await pipe.execute()
+        except RedisError as exc:
+            raise StoreUnavailable(f"KV index: {exc}") from exc
+        out: dict[str, int] = {}
+        for iid, flags in zip(ids, found, strict=True):
+            n = 0
+            for flag in flags:
+                if not flag:
+                    break
+                n += 1
+            out[iid] = n
+        return out
+
+    async def sizes(self) -> dict[str, int]:
+        try:
+            members = await self._r.smembers(f"{self._ns}:kvi")
+            ids = sorted(m.decode() if isinstance(m, bytes) else m for m in members)
+            async with self._r.pipeline(transaction=False) as pipe:
+                for iid in ids:
+                    pipe.scard(self._key(iid))
+                counts = await pipe.execute()
+        except RedisError as exc:
+            raise StoreUnavailable(f"KV index: {exc}") from exc
+        return {iid: int(n) for iid, n in zip(ids, counts, strict=True) if n}
+
+    @property
+    def dropped(self) -> int:
+        return self._dropped
