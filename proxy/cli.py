@@ -77,6 +77,8 @@ def build_parser() -> SettingsParser[ProxySettings]:
     policies = sorted(POLICIES)
     opt("--prefill-policy", "prefill_policy", choices=policies)
     opt("--decode-policy", "decode_policy", choices=policies)
+    opt("--tokenizer", "tokenizer")
+    opt("--kv-hash-seed", "kv_hash_seed")
     opt("--api-key", "api_keys", action="append", metavar="KEY")
     opt("--admin-key", "admin_keys", action="append", metavar="KEY")
     opt("--retries", "retries", int)

@@ -107,6 +107,15 @@ class ProxySettings(LayeredSettings, TlsListener):
     # selection
     prefill_policy: str = Field("least_load", description="prefill selection policy")
     decode_policy: str = Field("least_load", description="decode selection policy")
+    tokenizer: str | None = Field(
+        None,
+        description="the served model's tokenizer (a local directory): the kv policy tokenizes "
+        "prompts with it and its chat template, as the engines do",
+    )
+    kv_hash_seed: str = Field(
+        "vllm-none-hash",
+        description="the engines' PYTHONHASHSEED when they set one (vLLM's default seed if not)",
+    )
 
     # resilience
     retries: int = Field(2, ge=0, le=10, description="extra attempts before the first byte")
@@ -223,7 +232,17 @@ class ProxySettings(LayeredSettings, TlsListener):
             raise ValueError("metaserver discovery needs --metaserver")
         if self.flow in _NEEDS_METASERVER and not self.metaserver:
             raise ValueError(f"flow {self.flow} needs --metaserver")
+        if "kv" in (self.prefill_policy, self.decode_policy) and not (
+            self.metaserver and self.tokenizer
+        ):
+            raise ValueError(
+                "the kv policy needs --metaserver (its KV-event index) and --tokenizer"
+            )
         return self
+
+    @property
+    def kv_routing(self) -> bool:
+        return "kv" in (self.prefill_policy, self.decode_policy)
 
     def ascend_urls(self) -> Callable[[str], str]:
         """``X-Request-Id`` → where vllm-ascend D engines POST that request's blocks (the

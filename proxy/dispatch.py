@@ -28,6 +28,7 @@ from proxy.policies.prefix import PrefixAware
 from proxy.rewrite import ClientRequest
 
 if TYPE_CHECKING:
+    from proxy.kvroute.lookup import KVLookup
     from proxy.tracing import RequestSpan
 
 log = logging.getLogger("pdgate.proxy")
@@ -47,6 +48,16 @@ class Decider:
             for name in ("disaggregate", "short_prompt", "cached", "direct")
         }
 
+    def _cached_share(self, info: RequestInfo, d: Instance) -> float:
+        """The share of the prompt's blocks D holds: by the KV-event index when the request
+        was matched against it, else by what the ``prefix`` policy sent D."""
+        if info.kv is not None:
+            m = info.kv.get(d.url)
+            return m.blocks / m.of if m is not None and m.of else 0.0
+        if self._prefix is not None and info.hashes:
+            return self._prefix.matched_blocks(d, info) / len(info.hashes)
+        return 0.0
+
     def decide(self, flow: FlowName, info: RequestInfo, d: Instance) -> FlowName:
         if flow == FlowName.DIRECT:
             self._counts["direct"].inc()
@@ -54,11 +65,9 @@ class Decider:
         if self._min_tokens and info.tokens < self._min_tokens:
             self._counts["short_prompt"].inc()
             return FlowName.DIRECT
-        if self._ratio and self._prefix is not None and info.hashes:
-            matched = self._prefix.matched_blocks(d, info)
-            if matched / len(info.hashes) >= self._ratio:
-                self._counts["cached"].inc()
-                return FlowName.DIRECT
+        if self._ratio and self._cached_share(info, d) >= self._ratio:
+            self._counts["cached"].inc()
+            return FlowName.DIRECT
         self._counts["disaggregate"].inc()
         return flow
 
@@ -86,6 +95,7 @@ class Dispatcher:
         backoff: Backoff,
         ids: IdMaker | None = None,
         guard: PairGuard | None = None,
+        kv: KVLookup | None = None,
     ) -> None:
         self._registry = registry
         self._flows = flows
@@ -97,6 +107,7 @@ class Dispatcher:
         self._backoff = backoff
         self._ids = ids or IdMaker("pd")
         self._guard = guard
+        self._kv = kv  # KV-event routing: each request matched against the index first
         self._ok: weakref.WeakKeyDictionary[Instance, Any] = weakref.WeakKeyDictionary()
         self._told: set[tuple[str, str, str]] = set()  # (P, D, reason): logged once per pair
 
@@ -139,6 +150,8 @@ class Dispatcher:
         instance URLs not to choose while others are available."""
 
         info = RequestInfo(req.prompt, req.tokens)
+        if self._kv is not None:
+            await self._annotate(info, req, trace)
         avoid = set(avoiding)
         attempt = 0
         while True:
@@ -157,8 +170,9 @@ class Dispatcher:
                     chosen, impl = FlowName.DIRECT, self._flows[FlowName.DIRECT]
             a = Attempt(req, info, path, d, p, self._ids.next(), trace)
             d.acquire(info.tokens)
+            p_load = 0 if p is None else info.uncached(p)  # P's load: the tokens it computes
             if p is not None:  # reserved now, so a burst's later picks already see it
-                p.acquire(info.tokens)
+                p.acquire(p_load)
             transfer = self._metrics.transfers.start() if p is not None else None
             try:
                 up = await impl.open(a)
@@ -167,7 +181,7 @@ class Dispatcher:
                     self._metrics.transfers.end(transfer)
                 d.release(info.tokens)
                 if p is not None:
-                    p.release(info.tokens)
+                    p.release(p_load)
                 self._charge(exc, d, p)
                 give_up = not exc.retryable or attempt >= self._retries
                 log.warning(
@@ -192,13 +206,13 @@ class Dispatcher:
             except BaseException:
                 d.release(info.tokens)
                 if p is not None:
-                    p.release(info.tokens)
+                    p.release(p_load)
                 raise
             finally:
                 if transfer is not None:
                     self._metrics.transfers.end(transfer)
             if p is not None:
-                p.release(info.tokens)  # its leg is over once D's first byte is in
+                p.release(p_load)  # its leg is over once D's first byte is in
             d.circuit.record(True)
             self._d_policy.on_routed(d, info)
             self._count_ok(d)
@@ -208,6 +222,22 @@ class Dispatcher:
                 self._p_policy.on_routed(p, info)
                 self._count_ok(p)
             return up, d, chosen
+
+    async def _annotate(
+        self, info: RequestInfo, req: ClientRequest, trace: RequestSpan | None
+    ) -> None:
+        assert self._kv is not None
+        reg = self._registry
+        instances = [*reg.available(Role.PREFILL), *reg.available(Role.DECODE)]
+        await self._kv.annotate(info, req.body, req.chat, instances)
+        req.tokens = info.tokens  # exact once tokenized; D's load is released by this count
+        if trace is not None and info.kv is not None:
+            trace.event(
+                "kv_match",
+                {"pdgate.prompt_tokens": info.tokens,
+                 "pdgate.kv.matched": " ".join(
+                     f"{url}={m.blocks}/{m.of}" for url, m in info.kv.items())},
+            )  # fmt: skip
 
     def _pairs(self, p: Instance, d: Instance) -> bool:
         """``pairs``, with each registered pair that cannot push logged once (the metric

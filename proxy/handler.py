@@ -251,7 +251,7 @@ class CompletionsHandler:
         tape = self._migrator.tape(req)
         try:
             first, at.d, used = await rt.dispatcher.open(req, scope["path"], flow, span)
-            at.up = first
+            at.up, at.held = first, req.tokens  # exact once the kv policy tokenized it
             if self._marks and first.binding_tracked and rt.events is not None:  # not awaited
                 rt.events.mark(first.tid, MarkKind.FIRST_TOKEN, time.perf_counter() - t0)
             headers = [(b"content-type", first.content_type), *extra]

@@ -257,6 +257,12 @@ class Metrics:
         self.decisions = counter(
             "pd_decision_total", "disaggregate or not, and why", ["decision"], registry=r
         )
+        self.kv_lookups = counter(
+            "pd_kv_lookups_total",
+            "requests matched against the KV-event index (kv policy), by outcome",
+            ["outcome"],
+            registry=r,
+        )
         self.instance_requests = counter(
             "pd_instance_requests_total", "legs sent to each instance by outcome",
             ["role", "instance", "outcome"], registry=r,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -45,6 +45,9 @@ from proxy.policies import make_policy
 from proxy.policies.prefix import PrefixAware
 from proxy.tracing import ProxyTracer, build_tracer
 
+if TYPE_CHECKING:
+    from proxy.kvroute.lookup import KVLookup
+
 log = logging.getLogger("pdgate.proxy")
 
 
@@ -73,6 +76,7 @@ class Runtime:
         self.ids = IdMaker("pd")  # transfer ids; the binding feed asks for this prefix
         self.bindings: BindingSource | None = None
         self.canaries: Canaries | None = None  # wired with --canary-interval > 0
+        self.kv: KVLookup | None = None  # the kv policy's index lookups (built by ``start``)
 
     async def start(self) -> None:
         s = self.settings
@@ -98,6 +102,14 @@ class Runtime:
                 max_idle_per_origin=s.max_connections,
             )
             backend = NativeBackend(pools, idle_timeout_s=s.idle_timeout_s, fallback=backend)
+        if s.kv_routing and self.kv is None:
+            assert s.tokenizer is not None and self.metaserver is not None and s.metaserver
+            from proxy.kvroute.lookup import KVLookup, MetaserverMatcher
+            from proxy.kvroute.tokens import HFTokenizer
+
+            tok = await asyncio.to_thread(HFTokenizer, s.tokenizer)
+            matcher = MetaserverMatcher(self.session, s.metaserver, token)
+            self.kv = KVLookup(tok, matcher, s.kv_hash_seed, self.metrics.kv_lookups.labels)
         self.wire(backend, self.metaserver)
         source = self._discovery_source()
         try:
@@ -177,6 +189,7 @@ class Runtime:
             backoff=Backoff(base=s.backoff_base_s, cap=s.backoff_cap_s),
             ids=self.ids,
             guard=guard,
+            kv=self.kv,
         )
 
     def _discovery_source(self) -> DiscoverySource:
@@ -197,6 +210,8 @@ class Runtime:
                 await task
         if self.events is not None:
             await self.events.drain()
+        if self.kv is not None:
+            self.kv.close()
         if self.backend is not None:
             await self.backend.close()
         if self.session is not None:

@@ -1,13 +1,15 @@
 """Selection policies: one small module each, one interface (``Policy``), one registry.
 
-``make_policy("least_load")``; names: round_robin, random, power_of_two, least_load, prefix.
+``make_policy("least_load")``; names: round_robin, random, power_of_two, least_load, prefix,
+kv.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from proxy.policies.base import Policy, RequestInfo
+from proxy.policies.base import KVMatch, Policy, RequestInfo
+from proxy.policies.kv import KVAware
 from proxy.policies.least_load import LeastLoad
 from proxy.policies.power_of_two import PowerOfTwo
 from proxy.policies.prefix import PrefixAware
@@ -20,6 +22,7 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "power_of_two": PowerOfTwo,
     "least_load": LeastLoad,
     "prefix": PrefixAware,
+    "kv": KVAware,
 }
 
 
@@ -30,4 +33,4 @@ def make_policy(name: str) -> Policy:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
 
 
-__all__ = ["POLICIES", "Policy", "RequestInfo", "make_policy"]
+__all__ = ["POLICIES", "KVMatch", "Policy", "RequestInfo", "make_policy"]

@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from proxy.instances import Instance
 
 
-class RequestInfo:
-    """What policies may look at: estimated prompt tokens and prefix block hashes (lazy)."""
+@dataclass(frozen=True, slots=True)
+class KVMatch:
+    """What one candidate's prefix cache holds of the prompt (``proxy.kvroute``)."""
 
-    __slots__ = ("_hashes", "prompt", "tokens")
+    blocks: int  # leading blocks held
+    of: int  # the prompt's full blocks
+    tokens: int  # tokens those blocks cover
+
+
+class RequestInfo:
+    """What policies may look at: prompt tokens (estimated, exact once tokenized), prefix block
+    hashes of the text (lazy), and with KV-event routing each candidate's real cache hits."""
+
+    __slots__ = ("_hashes", "kv", "prompt", "tokens")
 
     BLOCK_CHARS = 256  # ≈ 64 tokens per hashed block
 
@@ -19,6 +30,15 @@ class RequestInfo:
         self.prompt = prompt
         self.tokens = tokens
         self._hashes: list[int] | None = None
+        self.kv: dict[str, KVMatch] | None = None  # by instance url
+
+    def uncached(self, inst: Instance) -> int:
+        """The prompt tokens ``inst`` would compute (all of them when its cache is unknown)."""
+        if self.kv is not None:
+            m = self.kv.get(inst.url)
+            if m is not None:
+                return max(self.tokens - m.tokens, 0)
+        return self.tokens
 
     @property
     def hashes(self) -> list[int]:

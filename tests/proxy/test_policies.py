@@ -38,7 +38,7 @@ INFO = RequestInfo("hello", 2)
 
 
 def test_registry_knows_every_policy_and_rejects_unknown() -> None:
-    assert set(POLICIES) == {"round_robin", "random", "power_of_two", "least_load", "prefix"}
+    assert set(POLICIES) == {"round_robin", "random", "power_of_two", "least_load", "prefix", "kv"}
     for name in POLICIES:
         assert make_policy(name).name == name
     with pytest.raises(ValueError, match="unknown policy 'nope'"):

@@ -1,0 +1,140 @@
+"""Once per request: its block keys, and how many of them each candidate's cache holds.
+
+The keys are computed per hashing configuration the candidates registered (block size and
+algorithm, ``InstanceSpec.kv_events``), with the seed the engines use (``--kv-hash-seed``:
+their ``PYTHONHASHSEED``, vLLM's fixed default when unset). Tokenizing and hashing run in one
+worker thread (never on the event loop); the match is one ``POST /v1/kv/match``. Any failure
+leaves the request unannotated: the policies then choose as ``least_load`` would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+import msgspec
+
+from pdwire.block_hash import BlockHasher
+from pdwire.models import KV_MATCH_MAX_KEYS, KV_MATCH_PATH
+from proxy.instances import Instance
+from proxy.kvroute.tokens import Tokenizer, token_ids_of
+from proxy.policies.base import KVMatch, RequestInfo
+
+log = logging.getLogger("pdgate.proxy.kv")
+MATCH_TIMEOUT_S = 0.5
+
+
+class Matcher(Protocol):
+    async def match(self, keys: Sequence[int], instance_ids: Sequence[str]) -> dict[str, int]:
+        """Per instance, the leading ``keys`` its cache holds; raises on any failure."""
+        ...
+
+
+class _MatchOut(msgspec.Struct):
+    matched: dict[str, int]
+
+
+class MetaserverMatcher:
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, token: str | None) -> None:
+        self._session = session
+        self._url = base_url.rstrip("/") + KV_MATCH_PATH
+        self._headers = {"Content-Type": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._timeout = aiohttp.ClientTimeout(total=MATCH_TIMEOUT_S)
+
+    async def match(self, keys: Sequence[int], instance_ids: Sequence[str]) -> dict[str, int]:
+        body = msgspec.json.encode({"keys": keys, "instances": instance_ids})
+        async with self._session.post(
+            self._url, data=body, headers=self._headers, timeout=self._timeout
+        ) as r:
+            raw = await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"metaserver answered {r.status}: {raw[:200]!r}")
+        return msgspec.json.decode(raw, type=_MatchOut).matched
+
+
+@dataclass(frozen=True, slots=True)
+class _Scheme:
+    block_size: int
+    algo: str
+
+
+class KVLookup:
+    def __init__(
+        self, tokenizer: Tokenizer, matcher: Matcher, seed: str, counts: Any = None
+    ) -> None:
+        self._tok = tokenizer
+        self._matcher = matcher
+        self._seed = seed
+        self._hashers: dict[_Scheme, BlockHasher] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdgate-kv")
+        self._counts = counts  # metrics: outcome -> counter (None in tests)
+        self.spent_s = 0.0  # tokenizing and hashing, all requests
+
+    def _count(self, outcome: str) -> None:
+        if self._counts is not None:
+            self._counts(outcome).inc()
+
+    async def annotate(
+        self, info: RequestInfo, body: dict[str, Any], chat: bool, instances: Sequence[Instance]
+    ) -> None:
+        by_scheme: dict[_Scheme, list[Instance]] = {}
+        for inst in instances:
+            ev = inst.spec.kv_events if inst.spec is not None else None
+            if ev is not None:
+                by_scheme.setdefault(_Scheme(ev.block_size, ev.hash_algo), []).append(inst)
+        if not by_scheme:
+            self._count("no_index")
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            keyed = await loop.run_in_executor(self._pool, self._keys, body, chat, list(by_scheme))
+        except Exception as exc:  # a template or tokenizer error: route without the index
+            log.debug("request not hashed: %s", exc)
+            keyed = None
+        if keyed is None:
+            self._count("unsupported")
+            return
+        count, keys = keyed
+        info.tokens = count  # exact now
+        matched: dict[str, KVMatch] = {}
+        try:
+            for scheme, members in by_scheme.items():
+                got = await self._matcher.match(keys[scheme], [m.id for m in members])
+                for m in members:
+                    n = got.get(m.id, 0)
+                    matched[m.url] = KVMatch(n, len(keys[scheme]), n * scheme.block_size)
+        except Exception as exc:
+            log.debug("KV index not asked: %s", exc)
+            self._count("failed")
+            return
+        info.kv = matched
+        self._count("matched" if any(m.blocks for m in matched.values()) else "no_match")
+
+    def _keys(
+        self, body: dict[str, Any], chat: bool, schemes: list[_Scheme]
+    ) -> tuple[int, dict[_Scheme, list[int]]] | None:
+        started = time.perf_counter()
+        ids = token_ids_of(self._tok, body, chat)
+        if ids is None:
+            return None
+        out: dict[_Scheme, list[int]] = {}
+        for scheme in schemes:
+            hasher = self._hashers.get(scheme)
+            if hasher is None:
+                hasher = self._hashers[scheme] = BlockHasher(
+                    scheme.block_size, scheme.algo, self._seed
+                )
+            out[scheme] = hasher.keys(ids, limit=KV_MATCH_MAX_KEYS)
+        self.spent_s += time.perf_counter() - started
+        return len(ids), out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,219 @@
+"""The kv policy in memory: each request's block keys matched against a real
+``MemoryKVIndex`` (the metaserver's), P chosen by uncached load, D by hits within its slack,
+fallbacks when the index cannot help. Tokens are characters here (a tokenizer double); the
+real tokenizer and hashing are checked against vLLM in tests/pdwire and tests/e2e."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from metaserver.kvindex import Change, MemoryKVIndex, Op
+from pdwire.block_hash import BlockHasher
+from pdwire.models import Instance as Registered
+from pdwire.models import KVEvents
+from proxy.config import Flow
+from proxy.instances import Instance
+from proxy.kvroute.lookup import KVLookup
+from proxy.kvroute.tokens import token_ids_of
+from proxy.mock import MockBackend, Reply
+from tests.proxy.inmemory import D_URL, P_URL, InMemoryProxy
+
+P2_URL = "http://p1:8101"
+D2_URL = "http://d1:8201"
+BLOCK = 4
+PROMPT = "The quick brown fox " * 8  # 160 characters: 40 blocks
+
+
+class CharTokenizer:
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return [ord(c) for c in text]
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        return "".join(str(m.get("content") or "") for m in messages)
+
+
+class IndexMatcher:
+    """The metaserver's ``POST /v1/kv/match`` without HTTP: the same index class."""
+
+    def __init__(self) -> None:
+        self.index = MemoryKVIndex()
+        self.calls = 0
+        self.fail = False
+
+    async def match(self, keys: Sequence[int], instance_ids: Sequence[str]) -> dict[str, int]:
+        self.calls += 1
+        if self.fail:
+            raise ConnectionError("metaserver unreachable")
+        return await self.index.match(keys, instance_ids)
+
+
+def keys_of(text: str) -> list[int]:
+    return BlockHasher(BLOCK).keys([ord(c) for c in text])
+
+
+def registered(iid: str, role: str, url: str) -> Registered:
+    now = time.time()
+    return Registered(
+        instance_id=iid, role=role, url=url, registered_at=now, last_heartbeat=now,
+        expires_at=now + 30, kv_events=KVEvents(port=5557, block_size=BLOCK),
+    )  # type: ignore[arg-type]  # fmt: skip
+
+
+def proxy(
+    gate: asyncio.Event | None = None, **settings: Any
+) -> tuple[InMemoryProxy, IndexMatcher, MockBackend]:
+    prefill = Reply.completion("x", kv_transfer_params={"k": 1})
+    backend = MockBackend(
+        {
+            "prefill": prefill if gate is None else prefill.after(gate),
+            "decode": Reply.completion("hi"),
+        }
+    )
+    px = InMemoryProxy(
+        backend,
+        Flow.PREFILL_FIRST,
+        prefill=[P_URL, P2_URL],
+        decode=[D_URL, D2_URL],
+        prefill_policy="kv",
+        decode_policy="kv",
+        tokenizer="unused: a double is wired",
+        **settings,
+    )
+    rt = px.runtime
+    rt.registry.apply_registry(
+        [
+            registered("p0", "prefill", P_URL),
+            registered("p1", "prefill", P2_URL),
+            registered("d0", "decode", D_URL),
+            registered("d1", "decode", D2_URL),
+        ]
+    )
+    matcher = IndexMatcher()
+    rt.kv = KVLookup(CharTokenizer(), matcher, "vllm-none-hash", rt.metrics.kv_lookups.labels)
+    rt.wire(backend, px.event_client)
+    return px, matcher, backend
+
+
+def inst(px: InMemoryProxy, url: str) -> Instance:
+    (found,) = [i for i in px.runtime.registry.instances() if i.url == url]
+    return found
+
+
+async def hold(m: IndexMatcher, iid: str, blocks: int) -> None:
+    await m.index.apply(iid, [Change(Op.STORE, keys_of(PROMPT)[:blocks])])
+
+
+def lookups(px: InMemoryProxy) -> dict[str, float]:
+    return {
+        s.labels["outcome"]: s.value
+        for fam in px.runtime.metrics.kv_lookups.collect()
+        for s in fam.samples
+        if s.name.endswith("_total")
+    }
+
+
+def urls(backend: MockBackend, leg: str) -> list[str]:
+    return [c.url for c in backend.calls_of(leg)]
+
+
+async def test_prefill_with_the_prefix_wins_while_it_is_not_busier() -> None:
+    px, m, backend = proxy()
+    await hold(m, "p1", 30)  # p1 holds 30 of the 40 blocks
+    await hold(m, "d1", 40)
+    assert (await px.send()).status == 200
+    assert urls(backend, "prefill") == [P2_URL]
+    assert urls(backend, "decode") == [D2_URL]  # both D idle: the one holding the prompt
+    assert lookups(px) == {"matched": 1.0}
+    # p1 now has 120 uncached tokens in flight elsewhere: 40 + 120 > 160 + 0 on p0
+    inst(px, P2_URL).acquire(121)
+    assert (await px.send()).status == 200
+    assert urls(backend, "prefill")[-1] == P_URL
+    inst(px, P2_URL).release(121)
+    await px.settle()
+
+
+async def test_prefill_load_counts_uncached_tokens() -> None:
+    gate = asyncio.Event()
+    px, m, backend = proxy(gate)
+    await hold(m, "p1", 30)
+    ex = px.request()
+    await backend.called("prefill", waiting=True)
+    assert inst(px, P2_URL).tokens == 160 - 30 * BLOCK  # what it computes, not the prompt
+    gate.set()
+    await ex.done()
+    assert inst(px, P2_URL).tokens == 0
+    await px.settle()
+
+
+async def test_decode_hits_count_only_within_the_slack() -> None:
+    px, m, backend = proxy()
+    await hold(m, "d1", 40)
+    for _ in range(3):
+        inst(px, D2_URL).acquire(0)  # d1 three streams busier than d0 (slack 2)
+    assert (await px.send()).status == 200
+    assert urls(backend, "decode") == [D_URL]
+    for _ in range(3):
+        inst(px, D2_URL).release(0)
+    await px.settle()
+
+
+@pytest.mark.parametrize("case", ["index_down", "tools", "cache_salt"])
+async def test_fallbacks_route_by_load(case: str) -> None:
+    """The index cannot help: P chosen by load (both idle: the first), not by the prefix."""
+    px, m, backend = proxy()
+    await hold(m, "p1", 40)
+    inst(px, P2_URL).acquire(1)  # by load p0; by the index p1
+    extra: dict[str, Any] = {}
+    if case == "index_down":
+        m.fail = True
+    elif case == "tools":  # a template input the proxy does not render
+        extra = {"tools": [{"type": "function", "function": {"name": "f"}}]}
+    else:
+        extra = {"cache_salt": "tenant-a"}  # part of the first block's hash
+    ex = await px.request(chat=case == "tools", extra=extra).done()
+    assert ex.status == 200
+    expected = {"index_down": "failed", "tools": "unsupported", "cache_salt": "unsupported"}
+    assert lookups(px) == {expected[case]: 1.0}
+    assert m.calls == (1 if case == "index_down" else 0)
+    assert urls(backend, "prefill") == [P_URL]
+    inst(px, P2_URL).release(1)
+    await px.settle()
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "expected"),
+    [
+        ({"prompt": "ab"}, False, [97, 98]),
+        ({"prompt": [5, 6, 7]}, False, [5, 6, 7]),
+        ({"prompt": ["ab", "cd"]}, False, None),  # several prompts
+        ({"prompt": [[1], [2]]}, False, None),
+        ({"messages": [{"role": "user", "content": "hi"}]}, True, [104, 105]),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, True, None),
+        ({"messages": [{"role": "user", "content": "hi"}], "chat_template": "x"}, True, None),
+    ],
+)
+def test_token_ids_of(body: dict[str, Any], chat: bool, expected: list[int] | None) -> None:
+    assert token_ids_of(CharTokenizer(), body, chat) == expected
+
+
+async def test_decode_holding_the_prompt_skips_prefill() -> None:
+    px, m, backend = proxy(cached_skip_ratio=0.9)
+    await hold(m, "d0", 40)
+    await hold(m, "d1", 10)
+    assert (await px.send()).status == 200
+    assert urls(backend, "prefill") == []
+    assert urls(backend, "decode") == [D_URL]
+    await px.settle()
+
+
+async def test_chat_is_hashed_as_rendered() -> None:
+    px, m, backend = proxy()
+    await hold(m, "p1", 40)  # CharTokenizer renders the one message as its content
+    assert (await px.request(chat=True).done()).status == 200
+    assert urls(backend, "prefill") == [P2_URL]
+    await px.settle()
