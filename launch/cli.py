@@ -93,6 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="first engine HTTP port (prefill first, then decode)",
     )
     p.add_argument("--side-channel-base-port", type=int, default=5600)
+    p.add_argument(
+        "--kv-routing",
+        action="store_true",
+        help="route on the engines' real prefix caches: engines publish KV events, the "
+        "metaserver indexes them, the proxy's kv policy reads the index",
+    )
+    p.add_argument(
+        "--kv-events-base-port",
+        type=int,
+        default=5700,
+        help="with --kv-routing: engine i publishes KV events on this + 2i (replay: + 1)",
+    )
     store = p.add_mutually_exclusive_group()
     store.add_argument("--redis", metavar="URL", help="metaserver store (default: in memory)")
     store.add_argument(
@@ -190,6 +202,8 @@ def options_from(
         kv_load_timeout_s=args.kv_load_timeout,
         extra_engine_args=tuple(args.engine_arg),
         extra_proxy_args=tuple(args.proxy_arg),
+        kv_events_base_port=args.kv_events_base_port if args.kv_routing else 0,
+        kv_routing=args.kv_routing,
     )
 
 

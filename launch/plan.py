@@ -111,6 +111,10 @@ class LaunchOptions:
     extra_connector_config: dict[str, object] = field(default_factory=dict)
     extra_engine_env: dict[str, str] = field(default_factory=dict)
     connector: Connector = "pdgate"
+    # KV cache events: each engine publishes on base + 2i (replay: + 1), the metaserver follows
+    # them into its index (0: off); ``kv_routing`` also has the proxy route on it (kv policy)
+    kv_events_base_port: int = 0
+    kv_routing: bool = False
 
 
 @dataclass(frozen=True)
@@ -223,7 +227,24 @@ def kv_transfer_config(
     )
 
 
-def engine_child(o: LaunchOptions, role: str, index: int, port: int, side_port: int) -> Child:
+def kv_events_config(port: int) -> str:
+    """vLLM's ``--kv-events-config``: a publisher bound on every interface at ``port``, its
+    replay socket at ``port + 1`` (what the connector registers, ``connector.kv_events``)."""
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{port}",
+            "replay_endpoint": f"tcp://*:{port + 1}",
+            "topic": "kv",
+        },
+        separators=(",", ":"),
+    )
+
+
+def engine_child(
+    o: LaunchOptions, role: str, index: int, port: int, side_port: int, events_port: int = 0
+) -> Child:
     name = f"{'prefill' if role == 'kv_producer' else 'decode'}-{index}"
     url = f"http://{o.host}:{port}"
     tp = o.tp_prefill if role == "kv_producer" else o.tp_decode
@@ -251,6 +272,8 @@ def engine_child(o: LaunchOptions, role: str, index: int, port: int, side_port: 
         argv += ["--max-num-batched-tokens", str(o.max_num_batched_tokens)]
     if o.block_size:
         argv += ["--block-size", str(o.block_size)]
+    if events_port:
+        argv += ["--kv-events-config", kv_events_config(events_port)]
     argv += list(o.extra_engine_args)
     env = dict(_DEVICE[o.device].env)
     if o.device == "cpu" and tp <= 1:
@@ -327,9 +350,19 @@ def write_private(path: Path, text: str, *, new: bool = False) -> None:
         f.write(text)
 
 
+def check_kv_events(o: LaunchOptions) -> None:
+    if o.kv_routing and not o.kv_events_base_port:
+        raise ValueError("--kv-routing needs the engines' KV events (--kv-events-base-port)")
+    if o.kv_events_base_port and o.connector != "pdgate":
+        raise ValueError("KV events are registered by pdgate's connector (--connector pdgate)")
+    if o.kv_routing and not (Path(o.model) / "tokenizer_config.json").exists():
+        raise ValueError("--kv-routing needs a local model directory (the proxy's tokenizer)")
+
+
 def build_plan(o: LaunchOptions) -> LaunchPlan:
     check_connector(o)
     check_pairing(o)
+    check_kv_events(o)
     bin_dir = Path(sys.executable).parent
     metaserver_url = f"http://{o.host}:{o.metaserver_port}"
     children = [
@@ -353,6 +386,9 @@ def build_plan(o: LaunchOptions) -> LaunchPlan:
             {"PD_METASERVER_TOKEN": o.token} if o.token else {},  # never in a process's argv
         )
     ]
+    if o.kv_events_base_port:
+        children[0].argv.append("--kv-events")
+    events = o.kv_events_base_port
     port = o.engine_base_port
     side = o.side_channel_base_port
     pool: list[str] = []  # vllm-ascend: the decode engines' side channels
@@ -364,7 +400,8 @@ def build_plan(o: LaunchOptions) -> LaunchPlan:
         ("kv_consumer", o.decode, decode_urls, o.tp_decode),
     ):
         for i in range(count):
-            child = engine_child(o, role, i, port, side)
+            child = engine_child(o, role, i, port, side, events)
+            events += 2 if events else 0
             child.env.update(device_env(o.device, first_device, max(tp, 1)))
             first_device += max(tp, 1)
             children.append(child)
@@ -391,6 +428,8 @@ def build_plan(o: LaunchOptions) -> LaunchPlan:
         proxy_argv += ["--prefill", url]
     for url in decode_urls:
         proxy_argv += ["--decode", url]
+    if o.kv_routing:
+        proxy_argv += ["--prefill-policy", "kv", "--decode-policy", "kv", "--tokenizer", o.model]
     proxy_argv += ["--flow-header", *o.extra_proxy_args]
     proxy_env = {"PD_PROXY_METASERVER_TOKEN": o.token} if o.token else {}
     children.append(Child("proxy", proxy_argv, proxy_url + "/health", proxy_env, kind="gate"))

@@ -21,6 +21,7 @@ from launch.plan import Child, build_plan
 from launch.supervisor import Supervisor, group_members
 from tests.e2e.stack import (
     ENGINE_ARGS,
+    KV_EVENTS_AT,
     PROXY_ARGS,
     Deployment,
     base_options,
@@ -73,6 +74,8 @@ class First:
             extra_engine_env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", **quick},
             extra_proxy_args=(*PROXY_ARGS, "--otlp-traces-endpoint", traces.url),
         )  # fmt: skip
+        # engines publish KV events, the metaserver indexes them (tests/e2e/test_kv_routing.py)
+        opts = replace(opts, kv_events_base_port=opts.proxy_port + KV_EVENTS_AT)
         plan = build_plan(opts)
         next(c for c in plan.children if c.name == "proxy").env.update(quick)
         plan.children[:] = [lowest(c) for c in plan.children]

@@ -30,6 +30,8 @@ ENGINE_ARGS: tuple[str, ...] = ("--enforce-eager",)
 PROXY_ARGS = ("--disagg-min-tokens", "0", "--decode-policy", "prefix", "--binding-marks")
 
 
+KV_EVENTS_AT = 48  # kv_events_base_port = proxy_port + this
+
 _SECRET: list[str] = []
 
 
@@ -44,8 +46,9 @@ def side_channel_secret() -> str:
 def base_options(model: Path, **over: object) -> LaunchOptions:
     opts = LaunchOptions(
         model=str(model),
-        # one block: proxy, metaserver, up to 14 engine HTTP ports, then 32 side-channel ports
-        proxy_port=(block := free_port_block(48)),
+        # one block: proxy, metaserver, up to 14 engine HTTP ports, then 32 side-channel ports,
+        # then 16 for KV events (used when a deployment sets kv_events_base_port: KV_EVENTS_AT)
+        proxy_port=(block := free_port_block(64)),
         metaserver_port=block + 1,
         engine_base_port=block + 2,
         side_channel_base_port=block + 16,

@@ -20,11 +20,13 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from launch.smollm2 import make_smollm2
+from proxy.kvroute.tokens import HFTokenizer, token_ids_of
 from tests.e2e.client import Generation, chat, client, complete
 from tests.e2e.conftest import SMOLLM2_CACHE, wait_smollm2_build
 from tests.e2e.engine_metrics import samples, wait_idle
@@ -141,6 +143,33 @@ def block_bytes(model: Path) -> int:
     c = json.loads((model / "config.json").read_text())
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * 4 * BLOCK_SIZE
+
+
+CHATS = [
+    [{"role": "user", "content": QUESTION}],
+    [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": "One reads the prompt, the other writes the answer."},
+        {"role": "user", "content": "And why run them apart?"},
+    ],
+]
+
+
+async def test_e2e_real_model_prompt_tokens_as_the_engine_makes_them(smollm2: RealStack) -> None:
+    """The kv policy's token ids (``proxy.kvroute.tokens`` on the model's own tokenizer and
+    chat template) are the engine's own (vLLM's ``/tokenize``), for text and for chats."""
+    tok = HFTokenizer(str(smollm2.path))
+    cases: list[tuple[dict[str, Any], bool]] = [({"prompt": PASSAGE}, False)]
+    cases += [({"messages": m}, True) for m in CHATS]
+    async with httpx.AsyncClient(base_url=smollm2.mono_url, timeout=60) as http:
+        for body, is_chat in cases:
+            ours = token_ids_of(tok, body, is_chat)
+            r = await http.post("/tokenize", json={"model": smollm2.model, **body})
+            assert r.status_code == 200, r.text
+            theirs = r.json()["tokens"]
+            assert ours is not None and ours == theirs, (body, ours, theirs[:16])
+            assert len(theirs) > 20
 
 
 async def test_e2e_prefill_killed_mid_push(smollm2: RealStack) -> None:

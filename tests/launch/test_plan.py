@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -257,3 +258,42 @@ def test_pd_launch_makes_a_private_key_or_refuses_a_bad_one_before_starting(
     short.write_text("short\n")
     with pytest.raises(SystemExit, match="shorter than 16 bytes"):
         cli.main(["--model", "m", "--side-channel-secret-file", str(short)])
+
+
+def test_plan_kv_routing(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "tokenizer_config.json").write_text("{}")
+    opts = LaunchOptions(model=str(model), prefill=2, decode=1, kv_events_base_port=5700)
+    plan = build_plan(replace(opts, kv_routing=True))
+    by = {c.name: c.argv for c in plan.children}
+    assert "--kv-events" in by["metaserver"]
+    endpoints = []
+    for name in ("prefill-0", "prefill-1", "decode-0"):
+        cfg = json.loads(by[name][by[name].index("--kv-events-config") + 1])
+        assert cfg["enable_kv_cache_events"] is True and cfg["publisher"] == "zmq"
+        endpoints.append((cfg["endpoint"], cfg["replay_endpoint"]))
+    assert endpoints == [
+        ("tcp://*:5700", "tcp://*:5701"),
+        ("tcp://*:5702", "tcp://*:5703"),
+        ("tcp://*:5704", "tcp://*:5705"),
+    ]
+    proxy = by["proxy"]
+    assert proxy[proxy.index("--prefill-policy") + 1] == "kv"
+    assert proxy[proxy.index("--tokenizer") + 1] == str(model)
+    plain = build_plan(LaunchOptions(model=str(model)))
+    assert all("--kv-events-config" not in c.argv and "--kv-events" not in c.argv
+               for c in plain.children)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("over", "why"),
+    [
+        ({"kv_routing": True}, "needs the engines' KV events"),
+        ({"kv_events_base_port": 5700, "connector": "nixl", "flow": "prefill-first"}, "pdgate"),
+        ({"kv_routing": True, "kv_events_base_port": 5700}, "local model directory"),
+    ],
+)
+def test_plan_kv_routing_refused(over: dict[str, object], why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        build_plan(replace(LaunchOptions(model="/nowhere/m"), **over))  # type: ignore[arg-type]

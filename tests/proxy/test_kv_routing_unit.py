@@ -61,7 +61,7 @@ def registered(iid: str, role: str, url: str) -> Registered:
     return Registered(
         instance_id=iid, role=role, url=url, registered_at=now, last_heartbeat=now,
         expires_at=now + 30, kv_events=KVEvents(port=5557, block_size=BLOCK),
-    )  # type: ignore[arg-type]  # fmt: skip
+    )  # fmt: skip
 
 
 def proxy(
