@@ -108,6 +108,11 @@ class Principal:
         if self.role not in (Role.ADMIN, Role.PROXY):
             raise self._refuse("post marks")
 
+    def may_share_load(self) -> None:
+        """Report a proxy replica's load (and read the others')."""
+        if self.role not in (Role.ADMIN, Role.PROXY):
+            raise self._refuse("share proxy load")
+
     def may_administer(self, what: str) -> None:
         if self.role is not Role.ADMIN:
             raise self._refuse(what)

@@ -24,16 +24,44 @@ from metaserver.feeds import FeedHub
 from metaserver.metrics import Metrics, MetricsMiddleware
 from metaserver.problems import render_problem
 from metaserver.responses import JSON
-from metaserver.routes import ascend, batch, bindings, breakdown, feeds, instances, kv, ops, ui
+from metaserver.routes import (
+    ascend,
+    batch,
+    bindings,
+    breakdown,
+    feeds,
+    instances,
+    kv,
+    load,
+    ops,
+    ui,
+)
 from metaserver.store import Store, create_store
 from metaserver.validation import BodyInvalid
 from pdwire.ascend import AscendBinding
 from pdwire.asgi import ASGIApp
 from pdwire.limits import BodySizeLimit
-from pdwire.models import BatchIn, BindingSpec, EventIn, InstanceSpec, KVMatchIn, MarkIn
+from pdwire.models import (
+    BatchIn,
+    BindingSpec,
+    EventIn,
+    InstanceSpec,
+    KVMatchIn,
+    LoadReport,
+    MarkIn,
+)
 
 log = logging.getLogger("pdgate.metaserver")
-_BODY_MODELS = (BindingSpec, EventIn, InstanceSpec, AscendBinding, MarkIn, BatchIn, KVMatchIn)
+_BODY_MODELS = (
+    BindingSpec,
+    EventIn,
+    InstanceSpec,
+    AscendBinding,
+    MarkIn,
+    BatchIn,
+    KVMatchIn,
+    LoadReport,
+)
 
 
 def create_app(
@@ -89,7 +117,7 @@ def create_app(
     hub = FeedHub(store, metrics)
     context = Context(settings, store, metrics, clock, ascend=pool, feeds=hub)
     app.state.ctx = context
-    for module in (bindings, batch, breakdown, feeds, instances, kv, ops, ascend):
+    for module in (bindings, batch, breakdown, feeds, instances, kv, load, ops, ascend):
         app.include_router(module.router)
     app.include_router(ui.make_router())
     _install_error_handlers(app, metrics)

@@ -308,6 +308,28 @@ class KVMatchOut(BaseModel):
     matched: dict[str, int] = Field(description="per instance: leading keys it holds")
 
 
+LOAD_PATH = "/v1/load/{replica}"
+Url = Annotated[str, Field(min_length=1, max_length=512)]
+
+
+class LoadReport(_Strict):
+    """One proxy replica's in-flight load per instance url: ``[requests, tokens]`` (P's tokens
+    are the uncached ones it computes), and the instances whose circuit it has open."""
+
+    instances: Annotated[dict[Url, tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(
+        ge=0)]]], Field(max_length=4096)]  # fmt: skip
+    open_circuits: Annotated[list[Url], Field(max_length=4096)] = []
+    ttl_s: Annotated[float, Field(gt=0, le=60)] = 2.0
+
+
+class LoadView(BaseModel):
+    """What the other replicas reported and have not let expire, summed per instance url."""
+
+    others: dict[str, tuple[int, int]]
+    open_circuits: list[str]
+    replicas: int = Field(description="replicas reporting, this one included")
+
+
 BATCH_PATH = "/v1/batch"
 BATCH_MAX_CALLS = 256
 

@@ -112,6 +112,20 @@ class ProxySettings(LayeredSettings, TlsListener):
         description="the served model's tokenizer (a local directory): the kv policy tokenizes "
         "prompts with it and its chat template, as the engines do",
     )
+    share_load: bool = Field(
+        False,
+        description="active-active replicas: share in-flight load and open circuits with the "
+        "other proxy replicas through the metaserver",
+    )
+    replica_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$",
+        description="this replica's name in the shared load (default: host name and pid); "
+        "with --workers each process adds its pid",
+    )
+    share_interval_s: float = Field(
+        0.1, gt=0, le=10, description="how often the load is shared (reports lapse after 3x)"
+    )
     kv_hash_seed: str = Field(
         "vllm-none-hash",
         description="the engines' PYTHONHASHSEED when they set one (vLLM's default seed if not)",

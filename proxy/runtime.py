@@ -7,13 +7,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from pdwire.ascend import ascend_id_prefixes
 from pdwire.client import AsyncMetaserverClient
-from pdwire.client.retry import Backoff
+from pdwire.client.retry import Backoff, RetryPolicy
 from pdwire.ids import IdMaker
 from proxy.admission import Admission
 from proxy.aiohttp_backend import AiohttpBackend
@@ -38,6 +40,7 @@ from proxy.instances import (
     refresh,
     run_discovery,
 )
+from proxy.instances.share import LoadShare
 from proxy.integrity import PairGuard
 from proxy.metrics import Metrics
 from proxy.native import NativeBackend, Pools
@@ -49,6 +52,13 @@ if TYPE_CHECKING:
     from proxy.kvroute.lookup import KVLookup
 
 log = logging.getLogger("pdgate.proxy")
+
+
+def replica_name(given: str | None, workers: int) -> str:
+    """This process's name in the shared load: each worker process is a replica of its own."""
+    if given is None:
+        return f"{socket.gethostname()}-{os.getpid()}"[:128]
+    return f"{given}-{os.getpid()}" if workers > 1 else given
 
 
 class Runtime:
@@ -77,6 +87,7 @@ class Runtime:
         self.bindings: BindingSource | None = None
         self.canaries: Canaries | None = None  # wired with --canary-interval > 0
         self.kv: KVLookup | None = None  # the kv policy's index lookups (built by ``start``)
+        self.share: LoadShare | None = None  # --share-load (built by ``start``)
 
     async def start(self) -> None:
         s = self.settings
@@ -104,11 +115,14 @@ class Runtime:
             backend = NativeBackend(pools, idle_timeout_s=s.idle_timeout_s, fallback=backend)
         if s.kv_routing and self.kv is None:
             assert s.tokenizer is not None and self.metaserver is not None and s.metaserver
-            from proxy.kvroute.lookup import KVLookup, MetaserverMatcher
+            from proxy.kvroute.lookup import MATCH_TIMEOUT_S, KVLookup
             from proxy.kvroute.tokens import HFTokenizer
 
             tok = await asyncio.to_thread(HFTokenizer, s.tokenizer)
-            matcher = MetaserverMatcher(self.session, s.metaserver, token)
+            matcher = AsyncMetaserverClient(
+                s.metaserver, token=token, session=self.session, timeout_s=MATCH_TIMEOUT_S,
+                retry=RetryPolicy(retries=0),
+            )  # fmt: skip
             self.kv = KVLookup(tok, matcher, s.kv_hash_seed, self.metrics.kv_lookups.labels)
         self.wire(backend, self.metaserver)
         source = self._discovery_source()
@@ -136,6 +150,15 @@ class Runtime:
             except Exception as exc:
                 log.warning("first registry poll for drains failed (will retry): %s", exc)
             self._tasks.append(loop.create_task(watch.run(s.discovery_interval_s)))
+        if s.share_load:
+            assert s.metaserver is not None
+            exchange = AsyncMetaserverClient(
+                s.metaserver, token=token, session=self.session, timeout_s=1.0,
+                retry=RetryPolicy(retries=0),
+            )  # fmt: skip
+            name = replica_name(s.replica_id, s.workers)
+            self.share = LoadShare(self.registry, exchange, name, s.share_interval_s)
+            self._tasks.append(loop.create_task(self.share.run(), name="load-share"))
         checker = HealthChecker(self.registry, self.session, interval_s=s.health_interval_s)
         self._tasks.append(loop.create_task(checker.run()))
         if self.canaries is not None:

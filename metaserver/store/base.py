@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from metaserver.kvindex.index import KVIndex
+from metaserver.loadboard import LoadBoard
 from pdwire.models import BindingSpec, BindingState, MarkKind
 
 # Told of each binding created from now on, on any replica sharing the store; ``None`` when
@@ -235,6 +236,10 @@ class Store(abc.ABC):
         by any replica sharing the store — once the store's notifications flow (see
         ``notifications_live``); ``listener(None)`` when some may have been missed. Returns
         the call that stops it."""
+
+    @abc.abstractmethod
+    def load_board(self) -> LoadBoard:
+        """The proxy replicas' shared load (``metaserver.loadboard``)."""
 
     @abc.abstractmethod
     def kv_index(self) -> KVIndex:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from metaserver.errors import Conflict, NotFound, Unprocessable
 from metaserver.kvindex.index import KVIndex, MemoryKVIndex
+from metaserver.loadboard import LoadBoard, MemoryLoadBoard
 from metaserver.store.base import (
     MAX_EVENTS,
     BindingPut,
@@ -69,12 +70,16 @@ class MemoryStore(Store):
         self._due: list[tuple[float, str]] = []  # a heap: the bindings by (past) expiry
         self._waiters = LocalWaiters()
         self._kv_index = MemoryKVIndex()
+        self._load_board = MemoryLoadBoard(clock)
 
     async def ping(self) -> None:
         return None
 
     def kv_index(self) -> KVIndex:
         return self._kv_index
+
+    def load_board(self) -> LoadBoard:
+        return self._load_board
 
     # ---- bindings -------------------------------------------------------------------------
     def _live_binding(self, transfer_id: str) -> _Binding | None:

@@ -35,6 +35,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from metaserver.errors import Conflict, NotFound, StoreUnavailable, Unprocessable
 from metaserver.kvindex.index import KVIndex
 from metaserver.kvindex.redis_index import RedisKVIndex
+from metaserver.loadboard import LoadBoard, RedisLoadBoard
 from metaserver.store import redis_scripts as lua
 from metaserver.store.base import (
     MAX_EVENTS,
@@ -126,6 +127,9 @@ class RedisStore(Store):
             await _cancel_until_done(self._listener)
         await self._r.aclose()
         await close_pool(self._pool)
+
+    def load_board(self) -> LoadBoard:
+        return RedisLoadBoard(self._r, self._ns)
 
     def kv_index(self) -> KVIndex:
         if self._kv_index is None:

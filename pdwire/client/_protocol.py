@@ -8,10 +8,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlencode
 
+import msgspec
 from pydantic import BaseModel
 
 from pdwire.models import (
     BATCH_PATH,
+    KV_MATCH_PATH,
+    LOAD_PATH,
     Binding,
     BindingSpec,
     BindingState,
@@ -19,6 +22,7 @@ from pdwire.models import (
     EventIn,
     Instance,
     InstanceSpec,
+    LoadReport,
     MarkDetail,
     MarkIn,
     MarkKind,
@@ -146,6 +150,17 @@ def batch_results(content: bytes, calls: int) -> list[BatchItem]:
         BatchItem(int(r["status"]), b"" if r["body"] is None else json.dumps(r["body"]).encode())
         for r in results
     ]
+
+
+def kv_match(keys: Sequence[int], instances: Sequence[str]) -> Call:
+    """Per request on the proxy's path: encoded with msgspec, checked by the metaserver
+    (``KVMatchIn``)."""
+    body = msgspec.json.encode({"keys": keys, "instances": instances})
+    return Call("POST", KV_MATCH_PATH, body=body)
+
+
+def share_load(replica: str, report: LoadReport) -> Call:
+    return Call("PUT", LOAD_PATH.format(replica=replica), body=report.model_dump_json().encode())
 
 
 STATS = Call("GET", "/v1/stats")

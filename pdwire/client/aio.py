@@ -8,6 +8,7 @@ typed errors of ``pdwire.client.errors`` at once.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from types import TracebackType
 
 import aiohttp
@@ -22,6 +23,9 @@ from pdwire.models import (
     EventDetail,
     Instance,
     InstanceSpec,
+    KVMatchOut,
+    LoadReport,
+    LoadView,
     MarkDetail,
     MarkKind,
     Stats,
@@ -152,6 +156,15 @@ class AsyncMetaserverClient:
     async def set_draining(self, instance_id: str, draining: bool = True) -> Instance:
         """Drain (or undrain) a registered instance; ``NotFoundError`` if it is not."""
         return P.decode(Instance, await self.send(P.drain_instance(instance_id, draining)))
+
+    # ---- routing --------------------------------------------------------------------------
+    async def kv_match(self, keys: Sequence[int], instances: Sequence[str]) -> dict[str, int]:
+        """Per instance, how many of ``keys`` (a prompt's block keys) its cache holds."""
+        return P.decode(KVMatchOut, await self.send(P.kv_match(keys, instances))).matched
+
+    async def share_load(self, replica: str, report: LoadReport) -> LoadView:
+        """Report this proxy replica's load; the other replicas' comes back."""
+        return P.decode(LoadView, await self.send(P.share_load(replica, report)))
 
     # ---- operations -----------------------------------------------------------------------
     async def stats(self) -> Stats:

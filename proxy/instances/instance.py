@@ -49,6 +49,9 @@ class Instance:
         "healthy",
         "id",
         "inflight",
+        "remote_inflight",
+        "remote_open",
+        "remote_tokens",
         "role",
         "served",
         "slow",
@@ -69,6 +72,11 @@ class Instance:
         self.id = local_id(url)  # the registry's instance id once the metaserver names it
         self.inflight = 0
         self.tokens = 0
+        # the other proxy replicas' in-flight load on it, and whether one of them has its
+        # circuit open (``proxy.instances.share``; 0 / False without --share-load)
+        self.remote_inflight = 0
+        self.remote_tokens = 0
+        self.remote_open = False
         self.cache_epoch = 0  # D: bumped when its prefix cache may hold wrong KV (integrity)
         self.served = 0
         # its registration in the metaserver (revision, KV identity, TP): None when the
@@ -82,7 +90,13 @@ class Instance:
             and not self.drained_remote
             and not self.drained_local
             and self.circuit.allows()
+            and not self.remote_open
         )
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """In-flight requests and tokens, every proxy replica's (``--share-load``)."""
+        return (self.inflight + self.remote_inflight, self.tokens + self.remote_tokens)
 
     @property
     def drained(self) -> bool:
@@ -116,6 +130,7 @@ class Instance:
             "consecutive_failures": self.circuit.consecutive,
             "inflight": self.inflight,
             "tokens": self.tokens,
+            "other_replicas_inflight": self.remote_inflight,
             "served": self.served,
             "revision": self.spec.revision if self.spec is not None else None,
         }

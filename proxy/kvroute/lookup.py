@@ -17,11 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
-import msgspec
-
 from pdwire.block_hash import BlockHasher
-from pdwire.models import KV_MATCH_MAX_KEYS, KV_MATCH_PATH
+from pdwire.models import KV_MATCH_MAX_KEYS
 from proxy.instances import Instance
 from proxy.kvroute.tokens import Tokenizer, token_ids_of
 from proxy.policies.base import KVMatch, RequestInfo
@@ -31,33 +28,11 @@ MATCH_TIMEOUT_S = 0.5
 
 
 class Matcher(Protocol):
-    async def match(self, keys: Sequence[int], instance_ids: Sequence[str]) -> dict[str, int]:
+    """``pdwire.client.AsyncMetaserverClient`` (one without retries, ``MATCH_TIMEOUT_S``)."""
+
+    async def kv_match(self, keys: Sequence[int], instances: Sequence[str]) -> dict[str, int]:
         """Per instance, the leading ``keys`` its cache holds; raises on any failure."""
         ...
-
-
-class _MatchOut(msgspec.Struct):
-    matched: dict[str, int]
-
-
-class MetaserverMatcher:
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, token: str | None) -> None:
-        self._session = session
-        self._url = base_url.rstrip("/") + KV_MATCH_PATH
-        self._headers = {"Content-Type": "application/json"}
-        if token:
-            self._headers["Authorization"] = f"Bearer {token}"
-        self._timeout = aiohttp.ClientTimeout(total=MATCH_TIMEOUT_S)
-
-    async def match(self, keys: Sequence[int], instance_ids: Sequence[str]) -> dict[str, int]:
-        body = msgspec.json.encode({"keys": keys, "instances": instance_ids})
-        async with self._session.post(
-            self._url, data=body, headers=self._headers, timeout=self._timeout
-        ) as r:
-            raw = await r.read()
-            if r.status != 200:
-                raise RuntimeError(f"metaserver answered {r.status}: {raw[:200]!r}")
-        return msgspec.json.decode(raw, type=_MatchOut).matched
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +82,7 @@ class KVLookup:
         matched: dict[str, KVMatch] = {}
         try:
             for scheme, members in by_scheme.items():
-                got = await self._matcher.match(keys[scheme], [m.id for m in members])
+                got = await self._matcher.kv_match(keys[scheme], [m.id for m in members])
                 for m in members:
                     n = got.get(m.id, 0)
                     matched[m.url] = KVMatch(n, len(keys[scheme]), n * scheme.block_size)

@@ -1,4 +1,5 @@
-"""least_load: fewest in-flight requests, then fewest estimated tokens in flight."""
+"""least_load: fewest in-flight requests, then fewest estimated tokens in flight (every proxy
+replica's with ``--share-load``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from proxy.policies.base import RequestInfo
 
 
 def load_key(inst: Instance) -> tuple[int, int]:
-    return (inst.inflight, inst.tokens)
+    return inst.load
 
 
 class LeastLoad:

@@ -52,7 +52,7 @@ class PrefixAware:
             best, depth = inst, depth + 1
         if best is None or depth < self._min_match:
             return least
-        if best.inflight - least.inflight > self._balance:
+        if best.load[0] - least.load[0] > self._balance:
             return least
         return best
 

@@ -115,6 +115,19 @@ async def test_the_proxy_posts_events_marks_and_drains_but_binds_nothing(
     assert (await roles.delete("/v1/bindings/t1", headers=bearer("admin"))).status_code == 204
 
 
+async def test_only_proxies_share_load_and_readers_match(roles: httpx.AsyncClient) -> None:
+    load = {"instances": {"http://p0": [1, 10]}}
+    assert (await roles.put("/v1/load/r1", json=load, headers=bearer("proxy"))).status_code == 200
+    refused = await roles.put("/v1/load/r1", json=load, headers=bearer("decode-0"))
+    assert refused.status_code == 403 and "share proxy load" in refused.text
+    assert (await roles.put("/v1/load/r1", json=load)).status_code == 401
+    match = {"keys": [1], "instances": ["decode-0"]}
+    assert (await roles.post("/v1/kv/match", json=match)).status_code == 401  # protect-reads
+    for who in ("proxy", "reader", "decode-0"):
+        got = await roles.post("/v1/kv/match", json=match, headers=bearer(who))
+        assert got.status_code == 200, who
+
+
 async def test_a_batch_answers_each_call_by_its_own_right(roles: httpx.AsyncClient) -> None:
     calls = [
         {"method": "PUT", "path": "/v1/bindings/t1", "body": spec()},

@@ -45,7 +45,7 @@ class IndexMatcher:
         self.calls = 0
         self.fail = False
 
-    async def match(self, keys: Sequence[int], instance_ids: Sequence[str]) -> dict[str, int]:
+    async def kv_match(self, keys: Sequence[int], instance_ids: Sequence[str]) -> dict[str, int]:
         self.calls += 1
         if self.fail:
             raise ConnectionError("metaserver unreachable")
@@ -129,11 +129,30 @@ async def test_prefill_with_the_prefix_wins_while_it_is_not_busier() -> None:
     assert urls(backend, "prefill") == [P2_URL]
     assert urls(backend, "decode") == [D2_URL]  # both D idle: the one holding the prompt
     assert lookups(px) == {"matched": 1.0}
-    # p1 now has 120 uncached tokens in flight elsewhere: 40 + 120 > 160 + 0 on p0
-    inst(px, P2_URL).acquire(121)
+    # the prompt costs p1 40 uncached tokens, p0 160, each counted twice: p1 wins while its
+    # in-flight tokens stay below 2 x (160 - 40) = 240
+    inst(px, P2_URL).acquire(239)
+    assert (await px.send()).status == 200
+    assert urls(backend, "prefill")[-1] == P2_URL
+    inst(px, P2_URL).release(239)
+    inst(px, P2_URL).acquire(241)
     assert (await px.send()).status == 200
     assert urls(backend, "prefill")[-1] == P_URL
-    inst(px, P2_URL).release(121)
+    inst(px, P2_URL).release(241)
+    await px.settle()
+
+
+async def test_other_replicas_load_counts() -> None:
+    """``--share-load``: the other replicas' in-flight tokens on p1 count as its own."""
+    px, m, backend = proxy()
+    await hold(m, "p1", 30)
+    inst(px, P2_URL).remote_tokens = 241
+    assert (await px.send()).status == 200
+    assert urls(backend, "prefill") == [P_URL]
+    inst(px, P2_URL).remote_open = True  # another replica's circuit for p1 is open
+    inst(px, P2_URL).remote_tokens = 0
+    assert (await px.send()).status == 200
+    assert urls(backend, "prefill")[-1] == P_URL
     await px.settle()
 
 

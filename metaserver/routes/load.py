@@ -1,0 +1,36 @@
+"""``PUT /v1/load/{replica}``: a proxy replica's load in, the other replicas' load out."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request
+
+from metaserver.context import ctx
+from metaserver.validation import parse_body
+from pdwire.ids import INSTANCE_ID_PATTERN
+from pdwire.models import LOAD_PATH, LoadReport, LoadView
+
+router = APIRouter(tags=["proxy replicas"])
+Replica = Annotated[str, Path(pattern=INSTANCE_ID_PATTERN, max_length=128)]
+
+
+@router.put(
+    LOAD_PATH,
+    response_model=LoadView,
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/LoadReport"}}
+            },
+        },
+        "security": [{"bearer": []}],
+    },
+    summary="Report one proxy replica's in-flight load; answer the other replicas' (summed)",
+)
+async def report(request: Request, replica: Replica) -> LoadView:
+    c = ctx(request)
+    c.authorize(request.headers.get("authorization"), write=True).may_share_load()
+    body = parse_body(LoadReport, await request.body())
+    return await c.store.load_board().report(replica, body)

@@ -1,0 +1,83 @@
+"""Active-active replicas (``proxy.instances.share``): three replicas' registries, each with
+its own in-flight load, exchanging it through the metaserver's own ``MemoryLoadBoard``; a
+replica that stops reporting stops counting, and one that cannot reach the metaserver falls
+back to its own view."""
+
+from __future__ import annotations
+
+from metaserver.loadboard import MemoryLoadBoard
+from pdwire.models import LoadReport, LoadView
+from proxy.instances import Instance, Registry, Role
+from proxy.instances.share import LoadShare
+from proxy.policies import RequestInfo, make_policy
+
+P = ["http://p0:1", "http://p1:1"]
+
+
+class Board:
+    """``AsyncMetaserverClient.share_load`` in memory, on the metaserver's own board."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.board = MemoryLoadBoard(lambda: self.now)
+        self.down = False
+
+    async def share_load(self, replica: str, report: LoadReport) -> LoadView:
+        if self.down:
+            raise ConnectionError("metaserver unreachable")
+        return await self.board.report(replica, report)
+
+
+def replica(board: Board, name: str) -> tuple[Registry, LoadShare]:
+    reg = Registry()
+    reg.reconcile(Role.PREFILL, P)
+    return reg, LoadShare(reg, board, name, 0.1, clock=lambda: board.now)
+
+
+def by_url(reg: Registry) -> dict[str, Instance]:
+    return {i.url: i for i in reg.instances()}
+
+
+async def test_replicas_see_each_others_load_and_spread_like_one() -> None:
+    board = Board()
+    (ra, a), (rb, b), (rc, c) = (replica(board, n) for n in "abc")
+    by_url(ra)[P[0]].acquire(500)
+    by_url(rb)[P[0]].acquire(300)
+    for share in (a, b, c, a, b, c):
+        await share.once()
+    p0 = by_url(rc)[P[0]]
+    assert (p0.remote_inflight, p0.remote_tokens) == (2, 800)
+    assert c.replicas == 3
+    least = make_policy("least_load")
+    assert least.choose(rc.available(Role.PREFILL), RequestInfo("", 10)).url == P[1]
+    own = by_url(ra)[P[0]]
+    assert (own.remote_inflight, own.load) == (1, (2, 800))
+    board.now += 5  # a and b stop reporting: their reports lapse
+    await c.once()
+    assert by_url(rc)[P[0]].remote_inflight == 0
+
+
+async def test_open_circuit_is_shared() -> None:
+    board = Board()
+    (ra, a), (rb, b) = replica(board, "a"), replica(board, "b")
+    breaker = by_url(ra)[P[1]].circuit
+    for _ in range(10):
+        breaker.record(False)
+    await a.once()
+    await b.once()
+    assert [i.url for i in rb.available(Role.PREFILL)] == [P[0]]
+
+
+async def test_unreachable_metaserver_falls_back_to_own_view() -> None:
+    board = Board()
+    (ra, a), (rb, b) = replica(board, "a"), replica(board, "b")
+    by_url(ra)[P[0]].acquire(100)
+    await a.once()
+    await b.once()
+    assert by_url(rb)[P[0]].remote_inflight == 1
+    board.down = True
+    await b.once()  # within the staleness bound: the last view stands
+    assert by_url(rb)[P[0]].remote_inflight == 1
+    board.now += b.stale_s + 0.1
+    await b.once()
+    assert by_url(rb)[P[0]].remote_inflight == 0 and b.failures == 2
