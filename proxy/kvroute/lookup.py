@@ -2,8 +2,8 @@
 
 The keys are computed per hashing configuration the candidates registered (block size and
 algorithm, ``InstanceSpec.kv_events``), with the seed the engines use (``--kv-hash-seed``:
-their ``PYTHONHASHSEED``, vLLM's fixed default when unset). Tokenizing and hashing run in one
-worker thread (never on the event loop); the match is one ``POST /v1/kv/match``. Any failure
+their ``PYTHONHASHSEED``, vLLM's fixed default when unset). Tokenizing and hashing run in a few
+worker threads (never on the event loop); the match is one ``POST /v1/kv/match``. Any failure
 leaves the request unannotated: the policies then choose as ``least_load`` would.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +25,7 @@ from proxy.policies.base import KVMatch, RequestInfo
 
 log = logging.getLogger("pdgate.proxy.kv")
 MATCH_TIMEOUT_S = 0.5
+THREADS = min(4, os.cpu_count() or 1)
 
 
 class Matcher(Protocol):
@@ -49,9 +50,10 @@ class KVLookup:
         self._matcher = matcher
         self._seed = seed
         self._hashers: dict[_Scheme, BlockHasher] = {}
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdgate-kv")
+        # tokenizing is the cost (≈ 2.7 µs per token, tests/bench/kv_hash_bench.py) and the
+        # tokenizer releases the GIL: a few threads keep requests from queueing behind one
+        self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="pdgate-kv")
         self._counts = counts  # metrics: outcome -> counter (None in tests)
-        self.spent_s = 0.0  # tokenizing and hashing, all requests
 
     def _count(self, outcome: str) -> None:
         if self._counts is not None:
@@ -85,7 +87,9 @@ class KVLookup:
                 got = await self._matcher.kv_match(keys[scheme], [m.id for m in members])
                 for m in members:
                     n = got.get(m.id, 0)
-                    matched[m.url] = KVMatch(n, len(keys[scheme]), n * scheme.block_size)
+                    mine = keys[scheme]
+                    bs = scheme.block_size
+                    matched[m.url] = KVMatch(n, len(mine), n * bs, mine, bs)
         except Exception as exc:
             log.debug("KV index not asked: %s", exc)
             self._count("failed")
@@ -96,7 +100,6 @@ class KVLookup:
     def _keys(
         self, body: dict[str, Any], chat: bool, schemes: list[_Scheme]
     ) -> tuple[int, dict[_Scheme, list[int]]] | None:
-        started = time.perf_counter()
         ids = token_ids_of(self._tok, body, chat)
         if ids is None:
             return None
@@ -108,7 +111,6 @@ class KVLookup:
                     scheme.block_size, scheme.algo, self._seed
                 )
             out[scheme] = hasher.keys(ids, limit=KV_MATCH_MAX_KEYS)
-        self.spent_s += time.perf_counter() - started
         return len(ids), out
 
     def close(self) -> None:

@@ -16,6 +16,8 @@ class KVMatch:
     blocks: int  # leading blocks held
     of: int  # the prompt's full blocks
     tokens: int  # tokens those blocks cover
+    keys: Sequence[int] = ()  # the prompt's block keys (shared by the instances of a scheme)
+    block_size: int = 0
 
 
 class RequestInfo:

@@ -7,30 +7,44 @@ the capacity a recomputed prefix takes from every later request. So a prefix hit
 the instance holding it is busier than twice the compute it saves. Decode: among the
 instances within ``slack`` requests of the least loaded, the one holding most of the prompt
 (its hits are blocks P does not push); decode load matters first, for every stream's ITL.
+
+The index learns a block once an engine has computed it; a prompt routed a moment ago is not
+in it yet. So the policy also remembers, for ``PENDING_S``, where it sent each prompt's blocks
+(at most ``MAX_PENDING`` keys, oldest dropped), and counts them as held there: a burst of
+requests sharing a new prefix goes to one instance instead of being spread before the first
+one is computed. The index's own count wins where it is larger.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from proxy.instances import Instance, Role
 from proxy.policies.base import RequestInfo
 from proxy.policies.least_load import LeastLoad
 
 RECOMPUTE_WEIGHT = 2
+PENDING_S = 10.0
+MAX_PENDING = 200_000
 
 
 class KVAware:
     name = "kv"
 
-    def __init__(self, slack: int = 2) -> None:
+    def __init__(self, slack: int = 2, clock: Callable[[], float] = time.monotonic) -> None:
         self._slack = slack
         self._fallback = LeastLoad()
+        self._clock = clock
+        self._pending: OrderedDict[int, tuple[str, float]] = OrderedDict()  # key: (url, until)
 
     def choose(self, candidates: Sequence[Instance], req: RequestInfo) -> Instance:
         kv = req.kv
         if kv is None or len(candidates) == 1:
             return self._fallback.choose(candidates, req)
+        self._add_pending(candidates, req)
         if candidates[0].role is Role.DECODE:
             least = min(c.load[0] for c in candidates)
             near = [c for c in candidates if c.load[0] <= least + self._slack]
@@ -41,7 +55,33 @@ class KVAware:
         )
 
     def on_routed(self, inst: Instance, req: RequestInfo) -> None:
-        return None
+        m = req.kv.get(inst.url) if req.kv is not None else None
+        if m is None or not m.keys:
+            return
+        until = self._clock() + PENDING_S
+        pending = self._pending
+        for key in m.keys:
+            pending[key] = (inst.url, until)
+            pending.move_to_end(key)
+        while len(pending) > MAX_PENDING:
+            pending.popitem(last=False)
+
+    def _add_pending(self, candidates: Sequence[Instance], req: RequestInfo) -> None:
+        """Count the blocks this policy sent to a candidate lately as held there."""
+        assert req.kv is not None
+        now = self._clock()
+        for c in candidates:
+            m = req.kv.get(c.url)
+            if m is None or not m.keys:
+                continue
+            n = 0
+            for key in m.keys:
+                sent = self._pending.get(key)
+                if sent is None or sent[0] != c.url or sent[1] < now:
+                    break
+                n += 1
+            if n > m.blocks:
+                req.kv[c.url] = replace(m, blocks=n, tokens=n * m.block_size)
 
 
 def _held(req: RequestInfo, inst: Instance) -> int:

@@ -125,20 +125,38 @@ async def test_prefill_with_the_prefix_wins_while_it_is_not_busier() -> None:
     px, m, backend = proxy()
     await hold(m, "p1", 30)  # p1 holds 30 of the 40 blocks
     await hold(m, "d1", 40)
-    assert (await px.send()).status == 200
-    assert urls(backend, "prefill") == [P2_URL]
-    assert urls(backend, "decode") == [D2_URL]  # both D idle: the one holding the prompt
-    assert lookups(px) == {"matched": 1.0}
     # the prompt costs p1 40 uncached tokens, p0 160, each counted twice: p1 wins while its
     # in-flight tokens stay below 2 x (160 - 40) = 240
     inst(px, P2_URL).acquire(239)
     assert (await px.send()).status == 200
-    assert urls(backend, "prefill")[-1] == P2_URL
+    assert urls(backend, "prefill") == [P2_URL]
+    assert urls(backend, "decode") == [D2_URL]  # both D idle: the one holding the prompt
+    assert lookups(px) == {"matched": 1.0}
     inst(px, P2_URL).release(239)
+    await px.settle()
+    px, m, backend = proxy()
+    await hold(m, "p1", 30)
     inst(px, P2_URL).acquire(241)
     assert (await px.send()).status == 200
-    assert urls(backend, "prefill")[-1] == P_URL
+    assert urls(backend, "prefill") == [P_URL]
     inst(px, P2_URL).release(241)
+    await px.settle()
+
+
+async def test_a_prompt_just_sent_counts_as_held_there() -> None:
+    """Before the index learns a prompt's blocks, the policy remembers where it sent them:
+    a burst sharing a new prefix goes to one P."""
+    px, m, backend = proxy()
+    inst(px, P_URL).acquire(1)  # by load p1 first
+    assert (await px.send()).status == 200
+    assert urls(backend, "prefill") == [P2_URL]
+    inst(px, P_URL).release(1)
+    inst(px, P2_URL).acquire(100)  # busier now, but it will hold all 40 blocks: 100 < 2 x 160
+    for _ in range(2):
+        assert (await px.send()).status == 200
+    assert urls(backend, "prefill") == [P2_URL] * 3
+    assert lookups(px) == {"no_match": 3.0}  # the index itself still knows nothing
+    inst(px, P2_URL).release(100)
     await px.settle()
 
 
