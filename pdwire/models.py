@@ -148,6 +148,13 @@ class MarkDetail(_Strict):
         default=None,
         description="end: how the answer ended (ok, stream_error, …); corrupt: both first tokens",
     )
+    kv_held: Annotated[dict[Annotated[str, Field(max_length=128)], int], Field(max_length=256)] | (
+        None
+    ) = Field(
+        default=None,
+        description="first_token with the kv policy: the prompt's blocks each candidate held, "
+        "by the KV-event index (instance id: blocks), when P and D were chosen",
+    )
 
 
 class MarkIn(_Strict):

@@ -122,7 +122,8 @@ class CompletionsHandler:
             self._migrator.counted(broken, "continued")
             events = self.rt.events
             if self._marks and at.up.binding_tracked and events is not None:
-                events.mark(at.up.tid, MarkKind.FIRST_TOKEN, time.perf_counter() - t0)
+                since = time.perf_counter() - t0
+                events.mark(at.up.tid, MarkKind.FIRST_TOKEN, since, kv_held=at.up.kv_held)
             log.info("answer of %s continues on %s after %d tokens (%s)",
                      at.up.tid, at.d.url, tape.shown, broken.reason)  # fmt: skip
             hook = Splicer(req, tape).event
@@ -253,7 +254,8 @@ class CompletionsHandler:
             first, at.d, used = await rt.dispatcher.open(req, scope["path"], flow, span)
             at.up, at.held = first, req.tokens  # exact once the kv policy tokenized it
             if self._marks and first.binding_tracked and rt.events is not None:  # not awaited
-                rt.events.mark(first.tid, MarkKind.FIRST_TOKEN, time.perf_counter() - t0)
+                since = time.perf_counter() - t0
+                rt.events.mark(first.tid, MarkKind.FIRST_TOKEN, since, kv_held=first.kv_held)
             headers = [(b"content-type", first.content_type), *extra]
             if not req.stream:
                 body = fix_body(first.first, first.prefill_cached)

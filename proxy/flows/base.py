@@ -95,6 +95,7 @@ class Upstream:
         "binding_ids",
         "binding_tracked",
         "first",
+        "kv_held",
         "prefill_cached",
         "prefill_error",
         "resp",
@@ -110,6 +111,7 @@ class Upstream:
         self.binding_ids: tuple[str, ...] = ()  # the bindings' ids when not just ``tid``
         # P's leg failed and D answered alone: the dispatcher charges P for it
         self.prefill_error: LegError | None = None
+        self.kv_held: dict[str, int] | None = None  # kv policy: each candidate's hits, by id
 
     @property
     def content_type(self) -> bytes:

@@ -15,13 +15,13 @@ import pytest
 from metaserver.kvindex import Change, MemoryKVIndex, Op
 from pdwire.block_hash import BlockHasher
 from pdwire.models import Instance as Registered
-from pdwire.models import KVEvents
+from pdwire.models import KVEvents, MarkKind
 from proxy.config import Flow
 from proxy.instances import Instance
 from proxy.kvroute.lookup import KVLookup
 from proxy.kvroute.tokens import token_ids_of
 from proxy.mock import MockBackend, Reply
-from tests.proxy.inmemory import D_URL, P_URL, InMemoryProxy
+from tests.proxy.inmemory import BINDING, D_URL, P_URL, PUSHED, InMemoryProxy
 
 P2_URL = "http://p1:8101"
 D2_URL = "http://d1:8201"
@@ -65,18 +65,21 @@ def registered(iid: str, role: str, url: str) -> Registered:
 
 
 def proxy(
-    gate: asyncio.Event | None = None, **settings: Any
+    gate: asyncio.Event | None = None, flow: Flow = Flow.PREFILL_FIRST, **settings: Any
 ) -> tuple[InMemoryProxy, IndexMatcher, MockBackend]:
     prefill = Reply.completion("x", kv_transfer_params={"k": 1})
+    if flow is Flow.DECODE_FIRST:
+        prefill = PUSHED
     backend = MockBackend(
         {
             "prefill": prefill if gate is None else prefill.after(gate),
             "decode": Reply.completion("hi"),
+            "get": Reply.json(BINDING | {"decode_instance_id": "d1"}),
         }
     )
     px = InMemoryProxy(
         backend,
-        Flow.PREFILL_FIRST,
+        flow,
         prefill=[P_URL, P2_URL],
         decode=[D_URL, D2_URL],
         prefill_policy="kv",
@@ -254,3 +257,15 @@ async def test_chat_is_hashed_as_rendered() -> None:
     assert (await px.request(chat=True).done()).status == 200
     assert urls(backend, "prefill") == [P2_URL]
     await px.settle()
+
+
+async def test_the_decision_reaches_the_binding() -> None:
+    """With --binding-marks, the first_token mark says what each candidate held."""
+    px, m, backend = proxy(flow=Flow.DECODE_FIRST, binding_marks=True)
+    await hold(m, "p1", 30)
+    await hold(m, "d1", 40)
+    assert (await px.send()).status == 200
+    await px.settle()
+    first = next(mk for mk in px.marks if mk.mark is MarkKind.FIRST_TOKEN)
+    assert first.detail is not None
+    assert first.detail.kv_held == {"p0": 0, "p1": 30, "d0": 0, "d1": 40}
