@@ -139,6 +139,32 @@ def test_dockerfile_copies_every_package_the_project_installs(path: Path) -> Non
     }
 
 
+@pytest.mark.parametrize(("kv_routing", "target"), [("0", "."), ("1", ".[kv-routing]")])
+def test_pdgate_image_kv_routing_build_arg_picks_the_extra(
+    tmp_path: Path, kv_routing: str, target: str
+) -> None:
+    """KV_ROUTING=1 installs the kv-routing extra (the chart's kvRouting needs it), 0 (the
+    default) the slim image: the install step run with a python that records its arguments."""
+    import tomllib
+
+    build = next(s for s in parse(DOCKER_DIR / "pdgate.Dockerfile").stages if s.name == "build")
+    assert "KV_ROUTING=0" in [c.value[0] for c in build.all("ARG")]
+    (step,) = [c for c in build.all("RUN") if "KV_ROUTING" in " ".join(c.value)]
+    venv, log = tmp_path / "venv", tmp_path / "pip.log"
+    (venv / "bin").mkdir(parents=True)
+    stub = venv / "bin" / "python"
+    stub.write_text('#!/bin/sh\necho "$@" >> "$LOG"\n')
+    stub.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "VENV": str(venv), "KV_ROUTING": kv_routing, "LOG": str(log)}
+    subprocess.run(["bash", "-euo", "pipefail", "-c", " ".join(step.value)], env=env, check=True)
+    assert log.read_text().split() == ["-m", "pip", "install", target]
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    kv = extras["optional-dependencies"]["kv-routing"]
+    # the proxy's tokenizer and its chat templates, the metaserver's --kv-events
+    for package in ("transformers", "jinja2", "pyzmq"):
+        assert any(r.startswith(package) for r in kv), package
+
+
 def test_dockerignore_sends_sources_only() -> None:
     for kept in (
         "pyproject.toml",
