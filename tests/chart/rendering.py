@@ -69,6 +69,11 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "long-drain": {
         "engine": {"terminationGracePeriodSeconds": 960, "drain": {"settleS": 5, "timeoutS": 900}}
     },
+    # KV-event routing; the proxy reads the tokenizer from the engines' shared model cache
+    "kv-routing": {
+        "kvRouting": {"enabled": True},
+        "model": {"cache": {"type": "existingClaim", "existingClaim": "models"}},
+    },
 }
 
 # Secrets the scenarios expect to exist already (created by the user, not by the chart).

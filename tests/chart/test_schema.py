@@ -37,6 +37,13 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
         "/redis/external/url",
     ),
     ("unknown cache type", {"model": {"cache": {"type": "nfs"}}}, "/model/cache/type"),
+    ("events port at the top", {"kvRouting": {"eventsPort": 65535}}, "/kvRouting/eventsPort"),
+    (
+        "unknown tokenizer source",
+        {"kvRouting": {"tokenizer": {"source": "hub"}}},
+        "/kvRouting/tokenizer/source",
+    ),
+    ("share load as text", {"proxy": {"shareLoad": "yes"}}, "/proxy/shareLoad"),
 ]
 
 
@@ -171,11 +178,13 @@ def test_schema_knows_the_proxys_flows_and_policies() -> None:
     from proxy.config import Flow
     from proxy.policies import POLICIES
 
-    proxy = json.loads((CHART_DIR / "values.schema.json").read_text())["properties"]["proxy"]
-    props = proxy["properties"]
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())["properties"]
+    props = schema["proxy"]["properties"]
     assert set(props["flow"]["enum"]) == {f.value for f in Flow}
+    kv = schema["kvRouting"]["properties"]
     for key in ("prefillPolicy", "decodePolicy"):
         assert set(props[key]["enum"]) == set(POLICIES) | {""}
+        assert set(kv[key]["enum"]) == set(POLICIES)
 
 
 def test_schema_takes_a_sentinel_url_for_external_redis() -> None:

@@ -79,8 +79,10 @@ def test_wiring_proxy_cli_accepts_the_rendered_flags(
     assert settings.metaserver == f"http://{FULLNAME}-metaserver:8300"
     assert settings.host == "0.0.0.0" and settings.port == container_port(proxy, "http")
     values = SCENARIOS[name].get("proxy", {})
-    assert settings.prefill_policy == values.get("prefillPolicy", "least_load")
-    assert settings.decode_policy == values.get("decodePolicy", "least_load")
+    kv = SCENARIOS[name].get("kvRouting", {}).get("enabled", False)  # test_kv_routing.py
+    assert settings.prefill_policy == ("kv" if kv else values.get("prefillPolicy", "least_load"))
+    assert settings.decode_policy == ("kv" if kv else values.get("decodePolicy", "least_load"))
+    assert settings.share_load == kv and (settings.tokenizer is not None) == kv
     auth = SCENARIOS[name].get("auth", {})
     if not auth.get("enabled", True):
         assert settings.metaserver_token is None

@@ -65,6 +65,19 @@ discovery, and a StatefulSet. Call with (dict "root" $ "role" "prefill"|"decode"
 {{- end -}}
 {{- end -}}
 
+{{/* vLLM's --kv-events-config (kvRouting): a publisher bound on every interface at eventsPort,
+its replay socket one above (what the connector registers with the metaserver). */}}
+{{- define "pdgate.engine.kvEventsConfig" -}}
+{{- $port := int .Values.kvRouting.eventsPort -}}
+{{- toJson (dict
+  "enable_kv_cache_events" true
+  "publisher" "zmq"
+  "endpoint" (printf "tcp://*:%d" $port)
+  "replay_endpoint" (printf "tcp://*:%d" (add $port 1))
+  "topic" "kv"
+) -}}
+{{- end -}}
+
 {{/* Where engine pods see the side channel's key file (connector.sideChannelSecret). */}}
 {{- define "pdgate.engine.sideChannelDir" -}}/etc/pdgate/side-channel{{- end -}}
 
@@ -190,6 +203,10 @@ spec:
             {{- end }}
             - --kv-transfer-config
             - {{ include "pdgate.engine.kvTransferConfig" (dict "root" $root "role" $role) | toJson }}
+            {{- if $v.kvRouting.enabled }}
+            - --kv-events-config
+            - {{ include "pdgate.engine.kvEventsConfig" $root | toJson }}
+            {{- end }}
             {{- range (concat ($preset.extraArgs | default list) $v.engine.extraArgs $pool.extraArgs) }}
             - {{ . | toJson }}
             {{- end }}
@@ -222,6 +239,14 @@ spec:
             {{- range $r := until $tp }}
             - name: side-{{ $r }}
               containerPort: {{ add $side $r }}
+              protocol: TCP
+            {{- end }}
+            {{- if $v.kvRouting.enabled }}
+            - name: kv-events
+              containerPort: {{ int $v.kvRouting.eventsPort }}
+              protocol: TCP
+            - name: kv-replay
+              containerPort: {{ add (int $v.kvRouting.eventsPort) 1 }}
               protocol: TCP
             {{- end }}
           startupProbe:

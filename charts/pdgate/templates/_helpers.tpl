@@ -140,6 +140,7 @@ existingSecretKey) is then the admin credential, which only the metaserver holds
 {{- if not (hasKey .Values.presets .Values.accelerator) -}}
 {{- fail (printf "accelerator %q has no entry in presets" .Values.accelerator) -}}
 {{- end -}}
+{{- include "pdgate.validate.kvRouting" . -}}
 {{- if ne .Values.connector.kind "vllm-ascend" -}}
 {{- $p := int .Values.prefill.tensorParallelSize -}}
 {{- $d := int .Values.decode.tensorParallelSize -}}
@@ -162,4 +163,65 @@ revisions are never paired. model.revision, else the model and the image tag. */
 {{- define "pdgate.revision" -}}
 {{- $tag := default .Chart.AppVersion .Values.image.tag -}}
 {{- default (printf "%s@%s" .Values.model.name $tag) .Values.model.revision | trunc 128 -}}
+{{- end -}}
+
+{{/* KV-event routing (kvRouting): the combinations that cannot work. */}}
+{{- define "pdgate.validate.kvRouting" -}}
+{{- $kv := .Values.kvRouting -}}
+{{- $p := .Values.proxy -}}
+{{- if not $kv.enabled -}}
+{{- if has "kv" (list $p.prefillPolicy $p.decodePolicy) -}}
+{{- fail "the proxy's kv policy needs the engines' KV events and a tokenizer: set kvRouting.enabled=true (and kvRouting.prefillPolicy / decodePolicy) instead of proxy.prefillPolicy / decodePolicy kv" -}}
+{{- end -}}
+{{- else -}}
+{{- if or (ne .Values.connector.kind "pdgate") (ne .Values.connector.name "PdgateConnector") -}}
+{{- fail (printf "kvRouting needs pdgate's connector (connector.kind pdgate, connector.name PdgateConnector), which registers each engine's KV-event port with the metaserver; connector.kind %s / connector.name %s does not" .Values.connector.kind .Values.connector.name) -}}
+{{- end -}}
+{{- if not (has "kv" (list $kv.prefillPolicy $kv.decodePolicy)) -}}
+{{- fail "kvRouting.enabled without the kv policy for prefill or decode (kvRouting.prefillPolicy / decodePolicy) routes on nothing it provides" -}}
+{{- end -}}
+{{- range $side := list "prefill" "decode" -}}
+{{- $mine := index $p (printf "%sPolicy" $side) -}}
+{{- $theirs := index $kv (printf "%sPolicy" $side) -}}
+{{- if and $mine (ne $mine $theirs) -}}
+{{- fail (printf "proxy.%sPolicy %q conflicts with kvRouting.%sPolicy %q: with kvRouting.enabled the proxy's policies come from kvRouting; leave proxy.%sPolicy empty" $side $mine $side $theirs $side) -}}
+{{- end -}}
+{{- end -}}
+{{- $preset := index .Values.presets .Values.accelerator -}}
+{{- if has "--no-enable-prefix-caching" (concat ($preset.extraArgs | default list) .Values.engine.extraArgs .Values.prefill.extraArgs .Values.decode.extraArgs) -}}
+{{- fail "kvRouting needs vLLM's prefix caching (KV events describe its cache): remove --no-enable-prefix-caching from the engines' extraArgs" -}}
+{{- end -}}
+{{- $events := int $kv.eventsPort -}}
+{{- $side := int .Values.connector.sideChannelPort -}}
+{{- $tp := max (int .Values.prefill.tensorParallelSize) (int .Values.decode.tensorParallelSize) -}}
+{{- range $port := list $events (add $events 1) -}}
+{{- if or (eq $port (int $.Values.engine.port)) (and (ge $port $side) (lt $port (add $side $tp))) -}}
+{{- fail (printf "kvRouting.eventsPort %d (replay %d) overlaps engine.port %d or the side-channel ports %d-%d" $events (add $events 1) (int $.Values.engine.port) $side (add $side $tp -1)) -}}
+{{- end -}}
+{{- end -}}
+{{- $tok := $kv.tokenizer -}}
+{{- if eq $tok.source "modelCache" -}}
+{{- if not (has .Values.model.cache.type (list "existingClaim" "hostPath")) -}}
+{{- fail (printf "kvRouting.tokenizer.source modelCache mounts the engines' model cache into the proxy pods, which needs a shared one (model.cache.type existingClaim or hostPath), not %s: use that, or kvRouting.tokenizer.source volume with kvRouting.tokenizer.volume" .Values.model.cache.type) -}}
+{{- end -}}
+{{- else if not $tok.volume -}}
+{{- fail "kvRouting.tokenizer.source volume needs kvRouting.tokenizer.volume (a volume source holding the tokenizer files)" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when the proxy runs with --share-load (proxy.shareLoad, "auto": with kvRouting and
+more than one proxy process). */}}
+{{- define "pdgate.proxy.shareLoad" -}}
+{{- $p := .Values.proxy -}}
+{{- if kindIs "bool" $p.shareLoad -}}
+{{- if $p.shareLoad -}}true{{- end -}}
+{{- else if and .Values.kvRouting.enabled (or (gt (int $p.replicas) 1) $p.autoscaling.enabled (gt (int $p.workers) 1)) -}}true
+{{- end -}}
+{{- end -}}
+
+{{/* What the proxy's --tokenizer names (kvRouting.tokenizer). */}}
+{{- define "pdgate.proxy.tokenizer" -}}
+{{- $tok := .Values.kvRouting.tokenizer -}}
+{{- $tok.path | default (ternary .Values.model.name $tok.mountPath (eq $tok.source "modelCache")) -}}
 {{- end -}}
