@@ -16,6 +16,7 @@ router = APIRouter(tags=["kv index"])
 @router.post(
     KV_MATCH_PATH,
     response_model=KVMatchOut,
+    responses={422: {}},
     openapi_extra={
         "requestBody": {
             "required": True,

@@ -18,6 +18,7 @@ Replica = Annotated[str, Path(pattern=INSTANCE_ID_PATTERN, max_length=128)]
 @router.put(
     LOAD_PATH,
     response_model=LoadView,
+    responses={401: {}, 403: {}, 422: {}},
     openapi_extra={
         "requestBody": {
             "required": True,
