@@ -356,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("\n" + table(runs))
     print(f"\nrun 1 advice: {runs[0].advice['reasoning'] if runs[0].advice else None}")
+    for r in runs:  # without a target: the bottleneck and P's time per transfer at these counts
+        print(f"{r.name} as measured: {(r.breakdown.get('advice') or {}).get('reasoning')}")
     if note:
         print(f"run 2 counts: {note}")
     for r in runs:
