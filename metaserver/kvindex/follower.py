@@ -5,8 +5,9 @@ expects: a batch already seen (a replay overlapping the live stream) is skipped;
 again from the engine's replay socket (``ZmqEventPublisher``'s ROUTER). When replay cannot give
 every missed batch (no replay socket, a timeout, or the engine's buffer already moved past them)
 the instance's entries are dropped and rebuilt from what replay still holds: the index may then
-miss blocks, but never names one the engine evicted. A sequence number back at 0 means the engine
-restarted (its cache is empty): the same rebuild. On start the follower replays from 0, so a
+miss blocks, but never names one the engine evicted. A batch numbered below the next expected
+one but published after the last one applied comes from a restarted engine (its count starts
+again at 0, its cache is empty): the same rebuild. On start the follower replays from 0, so a
 metaserver that starts after its engines learns what they already hold.
 """
 
@@ -24,6 +25,7 @@ from pdwire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventBatch,
     block_key,
     decode_batch,
     is_cache_event,
@@ -54,10 +56,10 @@ class FollowerStats:
     last_seq: int = -1
 
 
-def changes_of(payload: bytes) -> list[Change]:
-    """The index changes of one batch (raises ``msgspec.DecodeError`` on a bad payload)."""
+def changes_of(batch: EventBatch) -> list[Change]:
+    """The index changes of one batch."""
     out: list[Change] = []
-    for ev in decode_batch(payload).events:
+    for ev in batch.events:
         if isinstance(ev, BlockStored):
             if is_cache_event(ev.medium):
                 out.append(Change(Op.STORE, [block_key(h) for h in ev.block_hashes]))
@@ -78,6 +80,7 @@ class Follower:
     replay_timeout_s: float = REPLAY_TIMEOUT_S
     stats: FollowerStats = field(default_factory=FollowerStats)
     _next: int | None = None
+    _last_ts: float = 0.0  # publication time of the newest batch applied
 
     async def run(self) -> None:
         sub = self.ctx.socket(zmq.SUB)
@@ -99,13 +102,13 @@ class Follower:
     async def _on_batch(self, seq: int, payload: bytes) -> None:
         expected = self._next
         if expected is not None and seq < expected:
-            if seq == 0 and expected > 1:  # the engine restarted: its cache is empty
-                log.info("KV events of %s restarted at 0: rebuilding", self.instance_id)
+            if self._newer(payload):  # a new engine process counting from 0: empty cache
+                log.info("KV events of %s start again at %d: rebuilding", self.instance_id, seq)
                 await self.index.drop(self.instance_id)
                 self._next = None
                 await self._apply(seq, payload)
                 return
-            self.stats.skipped += 1
+            self.stats.skipped += 1  # seen already (a replay overlapping the live stream)
             return
         if expected is not None and seq > expected:
             await self._catch_up(expected)
@@ -114,9 +117,20 @@ class Follower:
                 return
         await self._apply(seq, payload)
 
+    def _newer(self, payload: bytes) -> bool:
+        """Whether a batch numbered below the next expected one was published after the last
+        one applied: then it is not a repeat but a restarted publisher's (its count starts
+        again at 0; the first batches may not reach a subscriber that reconnects)."""
+        try:
+            return decode_batch(payload).ts > self._last_ts
+        except msgspec.DecodeError:
+            return False
+
     async def _apply(self, seq: int, payload: bytes) -> None:
         try:
-            changes = changes_of(payload)
+            batch = decode_batch(payload)
+            self._last_ts = max(self._last_ts, batch.ts)
+            changes = changes_of(batch)
         except msgspec.DecodeError:
             self.stats.bad += 1
             log.warning("KV events of %s: batch %d is not an event batch", self.instance_id, seq)

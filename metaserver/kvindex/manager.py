@@ -56,6 +56,7 @@ class KVEventManager:
         self.leading = False
         self._ctx = zmq.asyncio.Context()
         self._followed: dict[str, _Followed] = {}
+        self._unreadable: set[str] = set()
 
     @property
     def followers(self) -> list[Follower]:
@@ -101,7 +102,9 @@ class KVEventManager:
             try:
                 source = source_of(record)
             except ValueError as exc:  # a record this version cannot read: not followed
-                log.warning("instance %s: its KV events cannot be followed: %s", iid, exc)
+                if iid not in self._unreadable:  # said once per instance, not every round
+                    self._unreadable.add(iid)
+                    log.warning("instance %s: its KV events cannot be followed: %s", iid, exc)
                 continue
             if source is not None:
                 follower = Follower(iid, source, self.index, self._ctx)

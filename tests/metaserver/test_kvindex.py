@@ -236,12 +236,15 @@ async def test_without_replay_a_gap_drops_the_entries(
 async def test_restarted_engine_starts_over(store: Store, zctx: zmq.asyncio.Context) -> None:
     index = store.kv_index()
     f = Follower("e1", Source("tcp://127.0.0.1:1", None, ""), index, zctx)
-    for seq in range(3):
-        await f._on_batch(seq, _payload(stored(seq + 1)))
-    await f._on_batch(1, _payload(stored(9)))  # a duplicate: skipped
-    assert f.stats.skipped == 1 and await held(index, "e1", 9) == 0
-    await f._on_batch(0, _payload(stored(8)))  # seq back at 0: a new engine process
+    sent = [_payload(stored(seq + 1)) for seq in range(5)]
+    for seq in range(5):
+        await f._on_batch(seq, sent[seq])
+    await f._on_batch(3, sent[3])  # a repeat (a replay overlapping the live stream): skipped
+    assert f.stats.skipped == 1
+    # a new engine process: its batch 2 (0 and 1 never reached the subscriber) is newer
+    await f._on_batch(2, _payload(stored(8)))
     assert await held(index, "e1", 1) == 0 and await held(index, "e1", 8) == 1
+    assert f.stats.last_seq == 2
 
 
 async def test_bad_payload_is_counted_not_fatal(store: Store, zctx: zmq.asyncio.Context) -> None:
