@@ -8,11 +8,11 @@ the instance holding it is busier than twice the compute it saves. Decode: among
 instances within ``slack`` requests of the least loaded, the one holding most of the prompt
 (its hits are blocks P does not push); decode load matters first, for every stream's ITL.
 
-The index learns a block once an engine has computed it; a prompt routed a moment ago is not
-in it yet. So the policy also remembers, for ``PENDING_S``, where it sent each prompt's blocks
-(at most ``MAX_PENDING`` keys, oldest dropped), and counts them as held there: a burst of
-requests sharing a new prefix goes to one instance instead of being spread before the first
-one is computed. The index's own count wins where it is larger.
+The index learns a block once an engine has computed it and published the event. The policy
+also remembers, for ``PENDING_S``, where it sent each prompt's blocks (at most ``MAX_PENDING``
+keys, oldest dropped) and counts them as held there; the index's own count wins where larger.
+A send is recorded by ``on_routed``, once D's first byte is in, which is usually after the
+index has the blocks: requests of a burst chosen before then are not kept together by it.
 """
 
 from __future__ import annotations
