@@ -10,9 +10,11 @@ The model, per pool, from the window's own numbers:
   M/M/c wait W(c), scaled by k = measured ÷ W(c_now) (within 1/4 … 4; 1 when today's c is
   saturated in the model), so another c moves the mean wait from the measured one to k·W(c).
 - **decode**: D's two stages (``binding``: the request waiting for D's blocks;
-  ``decode_first_token``: D's next step after the KV landed) are a floor (their 10th
-  percentile, an unloaded D) plus a part that grows with the requests each D carries: with c D
-  that part becomes (c_now / c) of today's.
+  ``decode_first_token``: D's next step after the KV landed) are a floor (an unloaded D) plus
+  a part that grows with the requests each D carries: with c D that part becomes (c_now / c)
+  of today's. The floor is their 10th percentile over the last FLOOR_LOOKBACK_S (or the
+  window's, when lower): a window of steady load holds no unloaded moment, so its own 10th
+  percentile is a loaded D and would hide most of what more D gain.
 
 The predicted p90 TTFT of a P:D pair of counts is today's p90 moved by both changes. The
 recommendation is the smallest total that meets the target (ties: the fewest changes), or, when
@@ -24,6 +26,7 @@ With no target it names the bottleneck only.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +38,7 @@ SCALE_LIMIT = 4.0  # the model is trusted within 4x of what was measured
 MODEL_EPSILON_S = 1e-4  # below this the model says "no wait": nothing to scale
 NEAR_S, NEAR_SHARE = 0.01, 0.02  # predictions this close count as the same
 OVERHEAD_SHARE = 0.25  # disaggregation pays once the exposed push is under this share of compute
+FLOOR_LOOKBACK_S = 3600.0  # how far back D's unloaded floor is looked for
 
 
 def erlang_wait(c: int, offered: float, service_s: float) -> float:
@@ -70,7 +74,8 @@ class Model:
     decode_load_s: float  # today's mean D stage time above its floor
 
     @classmethod
-    def of(cls, b: Breakdown, now: Pools) -> Model:
+    def of(cls, b: Breakdown, now: Pools, history: Sequence[Timeline] = ()) -> Model:
+        """``history``: the finished transfers of the last FLOOR_LOOKBACK_S, for D's floor."""
         ts = b.timelines
         # P's own work per transfer: each P's busy time (the union of its transfers' compute
         # and push, which overlap when vLLM interleaves their chunks) over the transfers it ran
@@ -87,8 +92,10 @@ class Model:
         scale = 1.0
         if MODEL_EPSILON_S < modelled < math.inf:
             scale = min(SCALE_LIMIT, max(1 / SCALE_LIMIT, waited / modelled))
-        d = sorted(_decode_s(t) for t in ts if all(s in t.stages for s in DECODE_STAGES))
+        d = _decode_times(ts)
         floor = quantile(d, 0.1) if d else 0.0
+        if earlier := _decode_times(history):
+            floor = min(floor, quantile(earlier, 0.1))
         load = (sum(d) / len(d) - floor) if d else 0.0
         return cls(b, now, rate, service, waited, scale, floor, max(0.0, load))
 
@@ -128,8 +135,13 @@ def busy_s(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def _decode_s(t: Timeline) -> float:
-    return sum(t.stages[s] for s in DECODE_STAGES)
+def _decode_times(ts: Sequence[Timeline]) -> list[float]:
+    """Each transfer's time in D's stages, sorted (transfers without the proxy's marks: none)."""
+    return sorted(
+        sum(t.stages[s] for s in DECODE_STAGES)
+        for t in ts
+        if all(s in t.stages for s in DECODE_STAGES)
+    )
 
 
 def recommend(m: Model, target_p90_s: float | None) -> dict[str, Any]:

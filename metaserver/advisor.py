@@ -7,7 +7,7 @@ import asyncio
 import logging
 from typing import Any
 
-from metaserver.advice import Model, Pools, recommend
+from metaserver.advice import FLOOR_LOOKBACK_S, Model, Pools, recommend
 from metaserver.breakdown import Breakdown, Timeline, timeline_of
 from metaserver.context import Context
 from pdwire.models import BindingState
@@ -27,18 +27,22 @@ async def advise(c: Context, window_s: float, target_p90_s: float | None) -> dic
     records = await c.store.list_bindings(
         state=BindingState.DONE, instance_id=None, limit=c.settings.stats_scan_limit
     )
-    timelines: list[Timeline] = []
+    timelines: list[Timeline] = []  # the window's
+    history: list[Timeline] = []  # FLOOR_LOOKBACK_S's (or the window's, when longer)
     for record in records:
-        if record.updated_at < now - window_s:
+        if record.updated_at < now - max(window_s, FLOOR_LOOKBACK_S):
             continue
         t = timeline_of(record)
-        if t is not None:
+        if t is None:
+            continue
+        history.append(t)
+        if record.updated_at >= now - window_s:
             timelines.append(t)
     b = Breakdown.of(timelines, window_s)
     counts = await pools(c)
     out = b.json()
     if timelines and counts.prefill and counts.decode:
-        advice = recommend(Model.of(b, counts), target_p90_s)
+        advice = recommend(Model.of(b, counts, history), target_p90_s)
         out["advice"] = advice
         if target_p90_s is not None and "recommended" in advice:
             for pool in ("prefill", "decode"):

@@ -109,6 +109,23 @@ async def test_without_the_proxys_marks_two_stages_are_missing_and_no_counts(ms:
     assert "first_token marks" in got["advice"]["reasoning"]
 
 
+async def test_d_floor_is_looked_for_before_the_window(ms: Ms) -> None:
+    async def loaded_window() -> dict[str, int]:
+        for i in range(20):  # every D stage loaded alike: no quiet moment in the window
+            await transfer(ms, f"busy-{ms.clock.now}-{i}", binding_s=0.6, first_s=0.4)
+        params = {"window": 45, "ttft_p90": 0.76}
+        got = (await ms.http.get("/v1/breakdown", params=params)).json()
+        assert got["transfers"] == 20 and got["bottleneck"] == "binding"
+        return got["advice"]["recommended"]
+
+    assert (await loaded_window())["decode"] == 1  # its own floor is loaded: D gains nothing
+    ms.clock.now += 600  # the loaded transfers age out of the next window, not of the lookback
+    for i in range(5):
+        await transfer(ms, f"quiet-{i}", binding_s=0.01, first_s=0.01)
+    ms.clock.now += 600
+    assert (await loaded_window())["decode"] > 1
+
+
 def timelines(n: int, window_s: float, **stages: float) -> Breakdown:
     """``n`` transfers evenly over the window, alternating between two P and two D."""
     base = dict(zip(STAGES, (0.02, 0.05, 0.3, 0.01, 0.03), strict=True)) | stages
@@ -149,6 +166,20 @@ def test_advice_grows_d_when_d_stages_dominate() -> None:
     b = Breakdown.of(ts, 100.0)
     out = recommend(Model.of(b, Pools(prefill=2, decode=2)), target_p90_s=0.8)
     assert out["recommended"]["decode"] > 2 and out["recommended"]["prefill"] <= 2
+
+
+def test_d_floor_comes_from_the_lookback_when_the_window_is_loaded_throughout() -> None:
+    # a burst keeps every D loaded all window: its own 10th percentile is a loaded D
+    b = timelines(100, 100.0, binding=0.6, decode_first_token=0.4)
+    alone = recommend(Model.of(b, Pools(prefill=2, decode=2)), target_p90_s=0.8)
+    assert alone["recommended"]["decode"] == 2  # nothing above the floor: no gain from D
+    # an earlier quiet stretch shows what an unloaded D takes
+    quiet = timelines(20, 100.0, binding=0.02, decode_first_token=0.03).timelines
+    model = Model.of(b, Pools(prefill=2, decode=2), history=[*quiet, *b.timelines])
+    assert model.decode_floor_s == pytest.approx(0.05)
+    out = recommend(model, target_p90_s=0.8)
+    assert out["recommended"]["decode"] > 2 and out["recommended"]["prefill"] <= 2
+    assert out["recommended_p90_s"] <= 0.8
 
 
 def test_advice_shrinks_an_idle_pool_when_the_target_is_met() -> None:
