@@ -215,7 +215,7 @@ class Dispatcher:
                 p.release(p_load)  # its leg is over once D's first byte is in
             d.circuit.record(True)
             if info.kv is not None:  # the decision, for the binding's first_token mark
-                up.kv_held = self._kv_ids(info)
+                up.kv_held = {m.instance_id: m.blocks for m in info.kv.values()}
             self._d_policy.on_routed(d, info)
             self._count_ok(d)
             if p is not None and up.prefill_error is not None:
@@ -240,12 +240,6 @@ class Dispatcher:
                  "pdgate.kv.matched": " ".join(
                      f"{url}={m.blocks}/{m.of}" for url, m in info.kv.items())},
             )  # fmt: skip
-
-    def _kv_ids(self, info: RequestInfo) -> dict[str, int]:
-        """Every candidate's hits by instance id, as the policies counted them."""
-        assert info.kv is not None
-        by_url = {i.url: i.id for i in self._registry.instances()}
-        return {by_url[u]: m.blocks for u, m in info.kv.items() if u in by_url}
 
     def _pairs(self, p: Instance, d: Instance) -> bool:
         """``pairs``, with each registered pair that cannot push logged once (the metric

@@ -89,7 +89,7 @@ class KVLookup:
                     n = got.get(m.id, 0)
                     mine = keys[scheme]
                     bs = scheme.block_size
-                    matched[m.url] = KVMatch(n, len(mine), n * bs, mine, bs)
+                    matched[m.url] = KVMatch(n, len(mine), n * bs, mine, bs, m.id)
         except Exception as exc:
             log.debug("KV index not asked: %s", exc)
             self._count("failed")

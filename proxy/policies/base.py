@@ -18,6 +18,7 @@ class KVMatch:
     tokens: int  # tokens those blocks cover
     keys: Sequence[int] = ()  # the prompt's block keys (shared by the instances of a scheme)
     block_size: int = 0
+    instance_id: str = ""  # the candidate's registered id (the first_token mark names it)
 
 
 class RequestInfo:

@@ -8,11 +8,13 @@ the instance holding it is busier than twice the compute it saves. Decode: among
 instances within ``slack`` requests of the least loaded, the one holding most of the prompt
 (its hits are blocks P does not push); decode load matters first, for every stream's ITL.
 
-The index learns a block once an engine has computed it and published the event. The policy
-also remembers, for ``PENDING_S``, where it sent each prompt's blocks (at most ``MAX_PENDING``
-keys, oldest dropped) and counts them as held there; the index's own count wins where larger.
-A send is recorded by ``on_routed``, once D's first byte is in, which is usually after the
-index has the blocks: requests of a burst chosen before then are not kept together by it.
+The index learns a block once an engine has computed it and published the event: seconds
+after the choice for a long prompt. So the policy also remembers, for ``PENDING_S``, where it
+chose to send each prompt's blocks (at most ``MAX_PENDING`` keys, oldest dropped) and counts
+them as held there; the index's own count wins where larger. A choice is remembered as it is
+made, so the requests of a burst that share a prefix follow the first of them. A choice whose
+attempt fails is remembered all the same (for ``PENDING_S`` at most); memory is per proxy
+replica.
 """
 
 from __future__ import annotations
@@ -48,14 +50,21 @@ class KVAware:
         if candidates[0].role is Role.DECODE:
             least = min(c.load[0] for c in candidates)
             near = [c for c in candidates if c.load[0] <= least + self._slack]
-            return max(near, key=lambda c: (_held(req, c), -c.load[0], -c.load[1]))
-        return min(
-            candidates,
-            key=lambda c: (c.load[1] + RECOMPUTE_WEIGHT * req.uncached(c), c.load[0]),
-        )
+            chosen = max(near, key=lambda c: (_held(req, c), -c.load[0], -c.load[1]))
+        else:
+            chosen = min(
+                candidates,
+                key=lambda c: (c.load[1] + RECOMPUTE_WEIGHT * req.uncached(c), c.load[0]),
+            )
+        self._remember(chosen, req)
+        return chosen
 
     def on_routed(self, inst: Instance, req: RequestInfo) -> None:
-        m = req.kv.get(inst.url) if req.kv is not None else None
+        pass  # remembered when chosen
+
+    def _remember(self, inst: Instance, req: RequestInfo) -> None:
+        assert req.kv is not None
+        m = req.kv.get(inst.url)
         if m is None or not m.keys:
             return
         until = self._clock() + PENDING_S

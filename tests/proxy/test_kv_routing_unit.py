@@ -163,6 +163,22 @@ async def test_a_prompt_just_sent_counts_as_held_there() -> None:
     await px.settle()
 
 
+async def test_a_burst_follows_the_first_choice_before_any_answer() -> None:
+    """The choice is remembered as it is made: a request chosen while the first one's prefill
+    is still running goes to the same P, its prefix counted as held there."""
+    gate = asyncio.Event()
+    px, m, backend = proxy(gate)
+    first = px.request()
+    await backend.called("prefill", waiting=True)
+    second = px.request()  # p0 by load alone: 160 in flight on the first's P
+    await backend.called("prefill", count=2, waiting=True)
+    assert urls(backend, "prefill") == [urls(backend, "prefill")[0]] * 2
+    gate.set()
+    await first.done()
+    await second.done()
+    await px.settle()
+
+
 async def test_other_replicas_load_counts() -> None:
     """``--share-load``: the other replicas' in-flight tokens on p1 count as its own."""
     px, m, backend = proxy()
