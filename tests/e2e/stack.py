@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -173,3 +173,20 @@ def running(dep: Deployment, what: str) -> Iterator[Deployment]:
         yield dep
     finally:
         dep.supervisor.stop()
+
+
+@contextmanager
+def own_proxy(
+    dep: Deployment, name: str, args: Sequence[str], log_dir: Path, like: str = "proxy"
+) -> Iterator[str]:
+    """A proxy of a test's own beside ``dep``: a copy of its child ``like`` on a free port with
+    ``args`` added, ready; yields its url and always stops it afterwards."""
+    plan_proxy = next(c for c in dep.plan.children if c.name == like)
+    port = free_port()
+    child = with_port(replace(plan_proxy, name=name), port)
+    sup = start([replace(child, argv=[*child.argv, *args])], log_dir)
+    try:
+        sup.wait_ready(READY_TIMEOUT_S)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        sup.stop()

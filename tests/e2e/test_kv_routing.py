@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -19,9 +18,8 @@ from tests.e2e.client import client, complete
 from tests.e2e.conftest import LOG_DIR, Engines
 from tests.e2e.engine_metrics import prompt_tokens_by_source, samples
 from tests.e2e.observe import observer
-from tests.e2e.stack import BLOCK_SIZE, READY_TIMEOUT_S, start, with_port
+from tests.e2e.stack import BLOCK_SIZE, own_proxy
 from tests.e2e.test_equality import prompt_ids
-from tests.support.procs import free_port
 
 pytestmark = pytest.mark.e2e
 INDEXED_WITHIN_S = 30.0  # events reach the index in well under a second; a loaded CI is slower
@@ -29,18 +27,10 @@ INDEXED_WITHIN_S = 30.0  # events reach the index in well under a second; a load
 
 @pytest.fixture(scope="module")
 def kv_proxy(engines: Engines) -> Iterator[str]:
-    plan_proxy = next(c for c in engines.pd.plan.children if c.name == "proxy")
-    port = free_port()
-    child = with_port(replace(plan_proxy, name="proxy-kv"), port)
-    model = engines.pd.plan.options.model
+    model = str(engines.pd.plan.options.model)
     kv = ("--prefill-policy", "kv", "--decode-policy", "kv", "--tokenizer", model)
-    child = replace(child, argv=[*child.argv, *kv])
-    sup = start([child], LOG_DIR / "kv-routing")
-    try:
-        sup.wait_ready(READY_TIMEOUT_S)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        sup.stop()
+    with own_proxy(engines.pd, "proxy-kv", kv, LOG_DIR / "kv-routing") as url:
+        yield url
 
 
 async def index_state(engines: Engines) -> Any:

@@ -14,7 +14,6 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -24,9 +23,8 @@ from tests.e2e.client import Generation, client
 from tests.e2e.conftest import LOG_DIR, Engines
 from tests.e2e.engine_metrics import samples
 from tests.e2e.observe import observer
-from tests.e2e.stack import READY_TIMEOUT_S, start, with_port
+from tests.e2e.stack import own_proxy
 from tests.e2e.test_equality import assert_same, prompt_ids
-from tests.support.procs import free_port
 
 pytestmark = pytest.mark.e2e
 PROMPT_TOKENS = 300
@@ -54,16 +52,8 @@ async def references(engines: Engines) -> dict[str, Generation]:
 def migrating(engines: Engines) -> Iterator[str]:
     """A proxy of its own on the 2P2D deployment: silence of 2 s on a stream is a broken D, a
     non-streamed answer is given 8 s."""
-    plan_proxy = next(c for c in engines.pd.plan.children if c.name == "proxy")
-    port = free_port()
-    child = with_port(replace(plan_proxy, name="proxy-migrating"), port)
-    child = replace(child, argv=[*child.argv, *MIGRATING_ARGS])
-    sup = start([child], LOG_DIR / "migration")
-    try:
-        sup.wait_ready(READY_TIMEOUT_S)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        sup.stop()
+    with own_proxy(engines.pd, "proxy-migrating", MIGRATING_ARGS, LOG_DIR / "migration") as url:
+        yield url
 
 
 def _args(engines: Engines, prompt: list[int], max_tokens: int) -> dict[str, Any]:

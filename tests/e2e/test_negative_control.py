@@ -44,8 +44,8 @@ from tests.e2e.stack import (
     Deployment,
     base_options,
     deploy,
+    own_proxy,
     running,
-    start,
     with_port,
 )
 from tests.e2e.test_equality import assert_same, prompt_ids
@@ -253,16 +253,11 @@ async def test_e2e_canaries_quarantine_the_corrupting_pair_without_traffic(
     """A proxy that no client uses, with canaries every 2 s: its canary through prefill-0 (no
     verify_kv) and decode-0 finds the first tokens differ and quarantines that pair; prefill-1's
     corruption is caught by verify_kv, so its canaries match."""
-    plan_proxy = next(c for c in corrupting.plan.children if c.name == CHECKING_PROXY)
-    port = free_port()
-    canary = with_port(replace(plan_proxy, name="proxy-canary"), port)
-    canary = replace(canary, argv=[*canary.argv, "--canary-interval", "2"])
-    url = f"http://127.0.0.1:{port}"
     p0, p1 = corrupting.url_of(UNCHECKED), corrupting.url_of(CHECKED)
     d0 = corrupting.url_of("decode-0")
-    sup = start([canary], LOG_DIR / "corrupt-canary")
-    try:
-        sup.wait_ready(READY_TIMEOUT_S)
+    canaries = ("--canary-interval", "2")
+    logs = LOG_DIR / "corrupt-canary"
+    with own_proxy(corrupting, "proxy-canary", canaries, logs, like=CHECKING_PROXY) as url:
         deadline = time.monotonic() + 120
         while True:
             metrics = await samples(url)
@@ -274,5 +269,3 @@ async def test_e2e_canaries_quarantine_the_corrupting_pair_without_traffic(
         assert metrics.get("pd_canaries_total{error}") == 0.0, metrics
         assert metrics.get(f"pd_pair_quarantined{{{d0},{p1}}}") is None
         assert not any(k.startswith("pd_requests_total{") for k in metrics)  # no client
-    finally:
-        sup.stop()
