@@ -58,30 +58,41 @@ class MemoryLoadBoard(LoadBoard):
         return _sum(replica, live)
 
 
+# KEYS: the replica's report, the set of replicas; ARGV: its JSON, its ttl in ms, the key prefix
+# of reports. One round trip: store the report, read every live one, forget the lapsed.
+_REPORT = """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('SADD', KEYS[2], KEYS[1]:sub(#ARGV[3] + 1))
+local out = {}
+for _, name in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  local raw = redis.call('GET', ARGV[3] .. name)
+  if raw then
+    out[#out + 1] = name
+    out[#out + 1] = raw
+  else
+    redis.call('SREM', KEYS[2], name)
+  end
+end
+return out
+"""
+
+
 class RedisLoadBoard(LoadBoard):
     def __init__(self, r: aioredis.Redis, namespace: str) -> None:
         self._r = r
         self._ns = namespace
+        self._report = r.register_script(_REPORT)
 
     async def report(self, replica: str, report: LoadReport) -> LoadView:
-        key = f"{self._ns}:load:{replica}"
+        prefix = f"{self._ns}:load:"
+        keys = [prefix + replica, f"{self._ns}:loads"]
+        args: list[str | int] = [report.model_dump_json(), int(report.ttl_s * 1000), prefix]
         try:
-            async with self._r.pipeline(transaction=False) as pipe:
-                pipe.set(key, report.model_dump_json(), px=int(report.ttl_s * 1000))
-                pipe.sadd(f"{self._ns}:loads", replica)
-                pipe.smembers(f"{self._ns}:loads")
-                *_, members = await pipe.execute()
-            names = sorted(m.decode() if isinstance(m, bytes) else str(m) for m in members)
-            values = await self._r.mget([f"{self._ns}:load:{n}" for n in names])
-            live: dict[str, LoadReport] = {}
-            gone = []
-            for name, raw in zip(names, values, strict=True):
-                if raw is None:
-                    gone.append(name)
-                else:
-                    live[name] = LoadReport.model_validate(json.loads(raw))
-            if gone:
-                await self._r.srem(f"{self._ns}:loads", *gone)
+            flat = await self._report(keys=keys, args=args)
         except RedisError as exc:
             raise StoreUnavailable(f"load board: {exc}") from exc
+        live: dict[str, LoadReport] = {}
+        for name, raw in zip(flat[::2], flat[1::2], strict=True):
+            who = name.decode() if isinstance(name, bytes) else str(name)
+            live[who] = LoadReport.model_validate(json.loads(raw))
         return _sum(replica, live)

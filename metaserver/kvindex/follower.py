@@ -100,13 +100,16 @@ class Follower:
             sub.close(0)
 
     async def _on_batch(self, seq: int, payload: bytes) -> None:
+        batch = _decoded(payload)
         expected = self._next
         if expected is not None and seq < expected:
-            if self._newer(payload):  # a new engine process counting from 0: empty cache
+            # published after the last batch applied: not a repeat but a restarted publisher's
+            # (its count starts again at 0; its first batches may miss a reconnecting subscriber)
+            if batch is not None and batch.ts > self._last_ts:
                 log.info("KV events of %s start again at %d: rebuilding", self.instance_id, seq)
                 await self.index.drop(self.instance_id)
                 self._next = None
-                await self._apply(seq, payload)
+                await self._apply(seq, batch)
                 return
             self.stats.skipped += 1  # seen already (a replay overlapping the live stream)
             return
@@ -115,26 +118,17 @@ class Follower:
             if self._next is not None and seq < self._next:
                 self.stats.skipped += 1
                 return
-        await self._apply(seq, payload)
+        await self._apply(seq, batch)
 
-    def _newer(self, payload: bytes) -> bool:
-        """Whether a batch numbered below the next expected one was published after the last
-        one applied: then it is not a repeat but a restarted publisher's (its count starts
-        again at 0; the first batches may not reach a subscriber that reconnects)."""
-        try:
-            return decode_batch(payload).ts > self._last_ts
-        except msgspec.DecodeError:
-            return False
-
-    async def _apply(self, seq: int, payload: bytes) -> None:
-        try:
-            batch = decode_batch(payload)
-            self._last_ts = max(self._last_ts, batch.ts)
-            changes = changes_of(batch)
-        except msgspec.DecodeError:
+    async def _apply(self, seq: int, batch: EventBatch | None) -> None:
+        """Apply batch ``seq`` (``None``: its payload was not an event batch)."""
+        changes = []
+        if batch is None:
             self.stats.bad += 1
             log.warning("KV events of %s: batch %d is not an event batch", self.instance_id, seq)
-            changes = []
+        else:
+            self._last_ts = max(self._last_ts, batch.ts)
+            changes = changes_of(batch)
         if changes:
             await self.index.apply(self.instance_id, changes)
         self.stats.batches += 1
@@ -152,7 +146,7 @@ class Follower:
             await self._rebuild(first=False)
             return
         for seq, payload in batches:
-            await self._apply(seq, payload)
+            await self._apply(seq, _decoded(payload))
 
     async def _rebuild(self, *, first: bool) -> None:
         await self.index.drop(self.instance_id)
@@ -160,7 +154,7 @@ class Follower:
             self.stats.rebuilds += 1
         self._next = None
         for seq, payload in await self._replay(0) or []:
-            await self._apply(seq, payload)
+            await self._apply(seq, _decoded(payload))
 
     async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """Every buffered batch from ``start`` (``None``: no replay socket, or no answer)."""
@@ -186,3 +180,10 @@ class Follower:
                 out.append((seq, frames[3]))
         finally:
             sock.close(0)
+
+
+def _decoded(payload: bytes) -> EventBatch | None:
+    try:
+        return decode_batch(payload)
+    except msgspec.DecodeError:
+        return None

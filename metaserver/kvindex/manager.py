@@ -73,7 +73,7 @@ class KVEventManager:
         finally:
             for iid in list(self._followed):
                 await self._unfollow(iid, forget=False)
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # closes any socket left: term() would wait on it
 
     async def reconcile(self) -> None:
         leading = await self.index.lead(self.me, ttl_s=max(5 * self.interval_s, 10.0))
