@@ -12,12 +12,8 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -27,17 +23,9 @@ import msgspec  # noqa: E402
 from launch.smollm2 import make_smollm2  # noqa: E402
 from pdwire.block_hash import BlockHasher  # noqa: E402
 from proxy.kvroute.tokens import HFTokenizer, token_ids_of  # noqa: E402
+from tests.bench.timing import median_s  # noqa: E402
 
 WORDS = "prefill decode cache block layer token engine proxy answer question model".split()
-
-
-def timed(fn: Callable[[], Any], repeat: int) -> float:
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
 
 
 def row(tok: HFTokenizer, hasher: BlockHasher, text: str, repeat: int) -> str:
@@ -46,11 +34,11 @@ def row(tok: HFTokenizer, hasher: BlockHasher, text: str, repeat: int) -> str:
     raw = msgspec.json.encode(chat)
     ids = token_ids_of(tok, chat, True)
     assert ids is not None
-    parse = timed(lambda: msgspec.json.decode(raw), repeat)
-    encode = timed(lambda: tok.encode(text, add_special_tokens=True), repeat)
-    render = timed(lambda: token_ids_of(tok, chat, True), repeat)
-    hashing = timed(lambda: hasher.keys(ids), repeat)
-    whole = timed(lambda: hasher.keys(token_ids_of(tok, chat, True) or []), repeat)
+    parse = median_s(lambda: msgspec.json.decode(raw), repeat)
+    encode = median_s(lambda: tok.encode(text, add_special_tokens=True), repeat)
+    render = median_s(lambda: token_ids_of(tok, chat, True), repeat)
+    hashing = median_s(lambda: hasher.keys(ids), repeat)
+    whole = median_s(lambda: hasher.keys(token_ids_of(tok, chat, True) or []), repeat)
     return (
         f"| {len(ids)} | {parse * 1e6:.0f} | {encode * 1e6:.0f} | {render * 1e6:.0f} | "
         f"{hashing * 1e6:.0f} | {whole * 1e6:.0f} | {whole / parse:.0f}× |"

@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import statistics
 import sys
 import tempfile
-import time
 import tracemalloc
 from pathlib import Path
 
@@ -28,6 +26,7 @@ import redis.asyncio as aioredis  # noqa: E402
 
 from metaserver.kvindex import Change, MemoryKVIndex, Op  # noqa: E402
 from metaserver.kvindex.redis_index import RedisKVIndex  # noqa: E402
+from tests.bench.timing import amedian_s  # noqa: E402
 from tests.support.services import RedisServer  # noqa: E402
 
 BATCH = 1000  # keys per applied event batch (a big prefill's BlockStored)
@@ -45,15 +44,6 @@ async def fill(index: MemoryKVIndex | RedisKVIndex, instances: int, blocks: int)
     return sample
 
 
-async def timed(fn: object, repeat: int) -> float:
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        await fn()  # type: ignore[operator]
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
 async def run(a: argparse.Namespace) -> str:
     entries = a.instances * a.blocks
     ids = [f"engine-{i}" for i in range(a.instances)]
@@ -63,7 +53,7 @@ async def run(a: argparse.Namespace) -> str:
     sample = await fill(mem, a.instances, a.blocks)
     mem_bytes = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    mem_match = await timed(lambda: mem.match(sample, ids), a.repeat)
+    mem_match = await amedian_s(lambda: mem.match(sample, ids), a.repeat)
 
     server = RedisServer(Path(tempfile.mkdtemp(prefix="pdgate-kvindex-")))
     server.start()
@@ -73,8 +63,8 @@ async def run(a: argparse.Namespace) -> str:
         red = RedisKVIndex(r, "bench", max_blocks=max(a.blocks, 1))
         await fill(red, a.instances, a.blocks)
         red_bytes = int((await r.info("memory"))["used_memory"]) - base
-        red_match = await timed(lambda: red.match(sample, ids), a.repeat)
-        ping = await timed(r.ping, a.repeat)
+        red_match = await amedian_s(lambda: red.match(sample, ids), a.repeat)
+        ping = await amedian_s(r.ping, a.repeat)
         await r.aclose()
     finally:
         server.stop()

@@ -15,11 +15,12 @@ conversation every turn. A request is a streamed greedy completion of token ids;
 the first content chunk.
 
 Per phase: P's prefix-cache hit rate (``vllm:prompt_tokens_by_source_total``: cache hits over
-prompt tokens, both Ps), the tokens P computed, mean and p90 TTFT, and how the P work split
-(the larger P's share of computed tokens). "best" is the hit rate of an oracle that finds every
-earlier request's blocks (one cache, nothing evicted, no overlap): the ceiling. Targets: kv's
-hit rate >= 90 % of the best, its mean TTFT <= 2/3 of least_load's, and two kv replicas within
-10 % of one replica's hit rate and split.
+prompt tokens, both Ps), the tokens P computed, mean and p90 TTFT, how the P work split (the
+larger P's share of computed tokens), and where the time to first token went (the
+metaserver's ``/v1/breakdown`` over the phase: each stage's mean). "best" is the hit rate of an
+oracle that finds every earlier request's blocks (one cache, nothing evicted, no overlap): the
+ceiling. Targets: kv's hit rate >= 90 % of the best, its mean TTFT <= 2/3 of least_load's, and
+two kv replicas within 10 % of one replica's hit rate and split.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import httpx  # noqa: E402
 from launch.plan import Child, build_plan  # noqa: E402
 from launch.supervisor import Supervisor  # noqa: E402
 from launch.tiny_model import make_small_model, make_tiny_model  # noqa: E402
+from metaserver.breakdown import STAGES  # noqa: E402
 from tests.bench.ttft_client import percentile  # noqa: E402
 from tests.e2e.stack import BLOCK_SIZE, KV_EVENTS_AT, base_options, with_port  # noqa: E402
 from tests.support.procs import free_port  # noqa: E402
@@ -115,6 +117,7 @@ class Phase:
     errors: list[str] = field(default_factory=list)
     hit: float = 0.0
     computed: dict[str, float] = field(default_factory=dict)
+    stages: dict[str, float] = field(default_factory=dict)  # the metaserver's breakdown: means
 
     @property
     def hit_rate(self) -> float:
@@ -169,7 +172,7 @@ class Bench:
             max_model_len=4096,
             max_num_batched_tokens=a.chunk,
             kv_load_timeout_s=300.0,
-            extra_proxy_args=("--disagg-min-tokens", "0"),
+            extra_proxy_args=("--disagg-min-tokens", "0", "--binding-marks"),
             extra_engine_env={"VLLM_SERVER_DEV_MODE": "1"},  # /reset_prefix_cache
         )
         opts = replace(opts, kv_events_base_port=opts.proxy_port + KV_EVENTS_AT)
@@ -227,7 +230,11 @@ class Bench:
                     except (RuntimeError, httpx.HTTPError) as exc:
                         ph.errors.append(f"{type(exc).__name__}: {exc}")
 
+            started = time.time()
             await asyncio.gather(*(worker() for _ in range(self.a.concurrency)))
+            window = {"window": time.time() - started + 1}
+            got = (await http.get(self.plan.metaserver_url + "/v1/breakdown", params=window)).json()
+            ph.stages = {name: s["mean_s"] for name, s in got["stages"].items()}
             for u in self.plan.prefill_urls:
                 after = await by_source(http, u)
                 ph.hit += after.get("local_cache_hit", 0) - before[u].get("local_cache_hit", 0)
@@ -255,6 +262,16 @@ def table(work: Workload, phases: list[Phase], a: argparse.Namespace) -> str:
             f"{percentile(ph.ttfts, 50) * 1000:.0f} | {percentile(ph.ttfts, 90) * 1000:.0f} | "
             f"{max(ph.ttfts, default=0) * 1000:.0f} | {len(ph.errors)} |"
         )
+    rows += [
+        "",
+        "where the time to first token goes (the metaserver's breakdown, mean ms per stage):",
+        "",
+        "| phase | " + " | ".join(STAGES) + " |",
+        "|---|" + "--:|" * len(STAGES),
+    ]
+    for ph in phases:
+        means = (f"{ph.stages[st] * 1000:.0f}" if st in ph.stages else "-" for st in STAGES)
+        rows.append(f"| {ph.name} | " + " | ".join(means) + " |")
     by = {ph.name: ph for ph in phases}
     checks = []
     if "kv" in by:
