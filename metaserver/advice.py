@@ -16,9 +16,15 @@ The model, per pool, from the window's own numbers:
   window's, when lower): a window of steady load holds no unloaded moment, so its own 10th
   percentile is a loaded D and would hide most of what more D gain.
 
-The predicted p90 TTFT of a P:D pair of counts is today's p90 moved by both changes. The
-recommendation is the smallest total that meets the target (ties: the fewest changes), or, when
-the target is met already, the smallest that still meets it with every P below 80% busy. D
+- **inter-token latency** (ITL, ``metaserver.breakdown``): D's alone, a floor (its 10th
+  percentile, looked for as D's stages' floor is) plus a part that grows with the streams each
+  D carries, (c_now / c) of today's with c D.
+
+The predicted p90 TTFT of a P:D pair of counts is today's p90 moved by both changes, its p90
+ITL today's moved by D's. The recommendation is the smallest total that meets the targets
+given (TTFT, ITL or both; ties: the fewest changes), or, when they are met already, the
+smallest that still meets them with every P below 80% busy; when none meets them, the fewest
+instances among those nearest (the largest of the predicted-to-target ratios, smallest). D
 is never shrunk: its load shows only through its stages, not how close it is to its limit.
 With no target it names the bottleneck only.
 """
@@ -36,7 +42,7 @@ BUSY_CAP = 0.8  # a P busier than this queues steeply: never advise shrinking in
 SEARCH = 8  # counts tried: today's − 2 … today's + SEARCH
 SCALE_LIMIT = 4.0  # the model is trusted within 4x of what was measured
 MODEL_EPSILON_S = 1e-4  # below this the model says "no wait": nothing to scale
-NEAR_S, NEAR_SHARE = 0.01, 0.02  # predictions this close count as the same
+NEAR_SHARE, NEAR_RATIO = 0.02, 0.005  # predicted ÷ target this close to the nearest: the same
 OVERHEAD_SHARE = 0.25  # disaggregation pays once the exposed push is under this share of compute
 FLOOR_LOOKBACK_S = 3600.0  # how far back D's unloaded floor is looked for
 
@@ -72,6 +78,7 @@ class Model:
     scale: float  # k: measured ÷ modelled wait at today's count
     decode_floor_s: float
     decode_load_s: float  # today's mean D stage time above its floor
+    itl_load_s: float = 0.0  # today's mean ITL above its floor
 
     @classmethod
     def of(cls, b: Breakdown, now: Pools, history: Sequence[Timeline] = ()) -> Model:
@@ -97,7 +104,14 @@ class Model:
         if earlier := _decode_times(history):
             floor = min(floor, quantile(earlier, 0.1))
         load = (sum(d) / len(d) - floor) if d else 0.0
-        return cls(b, now, rate, service, waited, scale, floor, max(0.0, load))
+        itl = sorted(i for t in ts if (i := t.itl) is not None)
+        itl_load = 0.0
+        if itl:
+            itl_floor = quantile(itl, 0.1)
+            if earlier_itl := sorted(i for t in history if (i := t.itl) is not None):
+                itl_floor = min(itl_floor, quantile(earlier_itl, 0.1))
+            itl_load = max(0.0, sum(itl) / len(itl) - itl_floor)
+        return cls(b, now, rate, service, waited, scale, floor, max(0.0, load), itl_load)
 
     def busy(self, prefill: int) -> float:
         return self.rate * self.service_s / prefill if prefill > 0 else math.inf
@@ -114,6 +128,13 @@ class Model:
             p_shift = self.prefill_wait(pools.prefill) - self.queue_s
         d_shift = self.decode_load_s * (self.now.decode / pools.decode - 1.0)
         return max(0.0, self.breakdown.ttft.p90 + p_shift + d_shift)
+
+    def itl_p90(self, pools: Pools) -> float | None:
+        """Today's p90 ITL moved by the change in D load (None: no streamed answer known)."""
+        if self.breakdown.itl is None:
+            return None
+        shift = self.itl_load_s * (self.now.decode / pools.decode - 1.0)
+        return max(0.0, self.breakdown.itl.p90 + shift)
 
 
 def _prefill_spans(ts: list[Timeline]) -> dict[str, list[tuple[float, float]]]:
@@ -144,7 +165,9 @@ def _decode_times(ts: Sequence[Timeline]) -> list[float]:
     )
 
 
-def recommend(m: Model, target_p90_s: float | None) -> dict[str, Any]:
+def recommend(
+    m: Model, target_p90_s: float | None, itl_target_p90_s: float | None = None
+) -> dict[str, Any]:
     b = m.breakdown
     shares = b.shares()
     words = []
@@ -157,53 +180,92 @@ def recommend(m: Model, target_p90_s: float | None) -> dict[str, Any]:
         f"each P is {m.busy(m.now.prefill):.0%} busy ({m.rate:.2f} transfers/s, "
         f"{m.service_s:.3f} s of P per transfer, {m.now.prefill} P)"
     )
+    if b.itl is not None:
+        words.append(f"p90 inter-token latency {b.itl.p90 * 1000:.1f} ms")
     out: dict[str, Any] = {
         "now": {"prefill": m.now.prefill, "decode": m.now.decode},
         "prefill_busy": _num(m.busy(m.now.prefill)),
         "target_p90_s": target_p90_s,
+        "itl_target_p90_s": itl_target_p90_s,
         "predicted_p90_s": _num(m.ttft_p90(m.now)),
+        "predicted_itl_p90_s": _num(m.itl_p90(m.now)),
     }
-    best = _choose(m, target_p90_s) if target_p90_s is not None else None
-    if best is not None:
-        pools, predicted, met = best
+    targets = _Targets(target_p90_s if m.ttft_p90(m.now) is not None else None, None)
+    if itl_target_p90_s is not None and m.itl_p90(m.now) is not None:
+        targets = _Targets(targets.ttft, itl_target_p90_s)
+    if targets.ttft is not None or targets.itl is not None:
+        pools, met = _choose(m, targets)
         out["recommended"] = {"prefill": pools.prefill, "decode": pools.decode}
-        out["recommended_p90_s"] = _num(predicted)
-        change = _change(m.now, pools)
-        verdict = "meets" if met else "comes closest to"
+        out["recommended_p90_s"] = _num(m.ttft_p90(pools))
+        out["recommended_itl_p90_s"] = _num(m.itl_p90(pools))
         words.append(
-            f"{change}: the model predicts p90 TTFT {predicted:.3f} s, which {verdict} the "
-            f"target {target_p90_s:.3f} s"
+            f"{_change(m.now, pools)}: the model predicts {_predicted(m, pools, targets, met)}"
         )
-    elif target_p90_s is not None:
-        words.append("no TTFT is known (the proxy posts no first_token marks): no counts")
+    if target_p90_s is not None and targets.ttft is None:
+        words.append("no TTFT is known (the proxy posts no first_token marks)")
+    if itl_target_p90_s is not None and targets.itl is None:
+        words.append("no inter-token latency is known (no streamed answer with the proxy's marks)")
+    if "recommended" not in out and (target_p90_s is not None or itl_target_p90_s is not None):
+        words[-1] += ": no counts"
     out["reasoning"] = "; ".join(words) + "."
     out["disaggregation"] = disaggregation(b, m)
     return out
 
 
-def _choose(m: Model, target: float) -> tuple[Pools, float, bool] | None:
-    if m.ttft_p90(m.now) is None:
-        return None
+@dataclass(frozen=True)
+class _Targets:
+    ttft: float | None  # p90 seconds; None: not asked, or nothing to judge it by
+    itl: float | None
+
+    @property
+    def both(self) -> bool:
+        return self.ttft is not None and self.itl is not None
+
+    def excess(self, m: Model, pools: Pools) -> float:
+        """The largest predicted ÷ target: at most 1 when every target is met."""
+        worst = 0.0
+        for target, predicted in ((self.ttft, m.ttft_p90), (self.itl, m.itl_p90)):
+            if target is not None:
+                value = predicted(pools)
+                assert value is not None
+                worst = max(worst, value / target)
+        return worst
+
+
+def _predicted(m: Model, pools: Pools, targets: _Targets, met: bool) -> str:
+    """E.g. "p90 TTFT 0.560 s, which meets the target 0.800 s"."""
+    said, goals = [], []
+    if targets.ttft is not None:
+        said.append(f"p90 TTFT {m.ttft_p90(pools):.3f} s")
+        goals.append(f"{targets.ttft:.3f} s")
+    if targets.itl is not None:
+        said.append(f"p90 ITL {(m.itl_p90(pools) or 0.0) * 1000:.1f} ms")
+        goals.append(f"{targets.itl * 1000:.1f} ms")
+    if targets.both:
+        verdict = "meet" if met else "come closest to"
+        return f"{' and '.join(said)}, which {verdict} the targets {' and '.join(goals)}"
+    verdict = "meets" if met else "comes closest to"
+    return f"{said[0]}, which {verdict} the target {goals[0]}"
+
+
+def _choose(m: Model, targets: _Targets) -> tuple[Pools, bool]:
     candidates = []
     for p in range(max(1, m.now.prefill - 2), m.now.prefill + SEARCH + 1):
         for d in range(m.now.decode, m.now.decode + SEARCH + 1):  # D is never shrunk
             pools = Pools(p, d)
-            predicted = m.ttft_p90(pools)
-            assert predicted is not None
+            excess = targets.excess(m, pools)
             shrink_ok = p >= m.now.prefill or m.busy(p) < BUSY_CAP
             changes = (p != m.now.prefill) + (d != m.now.decode)
-            candidates.append((predicted <= target and shrink_ok, pools, predicted, changes))
+            candidates.append((excess <= 1.0 and shrink_ok, pools, excess, changes))
     meeting = [c for c in candidates if c[0]]
     if meeting:
-        _, pools, predicted, _ = min(
-            meeting, key=lambda c: (c[1].prefill + c[1].decode, c[3], c[2])
-        )
-        return pools, predicted, True
-    # none meets it: the fewest instances among those within a hair of the best prediction
+        _, pools, _, _ = min(meeting, key=lambda c: (c[1].prefill + c[1].decode, c[3], c[2]))
+        return pools, True
+    # none meets them: the fewest instances among those within a hair of the nearest
     best = min(c[2] for c in candidates)
-    near = [c for c in candidates if c[2] <= best + max(NEAR_S, NEAR_SHARE * best)]
-    _, pools, predicted, _ = min(near, key=lambda c: (c[1].prefill + c[1].decode, c[3], c[2]))
-    return pools, predicted, False
+    near = [c for c in candidates if c[2] <= best * (1 + NEAR_SHARE) + NEAR_RATIO]
+    _, pools, _, _ = min(near, key=lambda c: (c[1].prefill + c[1].decode, c[3], c[2]))
+    return pools, False
 
 
 def _change(now: Pools, to: Pools) -> str:

@@ -22,7 +22,9 @@ async def pools(c: Context) -> Pools:
     return Pools(roles.count("prefill") + both, roles.count("decode") + both)
 
 
-async def advise(c: Context, window_s: float, target_p90_s: float | None) -> dict[str, Any]:
+async def advise(
+    c: Context, window_s: float, target_p90_s: float | None, itl_target_p90_s: float | None = None
+) -> dict[str, Any]:
     now = c.clock()
     records = await c.store.list_bindings(
         state=BindingState.DONE, instance_id=None, limit=c.settings.stats_scan_limit
@@ -42,9 +44,9 @@ async def advise(c: Context, window_s: float, target_p90_s: float | None) -> dic
     counts = await pools(c)
     out = b.json()
     if timelines and counts.prefill and counts.decode:
-        advice = recommend(Model.of(b, counts, history), target_p90_s)
+        advice = recommend(Model.of(b, counts, history), target_p90_s, itl_target_p90_s)
         out["advice"] = advice
-        if target_p90_s is not None and "recommended" in advice:
+        if "recommended" in advice:
             for pool in ("prefill", "decode"):
                 c.metrics.pool_recommended.labels(pool).set(advice["recommended"][pool])
                 c.metrics.pool_current.labels(pool).set(advice["now"][pool])
@@ -54,12 +56,12 @@ async def advise(c: Context, window_s: float, target_p90_s: float | None) -> dic
 
 
 async def refresh(c: Context) -> None:
-    """Keep the pool gauges current (``--ttft-target``): one advice every interval."""
+    """Keep the pool gauges current (``--ttft-target``, ``--itl-target``): one advice every
+    interval."""
     s = c.settings
-    assert s.ttft_target_p90_s is not None
     while True:
         try:
-            await advise(c, s.advice_window_s, s.ttft_target_p90_s)
+            await advise(c, s.advice_window_s, s.ttft_target_p90_s, s.itl_target_p90_s)
         except Exception as exc:  # a store outage: the gauges keep their last values
             log.warning("P:D advice not refreshed: %s", exc)
         await asyncio.sleep(s.advice_interval_s)

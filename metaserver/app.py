@@ -85,7 +85,7 @@ def create_app(
         log.info("metaserver store: %s", store.description)
         loop = asyncio.get_running_loop()
         tasks = []
-        if settings.ttft_target_p90_s is not None:
+        if settings.ttft_target_p90_s is not None or settings.itl_target_p90_s is not None:
             tasks.append(loop.create_task(refresh(context)))
         if settings.kv_events:
             from metaserver.kvindex.manager import KVEventManager  # needs pyzmq

@@ -18,6 +18,11 @@ decode_first_token  KV landed → the proxy had D's first token                 
 
 Without the proxy's marks (``--binding-marks``) the first and last stages are unknown: the
 breakdown then says so and covers the three in the middle.
+
+A streamed answer's inter-token latency (ITL) is its mean gap between tokens: from the
+``first_token`` mark to the ``end`` mark over the chunks D sent in between (the ``end`` mark's
+``chunks``, less the first and ``[DONE]``; vLLM flushes one event per token). Answers that
+ended otherwise than ``ok``, or with fewer than two tokens, have none.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ DECODE_STAGES = ("binding", "decode_first_token")
 class _Detail(msgspec.Struct):
     message: str | None = None
     since_request_s: float | None = None
+    outcome: str | None = None
+    chunks: int | None = None
 
 
 class _Moment(msgspec.Struct):
@@ -70,6 +77,7 @@ class Timeline:
     prompt_tokens: int
     cached_tokens: int
     at: float  # when it finished (done)
+    itl: float | None = None  # mean seconds between its streamed tokens
 
     @property
     def ttft(self) -> float | None:
@@ -106,7 +114,15 @@ def timeline_of(b: StoredBinding) -> Timeline | None:
         spec.num_prompt_tokens,
         spec.num_cached_tokens,
         done.at,
+        _itl(first, marks.get("end")),
     )
+
+
+def _itl(first: _Moment | None, end: _Moment | None) -> float | None:
+    if first is None or end is None or end.detail is None or end.detail.outcome != "ok":
+        return None
+    gaps = (end.detail.chunks or 0) - 2  # the first token's chunk and [DONE]'s
+    return (end.at - first.at) / gaps if gaps > 0 and end.at >= first.at else None
 
 
 def quantile(sorted_values: Sequence[float], q: float) -> float:
@@ -143,6 +159,7 @@ class Breakdown:
     timelines: list[Timeline]
     stages: dict[str, Spread] = field(default_factory=dict)
     ttft: Spread | None = None
+    itl: Spread | None = None
 
     @classmethod
     def of(cls, timelines: list[Timeline], window_s: float) -> Breakdown:
@@ -152,6 +169,7 @@ class Breakdown:
             if spread is not None:
                 out.stages[stage] = spread
         out.ttft = Spread.of(t for x in timelines if (t := x.ttft) is not None)
+        out.itl = Spread.of(i for x in timelines if (i := x.itl) is not None)
         return out
 
     @property
@@ -186,6 +204,9 @@ class Breakdown:
                 if spread is not None:
                     stages[stage] = spread.json()
             out[name] = {"role": role, "transfers": len(ts), "stages": stages}
+            if role == "decode":
+                itl = Spread.of(i for t in ts if (i := t.itl) is not None)
+                out[name]["itl"] = None if itl is None else itl.json()
         return out
 
     def json(self) -> dict[str, Any]:
@@ -194,6 +215,7 @@ class Breakdown:
             "window_s": self.window_s,
             "transfers": len(self.timelines),
             "ttft": None if self.ttft is None else self.ttft.json(),
+            "itl": None if self.itl is None else self.itl.json(),
             "stages": {
                 name: {**s.json(), "share": round(shares.get(name, 0.0), 4)}
                 for name, s in self.stages.items()

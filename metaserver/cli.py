@@ -39,6 +39,7 @@ def build_parser() -> SettingsParser[MetaserverSettings]:
     p.option("--write-timeout", "write_timeout_s", float)
     p.option("--stats-scan-limit", "stats_scan_limit", int)
     p.option("--ttft-target", "ttft_target_p90_s", float)
+    p.option("--itl-target", "itl_target_p90_s", float)
     p.option("--advice-window", "advice_window_s", float)
     p.option("--advice-interval", "advice_interval_s", float)
     p.switch("--kv-events", "kv_events")

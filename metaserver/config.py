@@ -63,6 +63,12 @@ class MetaserverSettings(LayeredSettings, TlsListener):
         gt=0,
         description="p90 TTFT target: keeps the pool_recommended gauges current (P:D advice)",
     )
+    itl_target_p90_s: float | None = Field(
+        None,
+        gt=0,
+        description="p90 inter-token latency target: with or without the TTFT target, keeps the "
+        "pool_recommended gauges current (P:D advice)",
+    )
     advice_window_s: float = Field(300.0, gt=0, le=86_400, description="advice's window")
     advice_interval_s: float = Field(15.0, gt=0, description="how often the gauges are refreshed")
     kv_events: bool = Field(

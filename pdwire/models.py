@@ -148,6 +148,11 @@ class MarkDetail(_Strict):
         default=None,
         description="end: how the answer ended (ok, stream_error, …); corrupt: both first tokens",
     )
+    chunks: Annotated[int, Field(ge=0, le=100_000_000)] | None = Field(
+        default=None,
+        description="end of a streamed answer: the body chunks D sent it in since the first "
+        "token (vLLM flushes each event: about one per token, then [DONE])",
+    )
     kv_held: Annotated[dict[Annotated[str, Field(max_length=128)], int], Field(max_length=256)] | (
         None
     ) = Field(

@@ -59,11 +59,12 @@ class EventSink:
         since_request_s: float | None,
         outcome: str | None = None,
         kv_held: dict[str, int] | None = None,
+        chunks: int | None = None,
     ) -> None:
         """Report a moment of the transfer (first token, end of the answer, a first-token
         mismatch) to its binding."""
         since = None if since_request_s is None else max(0.0, since_request_s)
-        detail = MarkDetail(since_request_s=since, outcome=outcome, kv_held=kv_held)
+        detail = MarkDetail(since_request_s=since, outcome=outcome, kv_held=kv_held, chunks=chunks)
         self._spawn(transfer_id, kind.value, self._client.post_mark, kind, ACTOR, detail)
 
     def _spawn(

@@ -297,7 +297,9 @@ class CompletionsHandler:
                 else:
                     self._abort(up, outcome)
                 if self._marks and up.binding_tracked and rt.events is not None:
-                    rt.events.mark(up.tid, MarkKind.END, time.perf_counter() - t0, outcome)
+                    chunks = up.chunks if req.stream else None
+                    end = time.perf_counter() - t0
+                    rt.events.mark(up.tid, MarkKind.END, end, outcome, chunks=chunks)
             if d is not None:
                 d.release(at.held)
             rt.metrics.inflight.dec()

@@ -65,6 +65,7 @@ async def relay_stream(
     tail = b""
     try:
         while chunk:
+            up.chunks += 1
             tail = chunk[-32:] if len(chunk) >= 32 else (tail + chunk)[-32:]
             await send(_body(fix.feed(chunk) if fix else chunk))
             if on_done is not None and _DONE in tail and (fix is None or not fix.pending):
@@ -94,6 +95,7 @@ async def _relay_events(
     done = False
     try:
         while chunk:
+            up.chunks += 1
             buf = pending + chunk if pending else chunk
             cut = buf.rfind(b"\n\n")
             if cut < 0:

@@ -22,9 +22,14 @@ async def breakdown(
     ttft_p90: Annotated[
         float | None, Query(gt=0, le=3600, description="p90 TTFT target in seconds")
     ] = None,
+    itl_p90: Annotated[
+        float | None,
+        Query(gt=0, le=60, description="p90 inter-token latency target in seconds"),
+    ] = None,
 ) -> dict[str, Any]:
     c = ctx(request)
     c.authorize(request.headers.get("authorization"), write=False)
     s = c.settings
     target = ttft_p90 if ttft_p90 is not None else s.ttft_target_p90_s
-    return await advise(c, window or s.advice_window_s, target)
+    itl = itl_p90 if itl_p90 is not None else s.itl_target_p90_s
+    return await advise(c, window or s.advice_window_s, target, itl)

@@ -94,6 +94,7 @@ class Upstream:
     __slots__ = (
         "binding_ids",
         "binding_tracked",
+        "chunks",
         "first",
         "kv_held",
         "prefill_cached",
@@ -112,6 +113,7 @@ class Upstream:
         # P's leg failed and D answered alone: the dispatcher charges P for it
         self.prefill_error: LegError | None = None
         self.kv_held: dict[str, int] | None = None  # kv policy: each candidate's hits, by id
+        self.chunks = 0  # of a streamed answer, relayed so far, the first included
 
     @property
     def content_type(self) -> bytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 import pytest
@@ -56,6 +56,8 @@ async def transfer(
     first_s: float = 0.03,
     marks: bool = True,
     prompt: int = 1000,
+    stream_s: float | None = None,
+    chunks: int = 0,
 ) -> None:
     """One decode-first transfer whose stages take the given seconds."""
     requested = ms.clock.now
@@ -73,6 +75,13 @@ async def transfer(
         detail = {"since_request_s": ms.clock.now - requested}
         mark = {"mark": "first_token", "actor": "proxy", "detail": detail}
         assert (await ms.http.post(f"/v1/bindings/{tid}/marks", json=mark)).status_code == 204
+        if stream_s is not None:  # a streamed answer of ``chunks`` chunks, [DONE] included
+            ms.clock.now += stream_s
+            since = ms.clock.now - requested
+            end = {"since_request_s": since, "outcome": "ok", "chunks": chunks}
+            mark = {"mark": "end", "actor": "proxy", "detail": end}
+            r = await ms.http.post(f"/v1/bindings/{tid}/marks", json=mark)
+            assert r.status_code == 204
     ms.clock.now += 0.5  # the next request comes later
 
 
@@ -124,6 +133,43 @@ async def test_d_floor_is_looked_for_before_the_window(ms: Ms) -> None:
         await transfer(ms, f"quiet-{i}", binding_s=0.01, first_s=0.01)
     ms.clock.now += 600
     assert (await loaded_window())["decode"] > 1
+
+
+async def test_itl_is_the_mean_gap_between_streamed_tokens(ms: Ms) -> None:
+    await transfer(ms, "t0", stream_s=1.0, chunks=52)  # 50 gaps of 20 ms after the first token
+    await transfer(ms, "t1", stream_s=0.3, chunks=12)  # 10 gaps of 30 ms
+    await transfer(ms, "t2", stream_s=0.0, chunks=2)  # one token: no gap
+    await transfer(ms, "t3")  # no end mark (not streamed, or not ended yet)
+    got = (await ms.http.get("/v1/breakdown", params={"window": 60, "itl_p90": 0.025})).json()
+    assert got["itl"]["count"] == 2
+    assert got["itl"]["p50_s"] == pytest.approx(0.02) and got["itl"]["p90_s"] == pytest.approx(0.03)
+    assert got["instances"]["decode-0"]["itl"]["count"] == 2
+    advice = got["advice"]
+    assert advice["itl_target_p90_s"] == 0.025 and advice["target_p90_s"] is None
+    assert "p90 inter-token latency 30.0 ms" in advice["reasoning"]
+    assert "p90 ITL" in advice["reasoning"]
+    r = await ms.http.get("/v1/breakdown", params={"itl_p90": 0})
+    assert r.status_code == 422
+
+
+def test_advice_grows_d_for_an_itl_target_alone() -> None:
+    b = timelines(100, 100.0)  # P and D stages light: TTFT is met by far
+    for i, t in enumerate(b.timelines):  # ITL 20 ms on a quiet D, 60 ms loaded
+        b.timelines[i] = replace(t, itl=0.02 if i % 10 == 0 else 0.06)
+    b = Breakdown.of(b.timelines, 100.0)
+    m = Model.of(b, Pools(prefill=2, decode=2))
+    assert m.itl_p90(m.now) == pytest.approx(0.06)
+    out = recommend(m, target_p90_s=None, itl_target_p90_s=0.04)
+    # p90 60 ms moves by the mean's part above the 20 ms floor (36 ms) x (2/c - 1): 4 D give
+    # 42 ms, 5 D 38.4 ms; P, 15% busy, may shrink
+    assert out["recommended"] == {"prefill": 1, "decode": 5}, out["reasoning"]
+    assert out["recommended_itl_p90_s"] == pytest.approx(0.0384)
+    assert "which meets the target 40.0 ms" in out["reasoning"]
+    both = recommend(m, target_p90_s=1.0, itl_target_p90_s=0.04)
+    assert both["recommended"]["decode"] == 5
+    assert "which meet the targets 1.000 s and 40.0 ms" in both["reasoning"]
+    unknown = recommend(Model.of(timelines(10, 100.0), Pools(2, 2)), None, 0.04)
+    assert "recommended" not in unknown and "no inter-token latency" in unknown["reasoning"]
 
 
 def timelines(n: int, window_s: float, **stages: float) -> Breakdown:

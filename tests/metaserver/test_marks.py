@@ -124,6 +124,7 @@ async def test_api_marks_roundtrip_and_validation(api: httpx.AsyncClient) -> Non
         {"mark": "end"},
         {"mark": "end", "actor": "proxy", "extra": 1},
         {"mark": "end", "actor": "proxy", "detail": {"since_request_s": -1}},
+        {"mark": "end", "actor": "proxy", "detail": {"chunks": -1}},
         {"state": "done", "actor": "proxy"},
     ):
         r = await api.post("/v1/bindings/t1/marks", json=bad)

@@ -36,6 +36,7 @@ async def test_marks_stream_reports_first_token_then_end() -> None:
     first, end = px.marks
     assert first.detail is not None and first.detail.outcome is None
     assert end.detail is not None and end.detail.outcome == "ok"
+    assert end.detail.chunks == 3  # one per event as D sent them: two tokens, then [DONE]
     assert 0 <= _since(first.detail) <= _since(end.detail) < 5
     assert px.events == []
 
@@ -51,6 +52,7 @@ async def test_marks_nonstream_and_concurrent_flow() -> None:
         (d.transfer_id, FIRST),
         (d.transfer_id, END),
     ]
+    assert px.marks[1].detail is not None and px.marks[1].detail.chunks is None  # not streamed
 
 
 async def test_marks_none_without_a_binding() -> None:
