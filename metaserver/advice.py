@@ -12,13 +12,15 @@ The model, per pool, from the window's own numbers:
 - **decode**: D's two stages (``binding``: the request waiting for D's blocks;
   ``decode_first_token``: D's next step after the KV landed) are a floor (an unloaded D) plus
   a part that grows with the requests each D carries: with c D that part becomes (c_now / c)
-  of today's. The floor is their 10th percentile over the last FLOOR_LOOKBACK_S (or the
-  window's, when lower): a window of steady load holds no unloaded moment, so its own 10th
-  percentile is a loaded D and would hide most of what more D gain.
+  of today's. The floor is the median of the transfers each D served alone (no other transfer
+  at that D between its request and the end of its answer) over the last FLOOR_LOOKBACK_S, or
+  the window's 10th percentile when lower or when none was alone: a window of steady load
+  holds no unloaded moment, so its own 10th percentile is a loaded D and would hide most of
+  what more D gain.
 
 - **inter-token latency** (ITL, ``metaserver.breakdown``): D's alone, a floor (its 10th
-  percentile, looked for as D's stages' floor is) plus a part that grows with the streams each
-  D carries, (c_now / c) of today's with c D.
+  percentile, or the median of streams served alone, as for D's stages) plus a part that grows
+  with the streams each D carries, (c_now / c) of today's with c D.
 
 The predicted p90 TTFT of a P:D pair of counts is today's p90 moved by both changes, its p90
 ITL today's moved by D's. The recommendation is the smallest total that meets the targets
@@ -99,19 +101,14 @@ class Model:
         scale = 1.0
         if MODEL_EPSILON_S < modelled < math.inf:
             scale = min(SCALE_LIMIT, max(1 / SCALE_LIMIT, waited / modelled))
+        alone = served_alone(history)
         d = _decode_times(ts)
-        floor = quantile(d, 0.1) if d else 0.0
-        if earlier := _decode_times(history):
-            floor = min(floor, quantile(earlier, 0.1))
+        floor = _floor(d, _decode_times(alone))
         load = (sum(d) / len(d) - floor) if d else 0.0
         itl = sorted(i for t in ts if (i := t.itl) is not None)
-        itl_load = 0.0
-        if itl:
-            itl_floor = quantile(itl, 0.1)
-            if earlier_itl := sorted(i for t in history if (i := t.itl) is not None):
-                itl_floor = min(itl_floor, quantile(earlier_itl, 0.1))
-            itl_load = max(0.0, sum(itl) / len(itl) - itl_floor)
-        return cls(b, now, rate, service, waited, scale, floor, max(0.0, load), itl_load)
+        itl_floor = _floor(itl, sorted(i for t in alone if (i := t.itl) is not None))
+        itl_load = (sum(itl) / len(itl) - itl_floor) if itl else 0.0
+        return cls(b, now, rate, service, waited, scale, floor, max(0.0, load), max(0.0, itl_load))
 
     def busy(self, prefill: int) -> float:
         return self.rate * self.service_s / prefill if prefill > 0 else math.inf
@@ -154,6 +151,33 @@ def busy_s(spans: list[tuple[float, float]]) -> float:
             total += end - max(start, reach)
             reach = end
     return total
+
+
+def _floor(window: list[float], alone: list[float]) -> float:
+    """An unloaded D's time: the median of those served alone, or the window's 10th percentile
+    when lower or when none was alone (both sorted)."""
+    floor = quantile(window, 0.1) if window else 0.0
+    return min(floor, quantile(alone, 0.5)) if alone else floor
+
+
+def served_alone(ts: Sequence[Timeline]) -> list[Timeline]:
+    """The transfers whose D served no other of ``ts`` from their request to their end."""
+    by_d: dict[str, list[Timeline]] = {}
+    for t in ts:
+        if t.span is not None:
+            by_d.setdefault(t.decode, []).append(t)
+    out = []
+    for group in by_d.values():
+        group.sort(key=lambda t: t.span or (0.0, 0.0))
+        reach = -math.inf  # the latest end among those that started earlier
+        for i, t in enumerate(group):
+            assert t.span is not None
+            start, end = t.span
+            nxt = group[i + 1].span if i + 1 < len(group) else None
+            if reach <= start and (nxt is None or nxt[0] >= end):
+                out.append(t)
+            reach = max(reach, end)
+    return out
 
 
 def _decode_times(ts: Sequence[Timeline]) -> list[float]:

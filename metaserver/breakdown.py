@@ -78,6 +78,9 @@ class Timeline:
     cached_tokens: int
     at: float  # when it finished (done)
     itl: float | None = None  # mean seconds between its streamed tokens
+    # at D, from the request reaching the proxy to the end of its answer (the end mark; else
+    # the first token's); None without the proxy's marks
+    span: tuple[float, float] | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -99,12 +102,14 @@ def timeline_of(b: StoredBinding) -> Timeline | None:
         "push_exposed": done.at - compute_end,
     }
     marks = {m.mark: m for m in (_moment.decode(x) for x in b.marks)}
-    first = marks.get("first_token")
+    first, end = marks.get("first_token"), marks.get("end")
     since = first.detail.since_request_s if first and first.detail else None
+    span = None
     if first is not None and since is not None:
         requested = first.at - since
         stages["binding"] = max(0.0, b.created_at - requested)
         stages["decode_first_token"] = max(0.0, first.at - done.at)
+        span = (requested, max(first.at, end.at if end is not None else first.at))
     spec = _spec.decode(b.spec_json)
     return Timeline(
         b.transfer_id,
@@ -114,7 +119,8 @@ def timeline_of(b: StoredBinding) -> Timeline | None:
         spec.num_prompt_tokens,
         spec.num_cached_tokens,
         done.at,
-        _itl(first, marks.get("end")),
+        _itl(first, end),
+        span,
     )
 
 

@@ -1,7 +1,8 @@
 """The TTFT breakdown and the P:D advice on real engines (the shared 2P2D deployment, its proxy
 posting first_token marks): long prompts all at once starve P, and the breakdown names a P
 stage and the advice grows P; then many short streams load D, and it names a D stage and
-grows D, for a TTFT target and for an inter-token latency target. Each phase reads only its
+grows D for a TTFT target; many streams at once slow every stream's tokens, and for an
+inter-token latency target it grows D. Each phase reads only its
 own window.
 
 With ``PDGATE_RECORD_TIMELINES=DIR`` each phase's finished bindings are written to
@@ -87,20 +88,27 @@ async def test_e2e_breakdown_and_advice_follow_the_starved_pool(engines: Engines
         await load(engines, [prompt_ids(16, seed=940 + i)], max_tokens=48, stream=True)
     await asyncio.sleep(1)  # their end marks are posted after the answers
     await record(engines, "d_quiet", quiet, None)
+
+    # not streamed: each "first token" is D's whole answer, so D's load shows in its stages
     since = time.time()
-    streams = [prompt_ids(16, seed=950 + i) for i in range(32)]
-    await load(engines, streams, max_tokens=48, stream=True)
-    await asyncio.sleep(1)  # the end marks
+    await load(engines, [prompt_ids(16, seed=950 + i) for i in range(32)], max_tokens=48)
     now = await breakdown(engines, since)
     assert now["transfers"] == 32, now
     assert now["bottleneck"] in DECODE_STAGES, now
-    assert now["itl"] is not None, now  # the streams' end marks carry their chunks
     d_starved = await breakdown(engines, since, target=now["ttft"]["p90_s"] / 2)
     advice = d_starved["advice"]
     print(f"D loaded: {advice['reasoning']}")
     await record(engines, "d_loaded", since, d_starved)
     assert advice["recommended"]["decode"] > 2, advice
+
+    # streamed: every stream's tokens come slower than a lone stream's
+    since = time.time()
+    await load(engines, [prompt_ids(16, seed=980 + i) for i in range(32)], 48, stream=True)
+    await asyncio.sleep(1)  # the end marks
+    now = await breakdown(engines, since)
+    assert now["itl"] is not None and now["itl"]["count"] > 16, now
     itl_starved = await breakdown(engines, since, itl=now["itl"]["p90_s"] / 2)
     advice = itl_starved["advice"]
-    print(f"D loaded, ITL target: {advice['reasoning']}")
+    print(f"D streaming, ITL target: {advice['reasoning']}")
+    await record(engines, "d_streams", since, itl_starved)
     assert advice["recommended"]["decode"] > 2, advice

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from metaserver import MetaserverSettings, create_app
-from metaserver.advice import Model, Pools, busy_s, erlang_wait, recommend
+from metaserver.advice import Model, Pools, busy_s, erlang_wait, recommend, served_alone
 from metaserver.breakdown import STAGES, Breakdown, Timeline
 from metaserver.store import MemoryStore
 from tests.metaserver.conftest import binding_spec, decode_instance
@@ -120,8 +120,12 @@ async def test_without_the_proxys_marks_two_stages_are_missing_and_no_counts(ms:
 
 async def test_d_floor_is_looked_for_before_the_window(ms: Ms) -> None:
     async def loaded_window() -> dict[str, int]:
-        for i in range(20):  # every D stage loaded alike: no quiet moment in the window
-            await transfer(ms, f"busy-{ms.clock.now}-{i}", binding_s=0.6, first_s=0.4)
+        tids = [f"busy-{ms.clock.now}-{i}" for i in range(20)]
+        for tid in tids:  # every D stage loaded alike: no quiet moment in the window
+            await transfer(ms, tid, binding_s=0.6, first_s=0.4)
+        for tid in tids:  # every answer streams until the last one's: all at D together
+            end = {"mark": "end", "actor": "proxy", "detail": {"outcome": "ok"}}
+            assert (await ms.http.post(f"/v1/bindings/{tid}/marks", json=end)).status_code == 204
         params = {"window": 45, "ttft_p90": 0.76}
         got = (await ms.http.get("/v1/breakdown", params=params)).json()
         assert got["transfers"] == 20 and got["bottleneck"] == "binding"
@@ -129,7 +133,7 @@ async def test_d_floor_is_looked_for_before_the_window(ms: Ms) -> None:
 
     assert (await loaded_window())["decode"] == 1  # its own floor is loaded: D gains nothing
     ms.clock.now += 600  # the loaded transfers age out of the next window, not of the lookback
-    for i in range(5):
+    for i in range(5):  # one at a time: each alone at D
         await transfer(ms, f"quiet-{i}", binding_s=0.01, first_s=0.01)
     ms.clock.now += 600
     assert (await loaded_window())["decode"] > 1
@@ -170,6 +174,23 @@ def test_advice_grows_d_for_an_itl_target_alone() -> None:
     assert "which meet the targets 1.000 s and 40.0 ms" in both["reasoning"]
     unknown = recommend(Model.of(timelines(10, 100.0), Pools(2, 2)), None, 0.04)
     assert "recommended" not in unknown and "no inter-token latency" in unknown["reasoning"]
+
+
+def test_served_alone_means_no_other_transfer_at_that_d_meanwhile() -> None:
+    def at(name: str, d: str, start: float, end: float | None) -> Timeline:
+        span = None if end is None else (start, end)
+        return Timeline(name, d, "p", {}, 10, 0, start, span=span)
+
+    ts = [
+        at("a", "d0", 0, 1),  # alone
+        at("b", "d0", 2, 5),  # overlaps c
+        at("c", "d0", 3, 4),  # inside b
+        at("d", "d0", 5, 6),  # starts as b ends: alone
+        at("e", "d1", 3, 4),  # another D: alone there
+        at("f", "d0", 7, None),  # no marks: not known
+        at("g", "d0", 6.5, 9),  # f's span unknown: counted alone
+    ]
+    assert [t.transfer_id for t in served_alone(ts)] == ["a", "d", "g", "e"]
 
 
 def timelines(n: int, window_s: float, **stages: float) -> Breakdown:
@@ -219,8 +240,9 @@ def test_d_floor_comes_from_the_lookback_when_the_window_is_loaded_throughout() 
     b = timelines(100, 100.0, binding=0.6, decode_first_token=0.4)
     alone = recommend(Model.of(b, Pools(prefill=2, decode=2)), target_p90_s=0.8)
     assert alone["recommended"]["decode"] == 2  # nothing above the floor: no gain from D
-    # an earlier quiet stretch shows what an unloaded D takes
+    # an earlier quiet stretch shows what an unloaded D takes: each transfer alone at its D
     quiet = timelines(20, 100.0, binding=0.02, decode_first_token=0.03).timelines
+    quiet = [replace(t, span=(t.at - 0.1, t.at)) for t in quiet]
     model = Model.of(b, Pools(prefill=2, decode=2), history=[*quiet, *b.timelines])
     assert model.decode_floor_s == pytest.approx(0.05)
     out = recommend(model, target_p90_s=0.8)
