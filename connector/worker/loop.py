@@ -1,12 +1,16 @@
-"""The sender thread: drain the queue, sort each task, write the layers that are ready.
+"""The sender thread: drain the queue, sort each task, hand the layers that are ready to the
+write lanes.
 
-Each round takes every queued task (and those parked last round). A task whose D handshake is
-still running is parked (with every later task of its transfer, to keep their order) and taken
-again when a handshake ends; a task of a failed transfer is dropped; a layer task past D's
-deadline, or whose pieces cannot be laid out, fails its transfer. The others wait on their
-layer's event (never a stream sync) and join the write for their D session; a device forward
-runs ahead of its kernels, so the writes gathered so far go out first whenever the next layer
-is still computing. Ends are signalled after the round's writes.
+Each round takes every queued task and write outcome (and the tasks parked last round). An
+outcome is recorded first (bytes, digests, or the transfer's error) and its layer tasks are
+done. A task whose D handshake is still running is parked (with every later task of its
+transfer, to keep their order) and taken again when a handshake ends; a task of a failed
+transfer is dropped; a layer task past D's deadline, or whose pieces cannot be laid out, fails
+its transfer. The others wait on their layer's event (never a stream sync) and join the write
+for their D session; a device forward runs ahead of its kernels, so the writes gathered so far
+go to their lanes whenever the next layer is still computing. The rest go at the round's end.
+An end is signalled once every write of its transfer is reported (parked until then): D must
+not hear "done" before the bytes are in, nor "failed" while a write may still be issued.
 """
 
 from __future__ import annotations
@@ -14,16 +18,16 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 
-from connector.errors import LayoutError, TransferError
+from connector.errors import LayoutError
 from connector.worker.batch import Batch, part_of
 from connector.worker.handshake import HandshakeCache, Peer
+from connector.worker.lanes import Lanes, Written
 from connector.worker.ledger import Ledger
 from connector.worker.memory import KVMemory
 from connector.worker.record import Recorder
-from connector.worker.transfer import EndTask, LayerTask, Span, Task, Transfer
+from connector.worker.transfer import EndTask, LayerTask, Task, Transfer
 from connector.worker.writer import RetryingWriter
 
 log = logging.getLogger("pdgate.connector.sender")
@@ -45,9 +49,10 @@ class SenderLoop:
         self._writer = writer
         self._recorder = recorder
         self._wall = wall_clock
-        self._queue: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Task | Written | None] = queue.SimpleQueue()
         self._parked: list[Task] = []
         self._stop = False
+        self.lanes = Lanes(writer, self._queue.put, wall_clock)
         self._thread = threading.Thread(target=self._run, name="pdgate-sender", daemon=True)
 
     def start(self) -> None:
@@ -64,32 +69,52 @@ class SenderLoop:
         self._stop = True
         self.wake()
         self._thread.join(timeout_s)
+        self.lanes.stop(timeout_s)
 
     def _run(self) -> None:
         self._recorder.open()
         while not self._stop:
-            tasks = self._take()
-            if tasks:
-                try:
+            written, tasks = self._take()
+            try:
+                for outcome in written:
+                    self._reported(outcome)
+                if tasks:
                     self._process(tasks)
-                except Exception:
-                    log.exception("sender batch failed")
+            except Exception:
+                log.exception("sender batch failed")
         self._recorder.close()
 
-    def _take(self) -> list[Task]:
-        """Wait for the next task (or a wake-up), then take everything queued and parked."""
-        first = self._queue.get()
+    def _take(self) -> tuple[list[Written], list[Task]]:
+        """Wait for the next task, outcome or wake-up, then take everything queued and
+        parked."""
+        written: list[Written] = []
         tasks = self._parked
         self._parked = []
-        if first is not None:
-            tasks.append(first)
+        item = self._queue.get()
         while True:
+            if isinstance(item, Written):
+                written.append(item)
+            elif item is not None:
+                tasks.append(item)
             try:
-                nxt = self._queue.get_nowait()
+                item = self._queue.get_nowait()
             except queue.Empty:
-                return tasks
-            if nxt is not None:
-                tasks.append(nxt)
+                return written, tasks
+
+    def _reported(self, outcome: Written) -> None:
+        """A lane's outcome: recorded, and its layer tasks are done."""
+        w = outcome.write
+        if outcome.dropped:
+            for part in w.parts:
+                tr = part.task.transfer
+                tr.error = tr.error or str(outcome.error)
+        elif outcome.error is not None:
+            self._recorder.failed(w, outcome.error)
+        else:
+            self._recorder.wrote(w, outcome.span)
+        for part in w.parts:
+            part.task.transfer.writing -= 1
+            self._ledger.done(part.task)
 
     def _process(self, tasks: list[Task]) -> None:
         batch = Batch()
@@ -118,7 +143,10 @@ class SenderLoop:
                 self._ledger.done(task)
         self._flush(batch)
         for end in ends:
-            self._recorder.end(end)
+            if end.transfer.writing:  # its writes are not all reported yet
+                self._parked.append(end)
+            else:
+                self._recorder.end(end)
 
     def _add(self, task: LayerTask, peer: Peer, batch: Batch) -> None:
         """Add ``task`` to the write for its D session once its layer is computed."""
@@ -141,15 +169,10 @@ class SenderLoop:
         batch.add(peer.welcome.session, part)
 
     def _flush(self, batch: Batch) -> None:
-        """One write per D session; then the layer tasks in it are done (ok or failed)."""
+        """One write per D session, each to its session's lane; its layer tasks are done
+        when the lane reports it (``_reported``)."""
         for w in batch.values():
-            t0 = time.perf_counter()
-            try:
-                self._writer.write(w)
-            except TransferError as exc:
-                self._recorder.failed(w, exc)
-            else:
-                self._recorder.wrote(w, Span(t0, time.perf_counter()))
             for part in w.parts:
-                self._ledger.done(part.task)
+                part.task.transfer.writing += 1
+            self.lanes.submit(w)
         batch.clear()

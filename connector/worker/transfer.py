@@ -53,6 +53,7 @@ class Transfer:
     # every leg of the request, this one included (one list, shared by the legs)
     legs: list[Transfer] = field(repr=False)
     queued: int = 0  # tasks not processed yet
+    writing: int = 0  # its layer tasks in writes a lane has not reported (sender thread only)
     ended: bool = False  # signal sent (done or failed), or nothing to signal
     announced: bool = False  # the first write landed (a "pushing" event went out)
     error: str = ""

@@ -3,7 +3,7 @@
 A failed attempt may still land later (``Transport.late_landing_s``), so its transfers tell D
 to hold their blocks that long before decoding from them or freeing them (``settle_s``).
 No retry goes to a D that is gone (``gone`` names why: its side channel refuses
-connections); a write to it can only wait for its deadline again, holding the sender thread.
+connections); a write to it can only wait for its deadline again, holding its lane (lanes.py).
 
 ``IN_FLIGHT`` names the write being issued, for transport wrappers that act on what a write
 carries (which transfer and layer each piece belongs to) rather than on bare addresses; the
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -42,6 +43,7 @@ class RetryingWriter:
         self._retries = retries
         self._stats = stats or StatsCollector()
         self._gone = gone
+        self._lock = threading.Lock()  # the write lanes count concurrently
         self.writes = 0  # writes that succeeded
 
     def write(self, w: Write) -> None:
@@ -51,7 +53,8 @@ class RetryingWriter:
             self._attempts(w)
         finally:
             IN_FLIGHT.reset(token)
-        self.writes += 1
+        with self._lock:
+            self.writes += 1
 
     def _attempts(self, w: Write) -> None:
         for attempt in range(self._retries + 1):
