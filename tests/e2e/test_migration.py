@@ -2,7 +2,9 @@
 greedy stream is frozen (SIGSTOP) or killed (SIGKILL) at several points of the answer; a proxy
 with migration on (``--idle-timeout 2``) carries the answer over to the other pair, and the
 client gets the monolithic engine's answer token for token, logprobs included. A non-streamed
-answer whose D freezes is retried from the start on the other D (its first byte never came).
+answer whose D freezes is retried from the start on the other D (its first byte never came),
+through a proxy whose request timeout is three times what a clean answer took just before: a
+fixed one was too short on a slow CI machine, where the retry itself ran past it.
 
 The kill comes last, and this module runs after every other user of the 2P2D deployment
 (``conftest.pytest_collection_modifyitems``): the killed engine is not started again."""
@@ -32,16 +34,23 @@ STREAM_TOKENS = 800
 # where the client's answer is when its D stops: at its first token, in the middle, late
 POINTS = {"first-token": 1, "middle": 300, "late": 550}
 KILL_AT = 300
-NONSTREAM_TOKENS = 200
-SEEDS = {**{p: 9100 + at for p, at in POINTS.items()}, "non-streamed": 9200, "killed": 9300}
+NONSTREAM_TOKENS = 100
+NONSTREAMED = ("non-streamed", "non-streamed-clean")
+SEEDS = {
+    **{p: 9100 + at for p, at in POINTS.items()},
+    "non-streamed": 9200, "non-streamed-clean": 9201, "killed": 9300,
+}  # fmt: skip
 MIGRATIONS = "pd_migrations_total{"
-MIGRATING_ARGS = ("--idle-timeout", "2", "--request-timeout", "8", "--migration-limit", "2")
+MIGRATING_ARGS = ("--idle-timeout", "2", "--migration-limit", "2")
+# the non-streamed case's request timeout: this many times a clean answer's time, at least
+TIMEOUT_FACTOR = 3.0
+MIN_TIMEOUT_S = 4.0
 
 
 @pytest.fixture(scope="module")
 async def references(engines: Engines) -> dict[str, Generation]:
     """Every case's reference answer, asked of the monolithic engine at once (one batch)."""
-    cases = {c: STREAM_TOKENS for c in SEEDS} | {"non-streamed": NONSTREAM_TOKENS}
+    cases = {c: STREAM_TOKENS for c in SEEDS} | dict.fromkeys(NONSTREAMED, NONSTREAM_TOKENS)
     got = await asyncio.gather(
         *(reference(engines, prompt_ids(PROMPT_TOKENS, SEEDS[c]), n) for c, n in cases.items())
     )
@@ -50,8 +59,7 @@ async def references(engines: Engines) -> dict[str, Generation]:
 
 @pytest.fixture(scope="module")
 def migrating(engines: Engines) -> Iterator[str]:
-    """A proxy of its own on the 2P2D deployment: silence of 2 s on a stream is a broken D, a
-    non-streamed answer is given 8 s."""
+    """A proxy of its own on the 2P2D deployment: silence of 2 s on a stream is a broken D."""
     with own_proxy(engines.pd, "proxy-migrating", MIGRATING_ARGS, LOG_DIR / "migration") as url:
         yield url
 
@@ -201,37 +209,68 @@ async def test_e2e_frozen_decoder_non_streamed_answer_is_retried(
     references: dict[str, Generation],
     reliability: ReliabilityTable,
 ) -> None:
-    prompt = prompt_ids(PROMPT_TOKENS, seed=SEEDS["non-streamed"])
-    ref = references["non-streamed"]
     await both_decoders_serve(migrating)
-    c = client(migrating)
+    clean_prompt = prompt_ids(PROMPT_TOKENS, seed=SEEDS["non-streamed-clean"])
     started = time.monotonic()
-    asking = asyncio.create_task(c.completions.create(**_args(engines, prompt, NONSTREAM_TOKENS)))
+    clean = await client(migrating).completions.create(
+        **_args(engines, clean_prompt, NONSTREAM_TOKENS)
+    )
+    clean_s = time.monotonic() - started
+    assert_same(generation(clean), references["non-streamed-clean"])
+    timeout_s = max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * clean_s)
+    args = ("--request-timeout", f"{timeout_s:.1f}")
+    with own_proxy(engines.pd, "proxy-request-timeout", args, LOG_DIR / "migration") as url:
+        await both_decoders_serve(url)
+        got = await _frozen_non_streamed(engines, url)
+    ref = references["non-streamed"]
+    record(
+        reliability, "D frozen (SIGSTOP) during a non-streamed answer", got, ref, started,
+        f"{NONSTREAM_TOKENS} tokens; retried from the start on the other pair after the "
+        f"{timeout_s:.1f} s request timeout ({TIMEOUT_FACTOR:.0f}x a clean answer's "
+        f"{clean_s:.1f} s)",
+    )  # fmt: skip
+    assert_same(got, ref)
+
+
+async def _frozen_non_streamed(engines: Engines, proxy: str) -> Generation:
+    """Ask for the non-streamed case's answer through ``proxy``; freeze its D once its
+    binding names it (the newest binding, not the one newest before asking), thaw it once the
+    answer is in. The proxy must have retried once, on a timeout."""
+    prompt = prompt_ids(PROMPT_TOKENS, seed=SEEDS["non-streamed"])
+    c = client(proxy)
     victim: str | None = None
-    try:
-        async with observer(engines.pd.metaserver) as ms:
+    async with observer(engines.pd.metaserver) as ms:
+
+        async def newest() -> dict[str, Any] | None:
+            listed = (await ms.get("/v1/bindings", params={"limit": 1})).json()["bindings"]
+            return listed[0] if listed else None
+
+        before = await newest()
+        retries = await samples(proxy)
+        asking = asyncio.create_task(
+            c.completions.create(**_args(engines, prompt, NONSTREAM_TOKENS))
+        )
+        try:
             for _ in range(400):  # D has it once its binding is written
-                listed = (await ms.get("/v1/bindings", params={"limit": 1})).json()["bindings"]
-                if listed and listed[0]["num_prompt_tokens"] == PROMPT_TOKENS:
-                    victim = str(listed[0]["decode_instance_id"])
+                b = await newest()
+                if b is not None and (before is None or b["transfer_id"] != before["transfer_id"]):
+                    assert b["num_prompt_tokens"] == PROMPT_TOKENS, b
+                    victim = str(b["decode_instance_id"])
                     break
                 assert not asking.done(), "answered before its D was seen"
                 await asyncio.sleep(0.025)
-        assert victim is not None, "no binding for the request"
-        hit(engines, victim, signal.SIGSTOP)
-        r = await asking
-    finally:
-        if victim is not None:
-            hit(engines, victim, signal.SIGCONT)
-        if not asking.done():
-            asking.cancel()
-    got = generation(r)
-    record(
-        reliability, "D frozen (SIGSTOP) during a non-streamed answer", got, ref, started,
-        f"{NONSTREAM_TOKENS} tokens; retried from the start on the other pair after the 8 s "
-        "request timeout",
-    )  # fmt: skip
-    assert_same(got, ref)
+            assert victim is not None, "no binding for the request"
+            hit(engines, victim, signal.SIGSTOP)
+            r = await asking
+        finally:
+            if victim is not None:
+                hit(engines, victim, signal.SIGCONT)
+            if not asking.done():
+                asking.cancel()
+    key = "pd_retries_total{upstream_timeout}"
+    after = await samples(proxy)
+    assert after.get(key, 0) - retries.get(key, 0) == 1, (retries, after)
+    return generation(r)
 
 
 async def test_e2e_killed_decoder_mid_stream_answer_goes_on(
