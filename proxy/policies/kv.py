@@ -4,7 +4,11 @@ Prefill: the smallest ``uncached tokens in flight + RECOMPUTE_WEIGHT x this prom
 tokens``. The in-flight tokens are roughly what this prompt waits behind (chunked prefill
 batches the rest with it); its own uncached tokens count twice, once for its wait and once for
 the capacity a recomputed prefix takes from every later request. So a prefix hit wins until
-the instance holding it is busier than twice the compute it saves. Decode: among the
+the instance holding it is busier than twice the compute it saves. Ties (a prompt no P holds,
+every P idle: common, as a P's load ends with its leg) go to the P that computed least lately
+(uncached tokens this policy sent it, decaying with a ``WORK_TAU_S`` time constant): with
+candidate order as the tie-break, the first P took every new prefix and, with it, their later
+requests (64 % of the work in the routing bench). Decode: among the
 instances within ``slack`` requests of the least loaded, the one holding most of the prompt
 (its hits are blocks P does not push); decode load matters first, for every stream's ITL.
 
@@ -19,6 +23,7 @@ replica.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -31,6 +36,7 @@ from proxy.policies.least_load import LeastLoad
 RECOMPUTE_WEIGHT = 2
 PENDING_S = 10.0
 MAX_PENDING = 200_000
+WORK_TAU_S = 60.0
 
 
 class KVAware:
@@ -41,6 +47,7 @@ class KVAware:
         self._fallback = LeastLoad()
         self._clock = clock
         self._pending: OrderedDict[int, tuple[str, float]] = OrderedDict()  # key: (url, until)
+        self._work: dict[str, _Work] = {}  # prefill url: recent uncached tokens sent
 
     def choose(self, candidates: Sequence[Instance], req: RequestInfo) -> Instance:
         kv = req.kv
@@ -52,12 +59,23 @@ class KVAware:
             near = [c for c in candidates if c.load[0] <= least + self._slack]
             chosen = max(near, key=lambda c: (_held(req, c), -c.load[0], -c.load[1]))
         else:
+            now = self._clock()
             chosen = min(
                 candidates,
-                key=lambda c: (c.load[1] + RECOMPUTE_WEIGHT * req.uncached(c), c.load[0]),
+                key=lambda c: (
+                    c.load[1] + RECOMPUTE_WEIGHT * req.uncached(c),
+                    c.load[0],
+                    self._recent(c.url, now),
+                ),
             )
+            work = self._work.setdefault(chosen.url, _Work())
+            work.add(req.uncached(chosen), now)
         self._remember(chosen, req)
         return chosen
+
+    def _recent(self, url: str, now: float) -> float:
+        work = self._work.get(url)
+        return 0.0 if work is None else work.at(now)
 
     def on_routed(self, inst: Instance, req: RequestInfo) -> None:
         pass  # remembered when chosen
@@ -91,6 +109,23 @@ class KVAware:
                 n += 1
             if n > m.blocks:
                 req.kv[c.url] = replace(m, blocks=n, tokens=n * m.block_size)
+
+
+class _Work:
+    """Tokens, decaying exponentially with time constant ``WORK_TAU_S``."""
+
+    __slots__ = ("since", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.since = 0.0
+
+    def at(self, now: float) -> float:
+        return self.value * math.exp(-(now - self.since) / WORK_TAU_S)
+
+    def add(self, tokens: int, now: float) -> None:
+        self.value = self.at(now) + tokens
+        self.since = now
 
 
 def _held(req: RequestInfo, inst: Instance) -> int:

@@ -17,10 +17,12 @@ from pdwire.block_hash import BlockHasher
 from pdwire.models import Instance as Registered
 from pdwire.models import KVEvents, MarkKind
 from proxy.config import Flow
-from proxy.instances import Instance
+from proxy.instances import CircuitBreaker, Instance, Role
 from proxy.kvroute.lookup import KVLookup
 from proxy.kvroute.tokens import token_ids_of
 from proxy.mock import MockBackend, Reply
+from proxy.policies.base import KVMatch, RequestInfo
+from proxy.policies.kv import KVAware
 from tests.proxy.inmemory import BINDING, D_URL, P_URL, PUSHED, InMemoryProxy
 
 P2_URL = "http://p1:8101"
@@ -285,3 +287,43 @@ async def test_the_decision_reaches_the_binding() -> None:
     first = next(mk for mk in px.marks if mk.mark is MarkKind.FIRST_TOKEN)
     assert first.detail is not None
     assert first.detail.kv_held == {"p0": 0, "p1": 30, "d0": 0, "d1": 40}
+
+
+def _prefill_pool() -> list[Instance]:
+    clk = lambda: 0.0  # noqa: E731
+    return [Instance(u, Role.PREFILL, CircuitBreaker(3, 10, clk)) for u in (P_URL, P2_URL)]
+
+
+def _info(tokens: int, held: dict[str, int], keys: list[int]) -> RequestInfo:
+    """A prompt of ``tokens`` tokens whose first ``held[url]`` blocks each P holds."""
+    info = RequestInfo("", tokens)
+    of = tokens // BLOCK
+    info.kv = {
+        url: KVMatch(held.get(url, 0), of, held.get(url, 0) * BLOCK, keys, BLOCK)
+        for url in (P_URL, P2_URL)
+    }
+    return info
+
+
+def test_idle_ties_go_to_the_prefill_that_computed_least_lately() -> None:
+    """Every P idle and none holding the prompt: the P that computed least lately takes it,
+    not the first candidate (which took every new prefix, and their later requests with
+    them). The recent work decays: a minute later it weighs a third as much."""
+    now = [1000.0]
+    policy = KVAware(clock=lambda: now[0])
+    ps = _prefill_pool()
+    first = policy.choose(ps, _info(400, {}, [1, 2, 3]))
+    second = policy.choose(ps, _info(400, {}, [4, 5, 6]))
+    assert {first.url, second.url} == {P_URL, P2_URL}
+    # a bigger one on the first P; the next new prompt goes to the second
+    policy.choose(ps, _info(400, {first.url: 50}, [1, 2, 3]))  # held by the first: 200 more
+    assert policy.choose(ps, _info(100, {}, [7, 8])).url == second.url
+    # a prefix hit still wins over recent work
+    held = _info(400, {first.url: 90}, [1, 2, 3])
+    assert policy.choose(ps, held).url == first.url
+    # load in flight comes before recent work
+    second.acquire(1)
+    assert policy.choose(ps, _info(100, {}, [9])).url == first.url
+    second.release(1)
+    now[0] += 600.0  # ten time constants: both forgotten, within a token
+    assert policy._recent(first.url, now[0]) < 1.0
