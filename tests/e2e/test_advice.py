@@ -71,6 +71,11 @@ async def load(
 
 
 async def test_e2e_breakdown_and_advice_follow_the_starved_pool(engines: Engines) -> None:
+    # This module is the first to use the deployment: one long prompt per P first, outside
+    # every window. A fresh-clone run saw the P phase's pushes start ~50 s after D took the
+    # requests, past D's 60 s load deadline, with no machine pause measured.
+    await load(engines, [prompt_ids(1500, seed=890 + i) for i in range(2)], max_tokens=1)
+    await asyncio.sleep(1.5)  # past the 1 s the windows below reach back
     since = time.time()
     await load(engines, [prompt_ids(1500, seed=900 + i) for i in range(8)], max_tokens=1)
     now = await breakdown(engines, since)
