@@ -1,5 +1,6 @@
 """Proxy replicas' shared load: each reports its in-flight requests and tokens per instance
-(and its open circuits) every fraction of a second, and reads back the sum of the others'.
+(its open circuits, and each instance's recent prefill work) every fraction of a second, and
+reads back the sum of the others'.
 
 A report replaces the replica's previous one and lapses after its ``ttl_s``, so a replica that
 stops reporting stops counting; reports are absolute (not deltas), so a lost one costs nothing
@@ -23,6 +24,7 @@ from pdwire.models import LoadReport, LoadView
 def _sum(replica: str, reports: dict[str, LoadReport]) -> LoadView:
     others: dict[str, list[int]] = {}
     open_: set[str] = set()
+    recent: dict[str, int] = {}
     for who, r in reports.items():
         if who == replica:
             continue
@@ -31,8 +33,10 @@ def _sum(replica: str, reports: dict[str, LoadReport]) -> LoadView:
             acc[0] += n
             acc[1] += tokens
         open_.update(r.open_circuits)
+        for url, work in r.recent.items():
+            recent[url] = recent.get(url, 0) + work
     view = {url: (v[0], v[1]) for url, v in others.items()}
-    return LoadView(others=view, open_circuits=sorted(open_), replicas=len(reports))
+    return LoadView(others=view, open_circuits=sorted(open_), recent=recent, replicas=len(reports))
 
 
 class LoadBoard(abc.ABC):

@@ -326,11 +326,15 @@ Url = Annotated[str, Field(min_length=1, max_length=512)]
 
 class LoadReport(_Strict):
     """One proxy replica's in-flight load per instance url: ``[requests, tokens]`` (P's tokens
-    are the uncached ones it computes), and the instances whose circuit it has open."""
+    are the uncached ones it computes), the instances whose circuit it has open, and the
+    prefill tokens it sent each instance lately (decaying over a minute: the ``kv`` policy's
+    ties)."""
 
     instances: Annotated[dict[Url, tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(
         ge=0)]]], Field(max_length=4096)]  # fmt: skip
     open_circuits: Annotated[list[Url], Field(max_length=4096)] = []
+    recent: Annotated[dict[Url, Annotated[int, Field(ge=0, le=2**48)]], Field(
+        max_length=4096)] = {}  # fmt: skip
     ttl_s: Annotated[float, Field(gt=0, le=60)] = 2.0
 
 
@@ -339,6 +343,7 @@ class LoadView(BaseModel):
 
     others: dict[str, tuple[int, int]]
     open_circuits: list[str]
+    recent: dict[str, int] = {}
     replicas: int = Field(description="replicas reporting, this one included")
 
 

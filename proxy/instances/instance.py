@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 from pdwire.compat import Mismatch, instances_problem
 from pdwire.models import InstanceSpec
 from proxy.instances.circuit import CircuitBreaker
+from proxy.instances.work import RecentWork
 
 
 class Role(enum.StrEnum):
@@ -58,6 +59,7 @@ class Instance:
         "spec",
         "tokens",
         "url",
+        "work",
     )
 
     def __init__(self, url: str, role: Role, circuit: CircuitBreaker) -> None:
@@ -79,6 +81,7 @@ class Instance:
         self.remote_open = False
         self.cache_epoch = 0  # D: bumped when its prefix cache may hold wrong KV (integrity)
         self.served = 0
+        self.work = RecentWork()  # prefill tokens sent lately (the kv policy's ties)
         # its registration in the metaserver (revision, KV identity, TP): None when the
         # registry does not know it (a static URL of an engine without the connector)
         self.spec: InstanceSpec | None = None

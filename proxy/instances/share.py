@@ -1,10 +1,11 @@
 """Active-active proxy replicas (``--share-load``): every ``interval_s`` this replica reports
-its in-flight load per instance, and its open circuits, to the metaserver
-(``PUT /v1/load/{replica}``) and takes back the other replicas' sum, which the policies add
-to its own (``Instance.load``). An instance whose circuit another replica has open is not
-chosen here either. Reports are whole snapshots that lapse after ``3 * interval_s`` (at least
-a second), so a replica that dies stops counting; when this replica cannot reach the
-metaserver for as long, it forgets the others' load and routes on its own view until it can.
+its in-flight load per instance, its open circuits and each instance's recent prefill work to
+the metaserver (``PUT /v1/load/{replica}``) and takes back the other replicas' sum, which the
+policies add to its own (``Instance.load``, ``Instance.work``). An instance whose circuit
+another replica has open is not chosen here either. Reports are whole snapshots that lapse
+after ``3 * interval_s`` (at least a second), so a replica that dies stops counting; when this
+replica cannot reach the metaserver for as long, it forgets the others' load and routes on its
+own view until it can.
 """
 
 from __future__ import annotations
@@ -52,12 +53,19 @@ class LoadShare:
     def snapshot(self) -> LoadReport:
         instances = {}
         open_ = []
+        recent = {}
+        now = self._clock()
         for inst in self._registry.instances():
             if inst.inflight or inst.tokens:
                 instances[inst.url] = (max(inst.inflight, 0), max(inst.tokens, 0))
             if inst.circuit.state is CircuitState.OPEN:
                 open_.append(inst.url)
-        return LoadReport(instances=instances, open_circuits=open_, ttl_s=self.stale_s)
+            work = int(inst.work.own(now))
+            if work > 0:
+                recent[inst.url] = work
+        return LoadReport(
+            instances=instances, open_circuits=open_, recent=recent, ttl_s=self.stale_s
+        )
 
     async def once(self) -> None:
         try:
@@ -74,11 +82,13 @@ class LoadShare:
     def apply(self, view: LoadView | None) -> None:
         others = {} if view is None else view.others
         opened = set() if view is None else set(view.open_circuits)
+        recent = {} if view is None else view.recent
         self.replicas = 1 if view is None else view.replicas
         for inst in self._registry.instances():
             n, tokens = others.get(inst.url, (0, 0))
             inst.remote_inflight, inst.remote_tokens = n, tokens
             inst.remote_open = inst.url in opened
+            inst.work.remote = recent.get(inst.url, 0)
 
     async def run(self) -> None:
         while True:

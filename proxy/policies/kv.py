@@ -6,11 +6,12 @@ batches the rest with it); its own uncached tokens count twice, once for its wai
 the capacity a recomputed prefix takes from every later request. So a prefix hit wins until
 the instance holding it is busier than twice the compute it saves. Ties (a prompt no P holds,
 every P idle: common, as a P's load ends with its leg) go to the P that computed least lately
-(uncached tokens this policy sent it, decaying with a ``WORK_TAU_S`` time constant): with
-candidate order as the tie-break, the first P took every new prefix and, with it, their later
-requests (64 % of the work in the routing bench). Decode: among the
-instances within ``slack`` requests of the least loaded, the one holding most of the prompt
-(its hits are blocks P does not push); decode load matters first, for every stream's ITL.
+(``Instance.work``: uncached tokens this policy sent it, decaying over a minute; with
+``--share-load``, every replica's): with candidate order as the tie-break, the first P took
+every new prefix and, with it, their later requests (64 % of the work in the routing bench).
+Decode: among the instances within ``slack`` requests of the least loaded, the one holding most
+of the prompt (its hits are blocks P does not push); decode load matters first, for every
+stream's ITL.
 
 The index learns a block once an engine has computed it and published the event: seconds
 after the choice for a long prompt. So the policy also remembers, for ``PENDING_S``, where it
@@ -23,7 +24,6 @@ replica.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -36,7 +36,6 @@ from proxy.policies.least_load import LeastLoad
 RECOMPUTE_WEIGHT = 2
 PENDING_S = 10.0
 MAX_PENDING = 200_000
-WORK_TAU_S = 60.0
 
 
 class KVAware:
@@ -47,45 +46,39 @@ class KVAware:
         self._fallback = LeastLoad()
         self._clock = clock
         self._pending: OrderedDict[int, tuple[str, float]] = OrderedDict()  # key: (url, until)
-        self._work: dict[str, _Work] = {}  # prefill url: recent uncached tokens sent
 
     def choose(self, candidates: Sequence[Instance], req: RequestInfo) -> Instance:
         kv = req.kv
         if kv is None or len(candidates) == 1:
             return self._fallback.choose(candidates, req)
-        self._add_pending(candidates, req)
+        now = self._clock()
+        self._add_pending(candidates, req, now)
         if candidates[0].role is Role.DECODE:
             least = min(c.load[0] for c in candidates)
             near = [c for c in candidates if c.load[0] <= least + self._slack]
             chosen = max(near, key=lambda c: (_held(req, c), -c.load[0], -c.load[1]))
         else:
-            now = self._clock()
             chosen = min(
                 candidates,
                 key=lambda c: (
                     c.load[1] + RECOMPUTE_WEIGHT * req.uncached(c),
                     c.load[0],
-                    self._recent(c.url, now),
+                    c.work.at(now),
                 ),
             )
-            work = self._work.setdefault(chosen.url, _Work())
-            work.add(req.uncached(chosen), now)
-        self._remember(chosen, req)
+            chosen.work.add(req.uncached(chosen), now)
+        self._remember(chosen, req, now)
         return chosen
-
-    def _recent(self, url: str, now: float) -> float:
-        work = self._work.get(url)
-        return 0.0 if work is None else work.at(now)
 
     def on_routed(self, inst: Instance, req: RequestInfo) -> None:
         pass  # remembered when chosen
 
-    def _remember(self, inst: Instance, req: RequestInfo) -> None:
+    def _remember(self, inst: Instance, req: RequestInfo, now: float) -> None:
         assert req.kv is not None
         m = req.kv.get(inst.url)
         if m is None or not m.keys:
             return
-        until = self._clock() + PENDING_S
+        until = now + PENDING_S
         pending = self._pending
         for key in m.keys:
             pending[key] = (inst.url, until)
@@ -93,10 +86,9 @@ class KVAware:
         while len(pending) > MAX_PENDING:
             pending.popitem(last=False)
 
-    def _add_pending(self, candidates: Sequence[Instance], req: RequestInfo) -> None:
+    def _add_pending(self, candidates: Sequence[Instance], req: RequestInfo, now: float) -> None:
         """Count the blocks this policy sent to a candidate lately as held there."""
         assert req.kv is not None
-        now = self._clock()
         for c in candidates:
             m = req.kv.get(c.url)
             if m is None or not m.keys:
@@ -109,23 +101,6 @@ class KVAware:
                 n += 1
             if n > m.blocks:
                 req.kv[c.url] = replace(m, blocks=n, tokens=n * m.block_size)
-
-
-class _Work:
-    """Tokens, decaying exponentially with time constant ``WORK_TAU_S``."""
-
-    __slots__ = ("since", "value")
-
-    def __init__(self) -> None:
-        self.value = 0.0
-        self.since = 0.0
-
-    def at(self, now: float) -> float:
-        return self.value * math.exp(-(now - self.since) / WORK_TAU_S)
-
-    def add(self, tokens: int, now: float) -> None:
-        self.value = self.at(now) + tokens
-        self.since = now
 
 
 def _held(req: RequestInfo, inst: Instance) -> int:

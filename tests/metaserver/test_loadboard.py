@@ -12,16 +12,26 @@ async def test_replicas_see_the_others_sum(api_factory: Callable[..., Any]) -> N
     api = await api_factory()
     a = {"instances": {"http://p0": [2, 500], "http://p1": [1, 10]}, "ttl_s": 0.3}
     r = await api.put("/v1/load/a", json=a)
-    assert r.status_code == 200 and r.json() == {"others": {}, "open_circuits": [], "replicas": 1}
-    b = {"instances": {"http://p0": [1, 100]}, "open_circuits": ["http://p1"], "ttl_s": 5}
+    assert r.status_code == 200
+    assert r.json() == {"others": {}, "open_circuits": [], "recent": {}, "replicas": 1}
+    b = {
+        "instances": {"http://p0": [1, 100]},
+        "open_circuits": ["http://p1"],
+        "recent": {"http://p0": 700, "http://p1": 5},
+        "ttl_s": 5,
+    }
     r = await api.put("/v1/load/b", json=b)
     assert r.json()["others"] == {"http://p0": [2, 500], "http://p1": [1, 10]}
-    r = await api.put("/v1/load/c", json={"instances": {}, "ttl_s": 5})
+    c = {"instances": {}, "recent": {"http://p0": 300}, "ttl_s": 5}
+    r = await api.put("/v1/load/c", json=c)
     assert r.json() == {
         "others": {"http://p0": [3, 600], "http://p1": [1, 10]},
         "open_circuits": ["http://p1"],
+        "recent": {"http://p0": 700, "http://p1": 5},
         "replicas": 3,
     }
+    r = await api.put("/v1/load/a", json=a)  # each replica's recent work, summed
+    assert r.json()["recent"] == {"http://p0": 1000, "http://p1": 5}
     await asyncio.sleep(0.4)  # a's report lapses
     r = await api.put("/v1/load/c", json={"instances": {}, "ttl_s": 5})
     assert r.json()["others"] == {"http://p0": [1, 100]} and r.json()["replicas"] == 2
@@ -34,6 +44,7 @@ async def test_bad_reports_are_422(api_factory: Callable[..., Any]) -> None:
         {"instances": {"http://p0": [1]}},
         {"instances": {}, "ttl_s": 0},
         {"instances": {}, "extra": 1},
+        {"instances": {}, "recent": {"http://p0": -5}},
     ):
         assert (await api.put("/v1/load/a", json=body)).status_code == 422, body
     assert (await api.put("/v1/load/bad%20id", json={"instances": {}})).status_code == 422

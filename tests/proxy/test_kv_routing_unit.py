@@ -326,4 +326,4 @@ def test_idle_ties_go_to_the_prefill_that_computed_least_lately() -> None:
     assert policy.choose(ps, _info(100, {}, [9])).url == first.url
     second.release(1)
     now[0] += 600.0  # ten time constants: both forgotten, within a token
-    assert policy._recent(first.url, now[0]) < 1.0
+    assert first.work.at(now[0]) < 1.0

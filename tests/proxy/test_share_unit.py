@@ -10,6 +10,8 @@ from pdwire.models import LoadReport, LoadView
 from proxy.instances import Instance, Registry, Role
 from proxy.instances.share import LoadShare
 from proxy.policies import RequestInfo, make_policy
+from proxy.policies.base import KVMatch
+from proxy.policies.kv import KVAware
 
 P = ["http://p0:1", "http://p1:1"]
 
@@ -81,3 +83,34 @@ async def test_unreachable_metaserver_falls_back_to_own_view() -> None:
     board.now += b.stale_s + 0.1
     await b.once()
     assert by_url(rb)[P[0]].remote_inflight == 0 and b.failures == 2
+
+
+async def test_kv_ties_follow_every_replicas_recent_work() -> None:
+    """New prompts on idle Ps: each replica's ``kv`` policy sends a tie to the P that computed
+    least lately, counting the work the other replicas sent (shared like load). Without it
+    both replicas' first choice is the same P."""
+    board = Board()
+    (ra, a), (rb, b) = replica(board, "a"), replica(board, "b")
+    kv = [KVAware(clock=lambda: board.now) for _ in range(2)]
+    picks = []
+    for i in range(6):
+        reg, share, policy = (ra, a, kv[0]) if i % 2 == 0 else (rb, b, kv[1])
+        await share.once()
+        picks.append(policy.choose(reg.available(Role.PREFILL), new_prompt(i)).url)
+        await share.once()
+    assert picks.count(P[0]) == picks.count(P[1]) == 3, picks
+    # the shared count is the other replica's, as it decays
+    board.now += 60.0
+    await a.once()
+    await b.once()
+    p0 = by_url(rb)[P[0]].work
+    assert p0.remote == int(by_url(ra)[P[0]].work.own(board.now))
+    assert 0 < p0.at(board.now) < 3 * 400
+
+
+def new_prompt(seed: int) -> RequestInfo:
+    """400 tokens no P holds (100 blocks of 4)."""
+    info = RequestInfo("", 400)
+    keys = [seed * 1000 + k for k in range(100)]
+    info.kv = {url: KVMatch(0, 100, 0, keys, 4) for url in P}
+    return info
