@@ -7,8 +7,9 @@ the capacity a recomputed prefix takes from every later request. So a prefix hit
 the instance holding it is busier than twice the compute it saves. Ties (a prompt no P holds,
 every P idle: common, as a P's load ends with its leg) go to the P that computed least lately
 (``Instance.work``: uncached tokens this policy sent it, decaying over a minute; with
-``--share-load``, every replica's): with candidate order as the tie-break, the first P took
-every new prefix and, with it, their later requests (64 % of the work in the routing bench).
+``--share-load``, every replica's), then by a hash of the prompt and the instance: with
+candidate order as the tie-break, the first P took every new prefix and, with it, their later
+requests (64 % of the work in the routing bench).
 Decode: among the instances within ``slack`` requests of the least loaded, the one holding most
 of the prompt (its hits are blocks P does not push); decode load matters first, for every
 stream's ITL.
@@ -24,6 +25,7 @@ replica.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -64,6 +66,7 @@ class KVAware:
                     c.load[1] + RECOMPUTE_WEIGHT * req.uncached(c),
                     c.load[0],
                     c.work.at(now),
+                    _spread(req, c),
                 ),
             )
             chosen.work.add(req.uncached(chosen), now)
@@ -101,6 +104,17 @@ class KVAware:
                 n += 1
             if n > m.blocks:
                 req.kv[c.url] = replace(m, blocks=n, tokens=n * m.block_size)
+
+
+def _spread(req: RequestInfo, inst: Instance) -> bytes:
+    """The last tie-break: a hash of the prompt's first block and the instance (rendezvous
+    hashing). Replicas order candidates as discovery found them and decide at the same instant
+    before they share what they chose; on this they agree, and new prompts spread."""
+    assert req.kv is not None
+    m = req.kv.get(inst.url)
+    first = m.keys[0] if m is not None and m.keys else 0
+    who = (m.instance_id if m is not None and m.instance_id else inst.url).encode()
+    return hashlib.blake2b(first.to_bytes(8, "little") + who, digest_size=8).digest()
 
 
 def _held(req: RequestInfo, inst: Instance) -> int:

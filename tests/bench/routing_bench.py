@@ -239,9 +239,22 @@ class Bench:
                 after = await by_source(http, u)
                 ph.hit += after.get("local_cache_hit", 0) - before[u].get("local_cache_hit", 0)
                 ph.computed[u] = after.get("local_compute", 0) - before[u].get("local_compute", 0)
+            if self.a.placements:
+                await self.placements(http, len(work.prompts))
         say(f"{name}: hit rate {ph.hit_rate:.1%}, mean TTFT {ph.mean() * 1000:.0f} ms, "
             f"errors {len(ph.errors)}")  # fmt: skip
         return ph
+
+    async def placements(self, http: httpx.AsyncClient, n: int) -> None:
+        """Each of the phase's transfers, oldest first: the proxy replica, the P that took it,
+        and what each P held by the index when the proxy chose (``--binding-marks``)."""
+        got = await http.get(self.plan.metaserver_url + "/v1/bindings", params={"limit": n})
+        for b in sorted(got.json()["bindings"], key=lambda b: b["created_at"]):
+            p = next((e["actor"] for e in b["events"] if e["state"] == "prefill_started"), "-")
+            first = next((m for m in b.get("marks", []) if m["mark"] == "first_token"), None)
+            held = (first or {}).get("detail", {}) or {}
+            who = first["actor"] if first else "-"
+            say(f"  {b['created_at']:.2f} {who} -> {p} held {held.get('kv_held')}")
 
 
 def table(work: Workload, phases: list[Phase], a: argparse.Namespace) -> str:
@@ -309,6 +322,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--models-dir", default=str(REPO / ".cache" / "models"))
+    p.add_argument("--placements", action="store_true", help="print where each request went")
     p.add_argument("--log-dir", default=str(REPO / ".cache" / "routing-bench"))
     return p.parse_args(argv)
 

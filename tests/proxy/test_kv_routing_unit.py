@@ -327,3 +327,18 @@ def test_idle_ties_go_to_the_prefill_that_computed_least_lately() -> None:
     second.release(1)
     now[0] += 600.0  # ten time constants: both forgotten, within a token
     assert first.work.at(now[0]) < 1.0
+
+
+def test_ties_agree_whatever_the_candidate_order() -> None:
+    """Two replicas list the Ps in different orders (as discovery found them) and see the same
+    idle state: each new prompt goes to the same P on both, and new prompts spread over both."""
+    chosen: list[str] = []
+    for seed in range(20):
+        keys = [seed * 100 + k for k in range(3)]
+        picks = {
+            KVAware().choose(order, _info(400, {}, keys)).url
+            for order in (_prefill_pool(), _prefill_pool()[::-1])
+        }
+        assert len(picks) == 1, seed
+        chosen += picks
+    assert set(chosen) == {P_URL, P2_URL}
