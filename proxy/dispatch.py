@@ -21,6 +21,7 @@ from proxy.config import Flow as FlowName
 from proxy.errors import BadRequest, NoInstance
 from proxy.flows import Attempt, Flow, Upstream
 from proxy.instances import Instance, Registry, Role, unpairable
+from proxy.instances.share import LoadSync, NoSharing
 from proxy.integrity import PairGuard
 from proxy.metrics import Metrics
 from proxy.policies import Policy, RequestInfo
@@ -96,6 +97,7 @@ class Dispatcher:
         ids: IdMaker | None = None,
         guard: PairGuard | None = None,
         kv: KVLookup | None = None,
+        share: LoadSync | None = None,
     ) -> None:
         self._registry = registry
         self._flows = flows
@@ -108,6 +110,7 @@ class Dispatcher:
         self._ids = ids or IdMaker("pd")
         self._guard = guard
         self._kv = kv  # KV-event routing: each request matched against the index first
+        self._share = share or NoSharing()  # --share-load: the other replicas' load
         self._ok: weakref.WeakKeyDictionary[Instance, Any] = weakref.WeakKeyDictionary()
         self._told: set[tuple[str, str, str]] = set()  # (P, D, reason): logged once per pair
 
@@ -155,6 +158,7 @@ class Dispatcher:
         avoid = set(avoiding)
         attempt = 0
         while True:
+            await self._share.fresh()
             d = self._pick(Role.DECODE, avoid, info, self._d_policy)
             assert d is not None
             chosen = self._decider.decide(flow, info, d)
@@ -173,6 +177,7 @@ class Dispatcher:
             p_load = 0 if p is None else info.uncached(p)  # P's load: the tokens it computes
             if p is not None:  # reserved now, so a burst's later picks already see it
                 p.acquire(p_load)
+            self._share.changed()  # and the other replicas' picks soon after
             transfer = self._metrics.transfers.start() if p is not None else None
             try:
                 up = await impl.open(a)

@@ -124,6 +124,14 @@ class Runtime:
                 retry=RetryPolicy(retries=0),
             )  # fmt: skip
             self.kv = KVLookup(tok, matcher, s.kv_hash_seed, self.metrics.kv_lookups.labels)
+        if s.share_load and self.share is None:
+            assert s.metaserver is not None
+            exchange = AsyncMetaserverClient(
+                s.metaserver, token=token, session=self.session, timeout_s=1.0,
+                retry=RetryPolicy(retries=0),
+            )  # fmt: skip
+            name = replica_name(s.replica_id, s.workers)
+            self.share = LoadShare(self.registry, exchange, name, s.share_interval_s)
         self.wire(backend, self.metaserver)
         source = self._discovery_source()
         try:
@@ -150,14 +158,7 @@ class Runtime:
             except Exception as exc:
                 log.warning("first registry poll for drains failed (will retry): %s", exc)
             self._tasks.append(loop.create_task(watch.run(s.discovery_interval_s)))
-        if s.share_load:
-            assert s.metaserver is not None
-            exchange = AsyncMetaserverClient(
-                s.metaserver, token=token, session=self.session, timeout_s=1.0,
-                retry=RetryPolicy(retries=0),
-            )  # fmt: skip
-            name = replica_name(s.replica_id, s.workers)
-            self.share = LoadShare(self.registry, exchange, name, s.share_interval_s)
+        if self.share is not None:
             self._tasks.append(loop.create_task(self.share.run(), name="load-share"))
         checker = HealthChecker(self.registry, self.session, interval_s=s.health_interval_s)
         self._tasks.append(loop.create_task(checker.run()))
@@ -213,6 +214,7 @@ class Runtime:
             ids=self.ids,
             guard=guard,
             kv=self.kv,
+            share=self.share,
         )
 
     def _discovery_source(self) -> DiscoverySource:

@@ -5,13 +5,18 @@ back to its own view."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from metaserver.loadboard import MemoryLoadBoard
 from pdwire.models import LoadReport, LoadView
 from proxy.instances import Instance, Registry, Role
-from proxy.instances.share import LoadShare
+from proxy.instances.share import FRESH_S, WAIT_S, LoadShare
+from proxy.mock import MockBackend, Reply
 from proxy.policies import RequestInfo, make_policy
 from proxy.policies.base import KVMatch
 from proxy.policies.kv import KVAware
+from tests.proxy.inmemory import BINDING, PUSHED, InMemoryProxy
 
 P = ["http://p0:1", "http://p1:1"]
 
@@ -114,3 +119,92 @@ def new_prompt(seed: int) -> RequestInfo:
     keys = [seed * 1000 + k for k in range(100)]
     info.kv = {url: KVMatch(0, 100, 0, keys, 4) for url in P}
     return info
+
+
+class Counting(Board):
+    """The board, counting exchanges; ``delay`` holds each one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.delay = 0.0
+
+    async def share_load(self, replica: str, report: LoadReport) -> LoadView:
+        self.calls += 1
+        await asyncio.sleep(self.delay)
+        return await super().share_load(replica, report)
+
+
+def live(board: Board, name: str) -> tuple[Registry, LoadShare]:
+    """A replica on the real clock (the freshness bounds are real time)."""
+    reg = Registry()
+    reg.reconcile(Role.PREFILL, P)
+    return reg, LoadShare(reg, board, name, 0.1)
+
+
+async def test_a_choice_sees_the_other_replicas_choice_made_just_before() -> None:
+    """Replica a chooses; b chooses 30 ms later, before either's next interval: b's view
+    already holds a's choice (a reported it within FRESH_S, b asked before choosing)."""
+    board = Counting()
+    (ra, a), (rb, b) = live(board, "a"), live(board, "b")
+    runs = [asyncio.create_task(s.run()) for s in (a, b)]
+    try:
+        await asyncio.sleep(0.01)  # both reported once; the next is an interval away
+        by_url(ra)[P[0]].acquire(700)
+        a.changed()
+        await asyncio.sleep(FRESH_S + 0.01)
+        await b.fresh()
+        assert by_url(rb)[P[0]].remote_tokens == 700
+        calls = board.calls
+        await b.fresh()  # fresh enough: no exchange
+        assert board.calls == calls
+    finally:
+        for t in runs:
+            t.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
+
+
+async def test_a_choice_waits_little_for_the_others() -> None:
+    """A slow metaserver holds a choice at most WAIT_S; an unreachable one not at all."""
+    board = Counting()
+    _, a = live(board, "a")
+    await a.once()
+    await asyncio.sleep(FRESH_S)
+    board.delay = 1.0
+    t0 = time.monotonic()
+    await a.fresh()
+    assert time.monotonic() - t0 < WAIT_S + 0.03
+    board.delay = 0.0
+    board.down = True
+    await asyncio.sleep(1.0)  # the slow exchange ends, failing
+    calls = board.calls
+    t0 = time.monotonic()
+    await a.fresh()
+    assert board.calls == calls and time.monotonic() - t0 < 0.01
+
+
+class Spy:
+    """``LoadSync`` recording what the dispatcher told it, with P's load at that moment."""
+
+    def __init__(self, px: InMemoryProxy) -> None:
+        self.px = px
+        self.seen: list[tuple[str, int]] = []
+
+    async def fresh(self) -> None:
+        self.seen.append(("fresh", self.px.p.inflight))
+
+    def changed(self) -> None:
+        self.seen.append(("changed", self.px.p.inflight))
+
+
+async def test_the_dispatcher_asks_before_choosing_and_tells_after() -> None:
+    backend = MockBackend(
+        {"prefill": PUSHED, "decode": Reply.completion("hi"), "get": Reply.json(BINDING)}
+    )
+    px = InMemoryProxy(backend)
+    spy = Spy(px)
+    px.runtime.share = spy  # type: ignore[assignment]
+    px.runtime.wire(backend, px.event_client)
+    assert (await px.send()).status == 200
+    assert spy.seen == [("fresh", 0), ("changed", 1)]
+    await px.settle()
