@@ -47,6 +47,7 @@ from pdwire.models import (
     EventIn,
     InstanceSpec,
     KVMatchIn,
+    KVPlacedIn,
     LoadReport,
     MarkIn,
 )
@@ -60,6 +61,7 @@ _BODY_MODELS = (
     MarkIn,
     BatchIn,
     KVMatchIn,
+    KVPlacedIn,
     LoadReport,
 )
 

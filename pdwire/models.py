@@ -320,6 +320,23 @@ class KVMatchOut(BaseModel):
     matched: dict[str, int] = Field(description="per instance: leading keys it holds")
 
 
+KV_PLACED_PATH = "/v1/kv/placed"
+
+
+class KVPlacement(_Strict):
+    """A prompt's block keys, first block first, and the instance a proxy just sent it to."""
+
+    instance: Annotated[str, Field(pattern=INSTANCE_ID_PATTERN, max_length=128)]
+    keys: Annotated[list[BlockKey], Field(min_length=1, max_length=KV_MATCH_MAX_KEYS)]
+
+
+class KVPlacedIn(_Strict):
+    """Prompts proxies just sent: their keys count as held there for a few seconds
+    (``metaserver.kvindex.index.PLACED_S``), until the engines' own events say so."""
+
+    placed: Annotated[list[KVPlacement], Field(min_length=1, max_length=64)]
+
+
 LOAD_PATH = "/v1/load/{replica}"
 Url = Annotated[str, Field(min_length=1, max_length=512)]
 

@@ -172,6 +172,10 @@ class Dispatcher:
                     self._metrics.decisions.labels(decision="no_compatible_prefill").inc()
                     log.debug("no prefill instance can push into %s; D computes", d.id)
                     chosen, impl = FlowName.DIRECT, self._flows[FlowName.DIRECT]
+            if self._kv is not None and info.kv is not None:  # every replica's index knows
+                self._kv.placed(d, info)
+                if p is not None:
+                    self._kv.placed(p, info)
             a = Attempt(req, info, path, d, p, self._ids.next(), trace)
             d.acquire(info.tokens)
             p_load = 0 if p is None else info.uncached(p)  # P's load: the tokens it computes

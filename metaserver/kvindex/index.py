@@ -3,16 +3,26 @@
 Keys are ``pdwire.kv_events.block_key`` values (64 bits). Each instance's entries are bounded
 (``max_blocks``, well above any engine's block count): stores past it are dropped and counted,
 which can only make matches shorter, never wrong.
+
+Beside what the engines' events say, a proxy *places* a prompt's keys on the instances it just
+sent it to (``place``): they count as held there for ``PLACED_S`` (about the time a long prompt
+takes until the engine has computed it and its events say so). So every proxy replica sees
+where the others sent a prompt a moment ago; a replica's own memory of it
+(``proxy.policies.kv``) was its alone.
 """
 
 from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Iterable, Sequence
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 DEFAULT_MAX_BLOCKS = 1_000_000
+PLACED_S = 10.0
+MAX_PLACED = 200_000  # placed keys per instance (memory; the oldest go first)
 
 
 class Op(enum.Enum):
@@ -39,8 +49,13 @@ class KVIndex(abc.ABC):
         """Forget the instance (it left, restarted, or its stream lost events)."""
 
     @abc.abstractmethod
+    async def place(self, instance_id: str, keys: Sequence[int]) -> None:
+        """Count ``keys`` as held by the instance for ``PLACED_S`` (a proxy just sent them
+        there); an instance's ``CLEAR`` or ``drop`` forgets them."""
+
+    @abc.abstractmethod
     async def match(self, keys: Sequence[int], instance_ids: Iterable[str]) -> dict[str, int]:
-        """Per instance: how many of ``keys``, from the first, it holds."""
+        """Per instance: how many of ``keys``, from the first, it holds or was placed."""
 
     @abc.abstractmethod
     async def sizes(self) -> dict[str, int]:
@@ -62,10 +77,14 @@ class KVIndex(abc.ABC):
 class MemoryKVIndex(KVIndex):
     description = "memory"
 
-    def __init__(self, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+    def __init__(
+        self, max_blocks: int = DEFAULT_MAX_BLOCKS, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._blocks: dict[str, set[int]] = {}
+        self._placed: dict[str, OrderedDict[int, float]] = {}  # key: until, oldest first
         self._max = max_blocks
         self._dropped = 0
+        self._clock = clock
 
     async def apply(self, instance_id: str, changes: Sequence[Change]) -> None:
         held = self._blocks.setdefault(instance_id, set())
@@ -81,20 +100,35 @@ class MemoryKVIndex(KVIndex):
                 held.difference_update(change.keys)
             else:
                 held.clear()
+                self._placed.pop(instance_id, None)  # placed before the engine cleared it
 
     async def drop(self, instance_id: str) -> None:
         self._blocks.pop(instance_id, None)
+        self._placed.pop(instance_id, None)
+
+    async def place(self, instance_id: str, keys: Sequence[int]) -> None:
+        placed = self._placed.setdefault(instance_id, OrderedDict())
+        now = self._clock()
+        until = now + PLACED_S
+        for k in keys:
+            placed[k] = until
+            placed.move_to_end(k)
+        while placed and (len(placed) > MAX_PLACED or next(iter(placed.values())) < now):
+            placed.popitem(last=False)
 
     async def match(self, keys: Sequence[int], instance_ids: Iterable[str]) -> dict[str, int]:
         out: dict[str, int] = {}
+        now = self._clock()
         for iid in instance_ids:
-            held = self._blocks.get(iid)
+            held = self._blocks.get(iid) or set()
+            placed: Mapping[int, float] = self._placed.get(iid) or {}
             n = 0
-            if held:
-                for k in keys:
-                    if k not in held:
+            for k in keys:
+                if k not in held:
+                    until = placed.get(k)
+                    if until is None or until < now:
                         break
-                    n += 1
+                n += 1
             out[iid] = n
         return out
 

@@ -3,19 +3,26 @@ metaserver replica (``<ns>:kv:<instance>``, and ``<ns>:kvi`` listing the indexed
 
 Writes are pipelined in event order; a store goes through a script that respects the per-instance
 bound. Each key carries a TTL that the following metaserver renews (``touch``), so an index
-nobody follows any more expires by itself. A match is one pipelined ``SMISMEMBER`` per candidate.
+nobody follows any more expires by itself. Placed keys (``KVIndex.place``) go in one SET per
+instance and ``_BUCKET_S`` of wall time (``<ns>:kvp:<instance>:<bucket>``, expiring), and count
+while their bucket is within ``PLACED_S`` of now (so for ``PLACED_S`` to ``PLACED_S + _BUCKET_S``).
+A match is one pipelined ``SMISMEMBER`` per candidate and set.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from metaserver.errors import StoreUnavailable
-from metaserver.kvindex.index import DEFAULT_MAX_BLOCKS, Change, KVIndex, Op
+from metaserver.kvindex.index import DEFAULT_MAX_BLOCKS, PLACED_S, Change, KVIndex, Op
 
+_BUCKET_S = 5.0
+_BUCKETS = math.ceil(PLACED_S / _BUCKET_S) + 1  # the buckets a match reads
 _CHUNK = 1000  # keys per command (Lua's stack bounds the script's arguments)
 _STORE = """
 local room = tonumber(ARGV[1]) - redis.call('SCARD', KEYS[1])
@@ -51,6 +58,7 @@ class RedisKVIndex(KVIndex):
         *,
         ttl_s: float = 600.0,
         max_blocks: int = DEFAULT_MAX_BLOCKS,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.description = f"redis (namespace {namespace!r})"
         self._r = r
@@ -60,9 +68,15 @@ class RedisKVIndex(KVIndex):
         self._store = r.register_script(_STORE)
         self._lead = r.register_script(_LEAD)
         self._dropped = 0
+        self._clock = clock  # wall time: every metaserver replica buckets alike
 
     def _key(self, instance_id: str) -> str:
         return f"{self._ns}:kv:{instance_id}"
+
+    def _placed_keys(self, instance_id: str) -> list[str]:
+        """The instance's placed sets that count now, newest first."""
+        now = int(self._clock() // _BUCKET_S)
+        return [f"{self._ns}:kvp:{instance_id}:{now - i}" for i in range(_BUCKETS)]
 
     async def apply(self, instance_id: str, changes: Sequence[Change]) -> None:
         key = self._key(instance_id)
@@ -72,8 +86,8 @@ class RedisKVIndex(KVIndex):
                 scripts: list[int] = []  # positions of the store scripts' replies
                 calls = 1
                 for change in changes:
-                    if change.op is Op.CLEAR:
-                        pipe.delete(key)
+                    if change.op is Op.CLEAR:  # and what was placed before it
+                        pipe.delete(key, *self._placed_keys(instance_id))
                         calls += 1
                         continue
                     for i in range(0, len(change.keys), _CHUNK):
@@ -94,8 +108,21 @@ class RedisKVIndex(KVIndex):
     async def drop(self, instance_id: str) -> None:
         try:
             async with self._r.pipeline(transaction=False) as pipe:
-                pipe.delete(self._key(instance_id))
+                pipe.delete(self._key(instance_id), *self._placed_keys(instance_id))
                 pipe.srem(f"{self._ns}:kvi", instance_id)
+                await pipe.execute()
+        except RedisError as exc:
+            raise StoreUnavailable(f"KV index: {exc}") from exc
+
+    async def place(self, instance_id: str, keys: Sequence[int]) -> None:
+        if not keys:
+            return
+        bucket = self._placed_keys(instance_id)[0]
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                for i in range(0, len(keys), _CHUNK):
+                    pipe.sadd(bucket, *[_member(k) for k in keys[i : i + _CHUNK]])
+                pipe.pexpire(bucket, int((PLACED_S + _BUCKET_S) * 1000))
                 await pipe.execute()
         except RedisError as exc:
             raise StoreUnavailable(f"KV index: {exc}") from exc
@@ -119,18 +146,20 @@ class RedisKVIndex(KVIndex):
         if not keys or not ids:
             return dict.fromkeys(ids, 0)
         members = [_member(k) for k in keys]
+        sets = 1 + _BUCKETS  # per instance: what it holds, then what was placed there
         try:
             async with self._r.pipeline(transaction=False) as pipe:
                 for iid in ids:
-                    pipe.smismember(self._key(iid), members)
+                    for key in (self._key(iid), *self._placed_keys(iid)):
+                        pipe.smismember(key, members)
                 found = await pipe.execute()
         except RedisError as exc:
             raise StoreUnavailable(f"KV index: {exc}") from exc
         out: dict[str, int] = {}
-        for iid, flags in zip(ids, found, strict=True):
+        for i, iid in enumerate(ids):
             n = 0
-            for flag in flags:
-                if not flag:
+            for flags in zip(*found[i * sets : (i + 1) * sets], strict=True):
+                if not any(flags):
                     break
                 n += 1
             out[iid] = n

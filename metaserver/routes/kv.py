@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from metaserver.context import ctx
 from metaserver.validation import parse_body
-from pdwire.models import KV_MATCH_PATH, KVMatchIn, KVMatchOut
+from pdwire.models import KV_MATCH_PATH, KV_PLACED_PATH, KVMatchIn, KVMatchOut, KVPlacedIn
 
 router = APIRouter(tags=["kv index"])
 
@@ -30,6 +30,31 @@ async def match(request: Request) -> dict[str, Any]:
     c.authorize(request.headers.get("authorization"), write=False)
     body = parse_body(KVMatchIn, await request.body())
     return {"matched": await c.store.kv_index().match(body.keys, body.instances)}
+
+
+@router.post(
+    KV_PLACED_PATH,
+    status_code=204,
+    responses={401: {}, 403: {}, 422: {}},
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/KVPlacedIn"}}
+            },
+        },
+        "security": [{"bearer": []}],
+    },
+    summary="Prompts a proxy just sent: their blocks count as held there for a few seconds",
+)
+async def placed(request: Request) -> Response:
+    c = ctx(request)
+    c.authorize(request.headers.get("authorization"), write=True).may_share_load()
+    body = parse_body(KVPlacedIn, await request.body())
+    index = c.store.kv_index()
+    for p in body.placed:
+        await index.place(p.instance, p.keys)
+    return Response(status_code=204)
 
 
 @router.get("/v1/kv", summary="The KV-event index: blocks per instance, each stream's state")

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from pdwire.models import (
     BATCH_PATH,
     KV_MATCH_PATH,
+    KV_PLACED_PATH,
     LOAD_PATH,
     Binding,
     BindingSpec,
@@ -157,6 +158,13 @@ def kv_match(keys: Sequence[int], instances: Sequence[str]) -> Call:
     (``KVMatchIn``)."""
     body = msgspec.json.encode({"keys": keys, "instances": instances})
     return Call("POST", KV_MATCH_PATH, body=body)
+
+
+def kv_placed(placed: Sequence[tuple[str, Sequence[int]]]) -> Call:
+    """The proxy's choices, batched: ``(instance id, the prompt's block keys)`` each; encoded
+    with msgspec, checked by the metaserver (``KVPlacedIn``)."""
+    body = msgspec.json.encode({"placed": [{"instance": i, "keys": k} for i, k in placed]})
+    return Call("POST", KV_PLACED_PATH, body=body)
 
 
 def share_load(replica: str, report: LoadReport) -> Call:

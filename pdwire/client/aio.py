@@ -162,6 +162,10 @@ class AsyncMetaserverClient:
         """Per instance, how many of ``keys`` (a prompt's block keys) its cache holds."""
         return P.decode(KVMatchOut, await self.send(P.kv_match(keys, instances))).matched
 
+    async def kv_placed(self, placed: Sequence[tuple[str, Sequence[int]]]) -> None:
+        """Tell the index where prompts just went: ``(instance id, block keys)`` each."""
+        await self.send(P.kv_placed(placed))
+
     async def share_load(self, replica: str, report: LoadReport) -> LoadView:
         """Report this proxy replica's load; the other replicas' comes back."""
         return P.decode(LoadView, await self.send(P.share_load(replica, report)))

@@ -5,6 +5,10 @@ algorithm, ``InstanceSpec.kv_events``), with the seed the engines use (``--kv-ha
 their ``PYTHONHASHSEED``, vLLM's fixed default when unset). Tokenizing and hashing run in a few
 worker threads (never on the event loop); the match is one ``POST /v1/kv/match``. Any failure
 leaves the request unannotated: the policies then choose as ``least_load`` would.
+
+Once the pair is chosen, ``placed`` tells the index where the prompt went (``POST
+/v1/kv/placed``, in the background: sent at once, the choices made meanwhile batched into the
+next call), so every proxy replica counts it as held there until the engines' events say so.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from proxy.policies.base import KVMatch, RequestInfo
 log = logging.getLogger("pdgate.proxy.kv")
 MATCH_TIMEOUT_S = 0.5
 THREADS = min(4, os.cpu_count() or 1)
+PLACED_BATCH_KEYS = 16_384  # keys per POST /v1/kv/placed at most
+PLACED_QUEUE = 1024  # placements waiting while the metaserver is slow (the oldest go first)
 
 
 class Matcher(Protocol):
@@ -33,6 +39,10 @@ class Matcher(Protocol):
 
     async def kv_match(self, keys: Sequence[int], instances: Sequence[str]) -> dict[str, int]:
         """Per instance, the leading ``keys`` its cache holds; raises on any failure."""
+        ...
+
+    async def kv_placed(self, placed: Sequence[tuple[str, Sequence[int]]]) -> None:
+        """Where prompts just went: ``(instance id, block keys)``; raises on any failure."""
         ...
 
 
@@ -54,6 +64,8 @@ class KVLookup:
         # tokenizer releases the GIL: a few threads keep requests from queueing behind one
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="pdgate-kv")
         self._counts = counts  # metrics: outcome -> counter (None in tests)
+        self._placed: list[tuple[str, Sequence[int]]] = []
+        self._placing: asyncio.Task[None] | None = None
 
     def _count(self, outcome: str) -> None:
         if self._counts is not None:
@@ -97,6 +109,28 @@ class KVLookup:
         info.kv = matched
         self._count("matched" if any(m.blocks for m in matched.values()) else "no_match")
 
+    def placed(self, inst: Instance, info: RequestInfo) -> None:
+        """The prompt goes to ``inst``: tell the index (in the background)."""
+        m = None if info.kv is None else info.kv.get(inst.url)
+        if m is None or not m.keys or not m.instance_id:
+            return
+        self._placed.append((m.instance_id, m.keys))
+        del self._placed[:-PLACED_QUEUE]
+        if self._placing is None or self._placing.done():
+            self._placing = asyncio.ensure_future(self._send_placed())
+
+    async def _send_placed(self) -> None:
+        while self._placed:
+            n, keys = 0, 0
+            while n < len(self._placed) and (n == 0 or keys < PLACED_BATCH_KEYS):
+                keys += len(self._placed[n][1])
+                n += 1
+            batch, self._placed = self._placed[:n], self._placed[n:]
+            try:
+                await self._matcher.kv_placed(batch)
+            except Exception as exc:  # the index learns them from the engines, later
+                log.debug("placements not sent: %s", exc)
+
     def _keys(
         self, body: dict[str, Any], chat: bool, schemes: list[_Scheme]
     ) -> tuple[int, dict[_Scheme, list[int]]] | None:
@@ -115,3 +149,5 @@ class KVLookup:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._placing is not None:
+            self._placing.cancel()

@@ -19,8 +19,9 @@ after the choice for a long prompt. So the policy also remembers, for ``PENDING_
 chose to send each prompt's blocks (at most ``MAX_PENDING`` keys, oldest dropped) and counts
 them as held there; the index's own count wins where larger. A choice is remembered as it is
 made, so the requests of a burst that share a prefix follow the first of them. A choice whose
-attempt fails is remembered all the same (for ``PENDING_S`` at most); memory is per proxy
-replica.
+attempt fails is remembered all the same (for ``PENDING_S`` at most). This memory is the
+replica's own; the dispatcher also places the choice in the index (``KVLookup.placed``), which
+is how the other replicas learn it.
 """
 
 from __future__ import annotations

@@ -121,6 +121,11 @@ async def test_only_proxies_share_load_and_readers_match(roles: httpx.AsyncClien
     refused = await roles.put("/v1/load/r1", json=load, headers=bearer("decode-0"))
     assert refused.status_code == 403 and "share proxy load" in refused.text
     assert (await roles.put("/v1/load/r1", json=load)).status_code == 401
+    placed = {"placed": [{"instance": "prefill-0", "keys": [1]}]}
+    assert (await roles.post("/v1/kv/placed", json=placed, headers=bearer("proxy"))).is_success
+    refused = await roles.post("/v1/kv/placed", json=placed, headers=bearer("reader"))
+    assert refused.status_code == 403
+    assert (await roles.post("/v1/kv/placed", json=placed)).status_code == 401
     match = {"keys": [1], "instances": ["decode-0"]}
     assert (await roles.post("/v1/kv/match", json=match)).status_code == 401  # protect-reads
     for who in ("proxy", "reader", "decode-0"):

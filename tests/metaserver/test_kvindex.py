@@ -15,6 +15,7 @@ from vllm.distributed import kv_events as vllm_events
 
 from metaserver.kvindex import Change, KVIndex, Op
 from metaserver.kvindex.follower import Follower, Source
+from metaserver.kvindex.index import PLACED_S
 from metaserver.kvindex.manager import KVEventManager
 from metaserver.store import Store
 from pdwire.kv_events import block_key
@@ -133,6 +134,29 @@ async def test_index_contract(store: Store) -> None:
     assert "a" not in await index.sizes()
     assert await index.match([1], ["a"]) == {"a": 0}
     assert await index.lead("me", 5.0)
+
+
+async def test_placed_keys_count_until_they_lapse_or_the_engine_clears(store: Store) -> None:
+    """A proxy's placement counts as held beside the engine's own blocks, for PLACED_S (up to
+    a bucket more in Redis); a CLEAR or a drop forgets it."""
+    index = store.kv_index()
+    now = [1_000_000.0]
+    index._clock = lambda: now[0]  # type: ignore[attr-defined]
+    await index.apply("a", [Change(Op.STORE, [1, 2])])
+    await index.place("a", [1, 2, 3, 4])
+    await index.place("b", [1, 2])
+    assert await index.match([1, 2, 3, 4, 5], ["a", "b", "c"]) == {"a": 4, "b": 2, "c": 0}
+    assert (await index.sizes())["a"] == 2  # the engine's blocks only
+    now[0] += PLACED_S - 1
+    assert await index.match([1, 2, 3, 4], ["a", "b"]) == {"a": 4, "b": 2}
+    now[0] += 6 + 1
+    assert await index.match([1, 2, 3, 4], ["a", "b"]) == {"a": 2, "b": 0}
+    await index.place("a", [1, 2, 3])
+    await index.apply("a", [Change(Op.CLEAR)])
+    assert await index.match([1, 2, 3], ["a"]) == {"a": 0}
+    await index.place("b", [7])
+    await index.drop("b")
+    assert await index.match([7], ["b"]) == {"b": 0}
 
 
 async def test_index_bound(store: Store) -> None:
@@ -308,5 +332,17 @@ async def test_match_endpoint(api_factory: Callable[..., Any]) -> None:
     assert (await api.post("/v1/kv/match", json={"keys": [1], "instances": []})).status_code == 422
     r = await api.post("/v1/kv/match", json={"keys": [1, 2], "instances": ["a", "b"]})
     assert r.status_code == 200 and r.json() == {"matched": {"a": 0, "b": 0}}
+    placed = {"placed": [{"instance": "a", "keys": [1, 2]}, {"instance": "b", "keys": [1]}]}
+    assert (await api.post("/v1/kv/placed", json=placed)).status_code == 204
+    r = await api.post("/v1/kv/match", json={"keys": [1, 2], "instances": ["a", "b"]})
+    assert r.json() == {"matched": {"a": 2, "b": 1}}
+    bad_bodies: list[dict[str, Any]] = [
+        {"placed": []},
+        {"placed": [{"instance": "a", "keys": []}]},
+        {"placed": [{"instance": "bad id", "keys": [1]}]},
+        {"placed": [{"instance": "a", "keys": [-1]}]},
+    ]
+    for body in bad_bodies:
+        assert (await api.post("/v1/kv/placed", json=body)).status_code == 422, body
     state = (await api.get("/v1/kv")).json()
     assert state["following"] is False and state["blocks"] == {} and state["streams"] == {}

@@ -46,12 +46,20 @@ class IndexMatcher:
         self.index = MemoryKVIndex()
         self.calls = 0
         self.fail = False
+        self.placed: list[str] = []
+        self.placing = True  # False: placements are lost (a metaserver before /v1/kv/placed)
 
     async def kv_match(self, keys: Sequence[int], instance_ids: Sequence[str]) -> dict[str, int]:
         self.calls += 1
         if self.fail:
             raise ConnectionError("metaserver unreachable")
         return await self.index.match(keys, instance_ids)
+
+    async def kv_placed(self, placed: Sequence[tuple[str, Sequence[int]]]) -> None:
+        self.placed += [i for i, _ in placed]
+        if self.placing:
+            for instance_id, keys in placed:
+                await self.index.place(instance_id, keys)
 
 
 def keys_of(text: str) -> list[int]:
@@ -67,7 +75,10 @@ def registered(iid: str, role: str, url: str) -> Registered:
 
 
 def proxy(
-    gate: asyncio.Event | None = None, flow: Flow = Flow.PREFILL_FIRST, **settings: Any
+    gate: asyncio.Event | None = None,
+    flow: Flow = Flow.PREFILL_FIRST,
+    matcher: IndexMatcher | None = None,
+    **settings: Any,
 ) -> tuple[InMemoryProxy, IndexMatcher, MockBackend]:
     prefill = Reply.completion("x", kv_transfer_params={"k": 1})
     if flow is Flow.DECODE_FIRST:
@@ -98,7 +109,7 @@ def proxy(
             registered("d1", "decode", D2_URL),
         ]
     )
-    matcher = IndexMatcher()
+    matcher = matcher or IndexMatcher()
     rt.kv = KVLookup(CharTokenizer(), matcher, "vllm-none-hash", rt.metrics.kv_lookups.labels)
     rt.wire(backend, px.event_client)
     return px, matcher, backend
@@ -150,8 +161,9 @@ async def test_prefill_with_the_prefix_wins_while_it_is_not_busier() -> None:
 
 async def test_a_prompt_just_sent_counts_as_held_there() -> None:
     """Before the index learns a prompt's blocks, the policy remembers where it sent them:
-    a burst sharing a new prefix goes to one P."""
+    a burst sharing a new prefix goes to one P. (Here the index loses the placements too.)"""
     px, m, backend = proxy()
+    m.placing = False
     inst(px, P_URL).acquire(1)  # by load p1 first
     assert (await px.send()).status == 200
     assert urls(backend, "prefill") == [P2_URL]
@@ -163,6 +175,28 @@ async def test_a_prompt_just_sent_counts_as_held_there() -> None:
     assert lookups(px) == {"no_match": 3.0}  # the index itself still knows nothing
     inst(px, P2_URL).release(100)
     await px.settle()
+
+
+async def test_a_prompt_another_replica_just_sent_counts_as_held_there() -> None:
+    """Two replicas, one index: the prompt replica a just sent to a P (and a D) counts as held
+    there for replica b too, before any engine event (``POST /v1/kv/placed``). Its P still
+    computing (160 tokens in flight, as the shared load says), b sends it there all the same:
+    160 < 2 x 160 recomputed on the other P."""
+    pa, m, backend_a = proxy()
+    pb, _, backend_b = proxy(matcher=m)
+    assert (await pa.send()).status == 200
+    (first,) = urls(backend_a, "prefill")
+    for _ in range(100):  # sent in the background
+        if len(m.placed) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert sorted(i[0] for i in m.placed) == ["d", "p"]
+    inst(pb, first).remote_tokens = 160
+    assert (await pb.send()).status == 200
+    assert urls(backend_b, "prefill") == [first]
+    assert lookups(pb) == {"matched": 1.0}
+    await pa.settle()
+    await pb.settle()
 
 
 async def test_a_burst_follows_the_first_choice_before_any_answer() -> None:
