@@ -314,6 +314,10 @@ class KVMatchIn(_Strict):
     instances: Annotated[list[Annotated[str, Field(pattern=INSTANCE_ID_PATTERN)]], Field(
         min_length=1, max_length=1024
     )]  # fmt: skip
+    placed: bool = Field(
+        default=True,
+        description="count what proxies placed there lately (false: the engines' events only)",
+    )
 
 
 class KVMatchOut(BaseModel):

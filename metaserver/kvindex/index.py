@@ -54,8 +54,11 @@ class KVIndex(abc.ABC):
         there); an instance's ``CLEAR`` or ``drop`` forgets them."""
 
     @abc.abstractmethod
-    async def match(self, keys: Sequence[int], instance_ids: Iterable[str]) -> dict[str, int]:
-        """Per instance: how many of ``keys``, from the first, it holds or was placed."""
+    async def match(
+        self, keys: Sequence[int], instance_ids: Iterable[str], placed: bool = True
+    ) -> dict[str, int]:
+        """Per instance: how many of ``keys``, from the first, it holds (or, with ``placed``,
+        was placed)."""
 
     @abc.abstractmethod
     async def sizes(self) -> dict[str, int]:
@@ -116,16 +119,18 @@ class MemoryKVIndex(KVIndex):
         while placed and (len(placed) > MAX_PLACED or next(iter(placed.values())) < now):
             placed.popitem(last=False)
 
-    async def match(self, keys: Sequence[int], instance_ids: Iterable[str]) -> dict[str, int]:
+    async def match(
+        self, keys: Sequence[int], instance_ids: Iterable[str], placed: bool = True
+    ) -> dict[str, int]:
         out: dict[str, int] = {}
         now = self._clock()
         for iid in instance_ids:
             held = self._blocks.get(iid) or set()
-            placed: Mapping[int, float] = self._placed.get(iid) or {}
+            there: Mapping[int, float] = (self._placed.get(iid) if placed else None) or {}
             n = 0
             for k in keys:
                 if k not in held:
-                    until = placed.get(k)
+                    until = there.get(k)
                     if until is None or until < now:
                         break
                 n += 1

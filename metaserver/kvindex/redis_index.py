@@ -141,16 +141,18 @@ class RedisKVIndex(KVIndex):
         except RedisError as exc:
             raise StoreUnavailable(f"KV index: {exc}") from exc
 
-    async def match(self, keys: Sequence[int], instance_ids: Iterable[str]) -> dict[str, int]:
+    async def match(
+        self, keys: Sequence[int], instance_ids: Iterable[str], placed: bool = True
+    ) -> dict[str, int]:
         ids = list(instance_ids)
         if not keys or not ids:
             return dict.fromkeys(ids, 0)
         members = [_member(k) for k in keys]
-        sets = 1 + _BUCKETS  # per instance: what it holds, then what was placed there
+        sets = 1 + _BUCKETS if placed else 1  # what it holds, then what was placed there
         try:
             async with self._r.pipeline(transaction=False) as pipe:
                 for iid in ids:
-                    for key in (self._key(iid), *self._placed_keys(iid)):
+                    for key in [self._key(iid), *self._placed_keys(iid)][:sets]:
                         pipe.smismember(key, members)
                 found = await pipe.execute()
         except RedisError as exc:

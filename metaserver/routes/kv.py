@@ -29,7 +29,8 @@ async def match(request: Request) -> dict[str, Any]:
     c = ctx(request)
     c.authorize(request.headers.get("authorization"), write=False)
     body = parse_body(KVMatchIn, await request.body())
-    return {"matched": await c.store.kv_index().match(body.keys, body.instances)}
+    index = c.store.kv_index()
+    return {"matched": await index.match(body.keys, body.instances, placed=body.placed)}
 
 
 @router.post(

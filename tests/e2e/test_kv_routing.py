@@ -43,7 +43,8 @@ async def index_state(engines: Engines) -> Any:
 async def matched(engines: Engines, ids: list[int], instances: list[str]) -> dict[str, int]:
     keys = BlockHasher(BLOCK_SIZE).keys(ids)
     async with observer(engines.pd.metaserver) as ms:
-        r = await ms.post("/v1/kv/match", json={"keys": keys, "instances": instances})
+        body = {"keys": keys, "instances": instances, "placed": False}  # the engines' events
+        r = await ms.post("/v1/kv/match", json=body)
     assert r.status_code == 200, r.text
     got: dict[str, int] = r.json()["matched"]
     return got

@@ -147,6 +147,7 @@ async def test_placed_keys_count_until_they_lapse_or_the_engine_clears(store: St
     await index.place("b", [1, 2])
     assert await index.match([1, 2, 3, 4, 5], ["a", "b", "c"]) == {"a": 4, "b": 2, "c": 0}
     assert (await index.sizes())["a"] == 2  # the engine's blocks only
+    assert await index.match([1, 2, 3, 4], ["a", "b"], placed=False) == {"a": 2, "b": 0}
     now[0] += PLACED_S - 1
     assert await index.match([1, 2, 3, 4], ["a", "b"]) == {"a": 4, "b": 2}
     now[0] += 6 + 1
@@ -336,6 +337,9 @@ async def test_match_endpoint(api_factory: Callable[..., Any]) -> None:
     assert (await api.post("/v1/kv/placed", json=placed)).status_code == 204
     r = await api.post("/v1/kv/match", json={"keys": [1, 2], "instances": ["a", "b"]})
     assert r.json() == {"matched": {"a": 2, "b": 1}}
+    events_only = {"keys": [1, 2], "instances": ["a", "b"], "placed": False}
+    r = await api.post("/v1/kv/match", json=events_only)
+    assert r.json() == {"matched": {"a": 0, "b": 0}}
     bad_bodies: list[dict[str, Any]] = [
         {"placed": []},
         {"placed": [{"instance": "a", "keys": []}]},
