@@ -3,15 +3,14 @@ metaserver replica (``<ns>:kv:<instance>``, and ``<ns>:kvi`` listing the indexed
 
 Writes are pipelined in event order; a store goes through a script that respects the per-instance
 bound. Each key carries a TTL that the following metaserver renews (``touch``), so an index
-nobody follows any more expires by itself. Placed keys (``KVIndex.place``) go in one SET per
-instance and ``_BUCKET_S`` of wall time (``<ns>:kvp:<instance>:<bucket>``, expiring), and count
-while their bucket is within ``PLACED_S`` of now (so for ``PLACED_S`` to ``PLACED_S + _BUCKET_S``).
-A match is one pipelined ``SMISMEMBER`` per candidate and set.
+nobody follows any more expires by itself. Placed keys (``KVIndex.place``) go in one sorted
+set per instance (``<ns>:kvp:<instance>``), scored by the wall time until which they count
+(every metaserver replica compares alike), lapsed ones trimmed on each placement. A match is one
+pipelined ``SMISMEMBER`` per candidate, and with placements one ``ZMSCORE`` more.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -21,8 +20,6 @@ from redis.exceptions import RedisError
 from metaserver.errors import StoreUnavailable
 from metaserver.kvindex.index import DEFAULT_MAX_BLOCKS, PLACED_S, Change, KVIndex, Op
 
-_BUCKET_S = 5.0
-_BUCKETS = math.ceil(PLACED_S / _BUCKET_S) + 1  # the buckets a match reads
 _CHUNK = 1000  # keys per command (Lua's stack bounds the script's arguments)
 _STORE = """
 local room = tonumber(ARGV[1]) - redis.call('SCARD', KEYS[1])
@@ -73,10 +70,8 @@ class RedisKVIndex(KVIndex):
     def _key(self, instance_id: str) -> str:
         return f"{self._ns}:kv:{instance_id}"
 
-    def _placed_keys(self, instance_id: str) -> list[str]:
-        """The instance's placed sets that count now, newest first."""
-        now = int(self._clock() // _BUCKET_S)
-        return [f"{self._ns}:kvp:{instance_id}:{now - i}" for i in range(_BUCKETS)]
+    def _placed_key(self, instance_id: str) -> str:
+        return f"{self._ns}:kvp:{instance_id}"
 
     async def apply(self, instance_id: str, changes: Sequence[Change]) -> None:
         key = self._key(instance_id)
@@ -87,7 +82,7 @@ class RedisKVIndex(KVIndex):
                 calls = 1
                 for change in changes:
                     if change.op is Op.CLEAR:  # and what was placed before it
-                        pipe.delete(key, *self._placed_keys(instance_id))
+                        pipe.delete(key, self._placed_key(instance_id))
                         calls += 1
                         continue
                     for i in range(0, len(change.keys), _CHUNK):
@@ -108,7 +103,7 @@ class RedisKVIndex(KVIndex):
     async def drop(self, instance_id: str) -> None:
         try:
             async with self._r.pipeline(transaction=False) as pipe:
-                pipe.delete(self._key(instance_id), *self._placed_keys(instance_id))
+                pipe.delete(self._key(instance_id), self._placed_key(instance_id))
                 pipe.srem(f"{self._ns}:kvi", instance_id)
                 await pipe.execute()
         except RedisError as exc:
@@ -117,12 +112,15 @@ class RedisKVIndex(KVIndex):
     async def place(self, instance_id: str, keys: Sequence[int]) -> None:
         if not keys:
             return
-        bucket = self._placed_keys(instance_id)[0]
+        key = self._placed_key(instance_id)
+        now = self._clock()
+        until = now + PLACED_S
         try:
             async with self._r.pipeline(transaction=False) as pipe:
                 for i in range(0, len(keys), _CHUNK):
-                    pipe.sadd(bucket, *[_member(k) for k in keys[i : i + _CHUNK]])
-                pipe.pexpire(bucket, int((PLACED_S + _BUCKET_S) * 1000))
+                    pipe.zadd(key, dict.fromkeys((_member(k) for k in keys[i : i + _CHUNK]), until))
+                pipe.zremrangebyscore(key, "-inf", now)
+                pipe.pexpire(key, int(PLACED_S * 1000) + 1000)
                 await pipe.execute()
         except RedisError as exc:
             raise StoreUnavailable(f"KV index: {exc}") from exc
@@ -148,20 +146,25 @@ class RedisKVIndex(KVIndex):
         if not keys or not ids:
             return dict.fromkeys(ids, 0)
         members = [_member(k) for k in keys]
-        sets = 1 + _BUCKETS if placed else 1  # what it holds, then what was placed there
+        now = self._clock()
         try:
             async with self._r.pipeline(transaction=False) as pipe:
                 for iid in ids:
-                    for key in [self._key(iid), *self._placed_keys(iid)][:sets]:
-                        pipe.smismember(key, members)
+                    pipe.smismember(self._key(iid), members)
+                    if placed:
+                        # members are bytes, as everywhere here; redis-py's stub says str
+                        pipe.zmscore(self._placed_key(iid), members)  # type: ignore[arg-type]
                 found = await pipe.execute()
         except RedisError as exc:
             raise StoreUnavailable(f"KV index: {exc}") from exc
+        per = 2 if placed else 1
         out: dict[str, int] = {}
         for i, iid in enumerate(ids):
+            held = found[i * per]
+            until = found[i * per + 1] if placed else [None] * len(held)
             n = 0
-            for flags in zip(*found[i * sets : (i + 1) * sets], strict=True):
-                if not any(flags):
+            for flag, score in zip(held, until, strict=True):
+                if not flag and (score is None or score < now):
                     break
                 n += 1
             out[iid] = n
