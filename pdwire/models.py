@@ -325,6 +325,7 @@ class KVMatchOut(BaseModel):
 
 
 KV_PLACED_PATH = "/v1/kv/placed"
+KV_PLACED_MAX = 64  # placements per call
 
 
 class KVPlacement(_Strict):
@@ -338,7 +339,7 @@ class KVPlacedIn(_Strict):
     """Prompts proxies just sent: their keys count as held there for a few seconds
     (``metaserver.kvindex.index.PLACED_S``), until the engines' own events say so."""
 
-    placed: Annotated[list[KVPlacement], Field(min_length=1, max_length=64)]
+    placed: Annotated[list[KVPlacement], Field(min_length=1, max_length=KV_PLACED_MAX)]
 
 
 LOAD_PATH = "/v1/load/{replica}"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdwire.block_hash import BlockHasher
-from pdwire.models import KV_MATCH_MAX_KEYS
+from pdwire.models import KV_MATCH_MAX_KEYS, KV_PLACED_MAX
 from proxy.instances import Instance
 from proxy.kvroute.tokens import Tokenizer, token_ids_of
 from proxy.policies.base import KVMatch, RequestInfo
@@ -122,7 +122,9 @@ class KVLookup:
     async def _send_placed(self) -> None:
         while self._placed:
             n, keys = 0, 0
-            while n < len(self._placed) and (n == 0 or keys < PLACED_BATCH_KEYS):
+            while n < min(len(self._placed), KV_PLACED_MAX) and (
+                n == 0 or keys < PLACED_BATCH_KEYS
+            ):
                 keys += len(self._placed[n][1])
                 n += 1
             batch, self._placed = self._placed[:n], self._placed[n:]

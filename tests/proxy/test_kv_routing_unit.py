@@ -14,8 +14,8 @@ import pytest
 
 from metaserver.kvindex import Change, MemoryKVIndex, Op
 from pdwire.block_hash import BlockHasher
+from pdwire.models import KV_PLACED_MAX, KVEvents, MarkKind
 from pdwire.models import Instance as Registered
-from pdwire.models import KVEvents, MarkKind
 from proxy.config import Flow
 from proxy.instances import CircuitBreaker, Instance, Role
 from proxy.kvroute.lookup import KVLookup
@@ -47,6 +47,7 @@ class IndexMatcher:
         self.calls = 0
         self.fail = False
         self.placed: list[str] = []
+        self.batches: list[int] = []
         self.placing = True  # False: placements are lost (a metaserver before /v1/kv/placed)
 
     async def kv_match(self, keys: Sequence[int], instance_ids: Sequence[str]) -> dict[str, int]:
@@ -57,6 +58,7 @@ class IndexMatcher:
 
     async def kv_placed(self, placed: Sequence[tuple[str, Sequence[int]]]) -> None:
         self.placed += [i for i, _ in placed]
+        self.batches.append(len(placed))
         if self.placing:
             for instance_id, keys in placed:
                 await self.index.place(instance_id, keys)
@@ -197,6 +199,25 @@ async def test_a_prompt_another_replica_just_sent_counts_as_held_there() -> None
     assert lookups(pb) == {"matched": 1.0}
     await pa.settle()
     await pb.settle()
+
+
+async def test_placements_go_in_batches_the_metaserver_takes() -> None:
+    """Choices made while a placement call is out wait for the next call, at most
+    ``KV_PLACED_MAX`` per call (the metaserver refuses more): none is lost."""
+    m = IndexMatcher()
+    lookup = KVLookup(CharTokenizer(), m, "vllm-none-hash")
+    p0 = Instance(P_URL, Role.PREFILL, CircuitBreaker(3, 10, lambda: 0.0))
+    for i in range(150):
+        info = RequestInfo("", 8)
+        info.kv = {P_URL: KVMatch(0, 2, 0, [i, i + 1000], BLOCK, "p0")}
+        lookup.placed(p0, info)
+    for _ in range(100):
+        if len(m.placed) == 150:
+            break
+        await asyncio.sleep(0.01)
+    assert len(m.placed) == 150 and max(m.batches) <= KV_PLACED_MAX, m.batches
+    assert (await m.index.match([149, 1149], ["p0"])) == {"p0": 2}
+    lookup.close()
 
 
 async def test_a_burst_follows_the_first_choice_before_any_answer() -> None:
