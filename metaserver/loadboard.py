@@ -44,6 +44,10 @@ class LoadBoard(abc.ABC):
     async def report(self, replica: str, report: LoadReport) -> LoadView:
         """Record ``replica``'s report; the others' (those not expired), summed."""
 
+    @abc.abstractmethod
+    async def view(self, replica: str) -> LoadView:
+        """The others' reports (those not expired), summed; writes nothing."""
+
 
 class MemoryLoadBoard(LoadBoard):
     def __init__(self, clock: Callable[[], float]) -> None:
@@ -51,8 +55,11 @@ class MemoryLoadBoard(LoadBoard):
         self._reports: dict[str, tuple[float, LoadReport]] = {}
 
     async def report(self, replica: str, report: LoadReport) -> LoadView:
+        self._reports[replica] = (self._clock() + report.ttl_s, report)
+        return await self.view(replica)
+
+    async def view(self, replica: str) -> LoadView:
         now = self._clock()
-        self._reports[replica] = (now + report.ttl_s, report)
         live = {}
         for who, (expires, r) in list(self._reports.items()):
             if expires < now:
@@ -80,21 +87,48 @@ end
 return out
 """
 
+# KEYS: the set of replicas; ARGV: the key prefix of reports. Reads only: with
+# ``appendfsync always`` a write waits for the disk, a read does not.
+_VIEW = """
+local out = {}
+for _, name in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local raw = redis.call('GET', ARGV[1] .. name)
+  if raw then
+    out[#out + 1] = name
+    out[#out + 1] = raw
+  end
+end
+return out
+"""
+
 
 class RedisLoadBoard(LoadBoard):
     def __init__(self, r: aioredis.Redis, namespace: str) -> None:
         self._r = r
         self._ns = namespace
+        self._prefix = f"{namespace}:load:"
+        self._replicas = f"{namespace}:loads"
         self._report = r.register_script(_REPORT)
+        self._view = r.register_script(_VIEW)
 
     async def report(self, replica: str, report: LoadReport) -> LoadView:
-        prefix = f"{self._ns}:load:"
-        keys = [prefix + replica, f"{self._ns}:loads"]
-        args: list[str | int] = [report.model_dump_json(), int(report.ttl_s * 1000), prefix]
+        keys = [self._prefix + replica, self._replicas]
+        args: list[str | int] = [report.model_dump_json(), int(report.ttl_s * 1000), self._prefix]
         try:
             flat = await self._report(keys=keys, args=args)
         except RedisError as exc:
             raise StoreUnavailable(f"load board: {exc}") from exc
+        return self._summed(replica, flat)
+
+    async def view(self, replica: str) -> LoadView:
+        try:
+            flat = await self._view(keys=[self._replicas], args=[self._prefix])
+        except RedisError as exc:
+            raise StoreUnavailable(f"load board: {exc}") from exc
+        return self._summed(replica, flat)
+
+    @staticmethod
+    def _summed(replica: str, flat: list[bytes | str]) -> LoadView:
         live: dict[str, LoadReport] = {}
         for name, raw in zip(flat[::2], flat[1::2], strict=True):
             who = name.decode() if isinstance(name, bytes) else str(name)

@@ -1,4 +1,6 @@
-"""``PUT /v1/load/{replica}``: a proxy replica's load in, the other replicas' load out."""
+"""``PUT /v1/load/{replica}``: a proxy replica's load in, the other replicas' load out;
+``GET`` the same: the others' load only (before a choice: a read, which Redis answers without
+waiting for its disk)."""
 
 from __future__ import annotations
 
@@ -35,3 +37,15 @@ async def report(request: Request, replica: Replica) -> LoadView:
     c.authorize(request.headers.get("authorization"), write=True).may_share_load()
     body = parse_body(LoadReport, await request.body())
     return await c.store.load_board().report(replica, body)
+
+
+@router.get(
+    LOAD_PATH,
+    response_model=LoadView,
+    responses={401: {}},
+    summary="The load of every proxy replica but this one (summed), reporting nothing",
+)
+async def view(request: Request, replica: Replica) -> LoadView:
+    c = ctx(request)
+    c.authorize(request.headers.get("authorization"), write=False)
+    return await c.store.load_board().view(replica)

@@ -95,6 +95,7 @@ class RedisStore(Store):
         )
         self._r = aioredis.Redis(connection_pool=self._pool)
         self._kv_index: RedisKVIndex | None = None
+        self._load_board = RedisLoadBoard(self._r, namespace)
         self._put_binding = self._r.register_script(lua.PUT_BINDING)
         self._add_event = self._r.register_script(lua.ADD_EVENT)
         self._read_binding = self._r.register_script(lua.READ_BINDING)
@@ -129,7 +130,7 @@ class RedisStore(Store):
         await close_pool(self._pool)
 
     def load_board(self) -> LoadBoard:
-        return RedisLoadBoard(self._r, self._ns)
+        return self._load_board
 
     def kv_index(self) -> KVIndex:
         if self._kv_index is None:

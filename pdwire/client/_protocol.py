@@ -171,6 +171,10 @@ def share_load(replica: str, report: LoadReport) -> Call:
     return Call("PUT", LOAD_PATH.format(replica=replica), body=report.model_dump_json().encode())
 
 
+def view_load(replica: str) -> Call:
+    return Call("GET", LOAD_PATH.format(replica=replica))
+
+
 STATS = Call("GET", "/v1/stats")
 READY = Call("GET", "/ready")
 

@@ -170,6 +170,10 @@ class AsyncMetaserverClient:
         """Report this proxy replica's load; the other replicas' comes back."""
         return P.decode(LoadView, await self.send(P.share_load(replica, report)))
 
+    async def view_load(self, replica: str) -> LoadView:
+        """The other replicas' load, reporting nothing."""
+        return P.decode(LoadView, await self.send(P.view_load(replica)))
+
     # ---- operations -----------------------------------------------------------------------
     async def stats(self) -> Stats:
         return P.decode(Stats, await self.send(P.STATS))

@@ -115,12 +115,16 @@ async def test_the_proxy_posts_events_marks_and_drains_but_binds_nothing(
     assert (await roles.delete("/v1/bindings/t1", headers=bearer("admin"))).status_code == 204
 
 
-async def test_only_proxies_share_load_and_readers_match(roles: httpx.AsyncClient) -> None:
+async def test_only_proxies_share_load_and_readers_read_it_and_match(
+    roles: httpx.AsyncClient,
+) -> None:
     load = {"instances": {"http://p0": [1, 10]}}
     assert (await roles.put("/v1/load/r1", json=load, headers=bearer("proxy"))).status_code == 200
     refused = await roles.put("/v1/load/r1", json=load, headers=bearer("decode-0"))
     assert refused.status_code == 403 and "share proxy load" in refused.text
     assert (await roles.put("/v1/load/r1", json=load)).status_code == 401
+    assert (await roles.get("/v1/load/r2", headers=bearer("reader"))).json()["replicas"] == 1
+    assert (await roles.get("/v1/load/r2")).status_code == 401  # protect-reads
     placed = {"placed": [{"instance": "prefill-0", "keys": [1]}]}
     assert (await roles.post("/v1/kv/placed", json=placed, headers=bearer("proxy"))).is_success
     refused = await roles.post("/v1/kv/placed", json=placed, headers=bearer("reader"))
