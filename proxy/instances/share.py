@@ -4,12 +4,16 @@ instance, its open circuits and each instance's recent prefill work to the metas
 its own (``Instance.load``, ``Instance.work``). An instance whose circuit another replica has
 open is not chosen here either.
 
-When: every ``interval_s``; within ``FRESH_S`` of a choice (``changed``: coalesced, so at most
-one report per ``FRESH_S`` from choices); and before a choice whose view of the others is older
-than ``FRESH_S`` (``fresh``: it waits at most ``WAIT_S``, then routes on the view it has). So
-two replicas choosing a few tens of milliseconds apart see each other's choice; at the interval
-alone they were blind for up to two intervals, and requests that arrive together (a burst, or
-the next requests of clients whose answers ended together) went to the same P.
+When: every ``interval_s``, and at once after a choice (``changed``: one report in flight at a
+time, the next as soon as it ends while choices are left unreported); and before every choice
+it reads the others' load (``fresh``: ``GET``, joining a read in flight, waiting at most
+``WAIT_S``, then routing on the view it has). A replica's choice is on the board one round
+trip after it is made and the other replicas' next choices read it: two replicas are blind to
+each other only for choices less than about two round trips apart. The read before a choice is
+the time to first token sharing costs (``tests/bench/share_bench.py``); it is a read because
+with Redis on ``appendfsync always`` a write is answered only after the disk has it, while
+what it wrote is visible to other readers at once. Answers apply in the order they were asked,
+so a report answered late does not undo a newer read.
 
 Reports are whole snapshots that lapse after ``3 * interval_s`` (at least a second), so a
 replica that dies stops counting; when this replica cannot reach the metaserver for as long, it
@@ -21,9 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from pdwire.models import LoadReport, LoadView
@@ -31,7 +34,6 @@ from proxy.instances.circuit import CircuitState
 from proxy.instances.registry import Registry
 
 log = logging.getLogger("pdgate.proxy.share")
-FRESH_S = 0.02
 WAIT_S = 0.05
 
 
@@ -40,6 +42,10 @@ class LoadExchange(Protocol):
 
     async def share_load(self, replica: str, report: LoadReport) -> LoadView:
         """Report ``replica``'s load; the others' (raises on any failure)."""
+        ...
+
+    async def view_load(self, replica: str) -> LoadView:
+        """The others' load, reporting nothing (raises on any failure)."""
         ...
 
 
@@ -79,9 +85,10 @@ class LoadShare:
         self.interval_s = interval_s
         self.stale_s = max(3 * interval_s, 1.0)
         self._fresh_until = 0.0
-        self._viewed_at = -math.inf  # when the exchange that gave the current view was sent
         self._ok = False  # the last exchange succeeded
-        self._exchanging: asyncio.Task[None] | None = None
+        self._asked = 0  # exchanges sent
+        self._applied = 0  # the latest of them whose answer is applied
+        self._looking: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self.failures = 0
         self.replicas = 1
@@ -104,9 +111,18 @@ class LoadShare:
         )
 
     async def once(self) -> None:
-        sent = self._clock()
+        """Report this replica's load; apply the others' that comes back."""
+        await self._ask(self._exchange.share_load(self.replica, self.snapshot()))
+
+    async def look(self) -> None:
+        """Read the others' load."""
+        await self._ask(self._exchange.view_load(self.replica))
+
+    async def _ask(self, call: Awaitable[LoadView]) -> None:
+        self._asked += 1
+        asked = self._asked
         try:
-            view = await self._exchange.share_load(self.replica, self.snapshot())
+            view = await call
         except Exception as exc:
             self.failures += 1
             self._ok = False
@@ -115,21 +131,18 @@ class LoadShare:
             log.debug("load not shared: %s", exc)
             return
         self._ok = True
-        self._viewed_at = max(self._viewed_at, sent)
         self._fresh_until = self._clock() + self.stale_s
-        self.apply(view)
-
-    def _exchange_now(self) -> asyncio.Task[None]:
-        """The exchange in flight, or a new one: concurrent callers share it."""
-        if self._exchanging is None or self._exchanging.done():
-            self._exchanging = asyncio.ensure_future(self.once())
-        return self._exchanging
+        if asked > self._applied:  # not older than the view in place
+            self._applied = asked
+            self.apply(view)
 
     async def fresh(self) -> None:
-        if not self._ok or self._clock() - self._viewed_at <= FRESH_S:
+        if not self._ok:
             return
+        if self._looking is None or self._looking.done():  # concurrent choices share a read
+            self._looking = asyncio.ensure_future(self.look())
         try:
-            await asyncio.wait_for(asyncio.shield(self._exchange_now()), WAIT_S)
+            await asyncio.wait_for(asyncio.shield(self._looking), WAIT_S)
         except TimeoutError:
             pass  # it lands later; this choice goes on the view there is
 
@@ -151,12 +164,14 @@ class LoadShare:
         try:
             while True:
                 self._wake.clear()
-                await self._exchange_now()
+                await self.once()  # a choice made while it is out sets the wake again
+                if not self._ok:  # not a tight loop against a metaserver that is down
+                    await asyncio.sleep(self.interval_s)
+                    continue
                 try:
                     await asyncio.wait_for(self._wake.wait(), self.interval_s)
                 except TimeoutError:
-                    continue
-                await asyncio.sleep(FRESH_S)  # the choices of a burst go in one report
+                    pass
         finally:
-            if self._exchanging is not None:
-                self._exchanging.cancel()
+            if self._looking is not None:
+                self._looking.cancel()

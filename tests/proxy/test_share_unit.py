@@ -11,7 +11,7 @@ import time
 from metaserver.loadboard import MemoryLoadBoard
 from pdwire.models import LoadReport, LoadView
 from proxy.instances import Instance, Registry, Role
-from proxy.instances.share import FRESH_S, WAIT_S, LoadShare
+from proxy.instances.share import WAIT_S, LoadShare
 from proxy.mock import MockBackend, Reply
 from proxy.policies import RequestInfo, make_policy
 from proxy.policies.base import KVMatch
@@ -22,7 +22,8 @@ P = ["http://p0:1", "http://p1:1"]
 
 
 class Board:
-    """``AsyncMetaserverClient.share_load`` in memory, on the metaserver's own board."""
+    """``AsyncMetaserverClient.share_load`` and ``view_load`` in memory, on the metaserver's
+    own board."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -33,6 +34,11 @@ class Board:
         if self.down:
             raise ConnectionError("metaserver unreachable")
         return await self.board.report(replica, report)
+
+    async def view_load(self, replica: str) -> LoadView:
+        if self.down:
+            raise ConnectionError("metaserver unreachable")
+        return await self.board.view(replica)
 
 
 def replica(board: Board, name: str) -> tuple[Registry, LoadShare]:
@@ -122,17 +128,27 @@ def new_prompt(seed: int) -> RequestInfo:
 
 
 class Counting(Board):
-    """The board, counting exchanges; ``delay`` holds each one."""
+    """The board, counting reports and reads. Like Redis: each takes effect when it arrives;
+    its answer comes ``delay`` later (``write_delay`` for a report: the disk)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
+        self.reads = 0
         self.delay = 0.0
+        self.write_delay = 0.0
 
     async def share_load(self, replica: str, report: LoadReport) -> LoadView:
         self.calls += 1
+        view = await super().share_load(replica, report)
+        await asyncio.sleep(self.write_delay)
+        return view
+
+    async def view_load(self, replica: str) -> LoadView:
+        self.reads += 1
+        view = await super().view_load(replica)
         await asyncio.sleep(self.delay)
-        return await super().share_load(replica, report)
+        return view
 
 
 def live(board: Board, name: str) -> tuple[Registry, LoadShare]:
@@ -143,25 +159,76 @@ def live(board: Board, name: str) -> tuple[Registry, LoadShare]:
 
 
 async def test_a_choice_sees_the_other_replicas_choice_made_just_before() -> None:
-    """Replica a chooses; b chooses 30 ms later, before either's next interval: b's view
-    already holds a's choice (a reported it within FRESH_S, b asked before choosing)."""
+    """Replica a chooses; b chooses a few milliseconds later, long before either's next
+    interval: a reported its choice at once and b read the board before choosing. Every
+    choice reads (one read each, when none is in flight)."""
     board = Counting()
+    board.delay = board.write_delay = 0.001  # a round trip
     (ra, a), (rb, b) = live(board, "a"), live(board, "b")
     runs = [asyncio.create_task(s.run()) for s in (a, b)]
     try:
         await asyncio.sleep(0.01)  # both reported once; the next is an interval away
         by_url(ra)[P[0]].acquire(700)
         a.changed()
-        await asyncio.sleep(FRESH_S + 0.01)
+        await asyncio.sleep(0.003)
         await b.fresh()
         assert by_url(rb)[P[0]].remote_tokens == 700
-        calls = board.calls
-        await b.fresh()  # fresh enough: no exchange
-        assert board.calls == calls
+        assert board.reads == 1
+        await b.fresh()
+        assert board.reads == 2
     finally:
         for t in runs:
             t.cancel()
         await asyncio.gather(*runs, return_exceptions=True)
+
+
+async def test_a_choice_during_a_report_is_reported_right_after_it() -> None:
+    """A report out (Redis waiting for its disk) holds the load as it was when sent: a choice
+    made meanwhile goes in the next report, sent as soon as that one is answered, not an
+    interval later."""
+    board = Counting()
+    (ra, a), (rb, b) = live(board, "a"), live(board, "b")
+    run = asyncio.create_task(a.run())
+    try:
+        await asyncio.sleep(0.01)  # a reported once; the next is an interval away
+        board.write_delay = 0.02
+        by_url(ra)[P[0]].acquire(100)
+        a.changed()
+        await asyncio.sleep(0.005)  # that report is out
+        by_url(ra)[P[0]].acquire(200)
+        a.changed()
+        await asyncio.sleep(0.05)  # it is answered, the next carries the second choice
+        await b.look()
+        assert by_url(rb)[P[0]].remote_tokens == 300
+        assert board.calls == 3
+    finally:
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+
+
+async def test_a_report_answered_late_does_not_undo_a_newer_read() -> None:
+    board = Counting()
+    (ra, a), (rb, b) = live(board, "a"), live(board, "b")
+    board.write_delay = 0.05
+    slow = asyncio.create_task(a.once())  # on the board at once, answered 50 ms later
+    await asyncio.sleep(0.01)
+    by_url(rb)[P[1]].acquire(500)
+    board.write_delay = 0.0
+    await b.once()
+    await a.look()
+    assert by_url(ra)[P[1]].remote_tokens == 500
+    await slow  # its answer predates b's report
+    assert by_url(ra)[P[1]].remote_tokens == 500
+
+
+async def test_a_burst_of_choices_shares_reads() -> None:
+    """Choices arriving together wait for one read, not one each."""
+    board = Counting()
+    board.delay = 0.01
+    _, a = live(board, "a")
+    await a.once()
+    await asyncio.gather(*(a.fresh() for _ in range(20)))
+    assert board.reads == 1
 
 
 async def test_a_choice_waits_little_for_the_others() -> None:
@@ -169,18 +236,18 @@ async def test_a_choice_waits_little_for_the_others() -> None:
     board = Counting()
     _, a = live(board, "a")
     await a.once()
-    await asyncio.sleep(FRESH_S)
     board.delay = 1.0
     t0 = time.monotonic()
     await a.fresh()
     assert time.monotonic() - t0 < WAIT_S + 0.03
+    await asyncio.sleep(1.0)  # the slow read ends
     board.delay = 0.0
     board.down = True
-    await asyncio.sleep(1.0)  # the slow exchange ends, failing
-    calls = board.calls
+    await a.look()  # fails
+    reads = board.reads
     t0 = time.monotonic()
     await a.fresh()
-    assert board.calls == calls and time.monotonic() - t0 < 0.01
+    assert board.reads == reads and time.monotonic() - t0 < 0.01
 
 
 class Spy:
@@ -208,3 +275,19 @@ async def test_the_dispatcher_asks_before_choosing_and_tells_after() -> None:
     assert (await px.send()).status == 200
     assert spy.seen == [("fresh", 0), ("changed", 1)]
     await px.settle()
+
+
+async def test_choices_against_an_unreachable_metaserver_do_not_spin() -> None:
+    """While the metaserver is down the loop tries once per interval, however many choices."""
+    board = Counting()
+    board.down = True
+    _, a = live(board, "a")
+    run = asyncio.create_task(a.run())
+    try:
+        for _ in range(30):
+            a.changed()
+            await asyncio.sleep(0.01)
+        assert board.calls <= 5, board.calls
+    finally:
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
