@@ -5,6 +5,6 @@ every metaserver replica; ``follower``: one engine's event stream (sequence numb
 gaps); ``manager``: follows every registered engine that publishes events.
 """
 
-from metaserver.kvindex.index import Change, KVIndex, MemoryKVIndex, Op
+from metaserver.kvindex.index import Change, KVIndex, MemoryKVIndex, Op, Placement
 
-__all__ = ["Change", "KVIndex", "MemoryKVIndex", "Op"]
+__all__ = ["Change", "KVIndex", "MemoryKVIndex", "Op", "Placement"]

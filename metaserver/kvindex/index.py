@@ -37,6 +37,14 @@ class Change:
     keys: Sequence[int] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A prompt's block keys a proxy just sent to ``instance``."""
+
+    instance: str
+    keys: Sequence[int]
+
+
 class KVIndex(abc.ABC):
     description: str
 
@@ -49,9 +57,9 @@ class KVIndex(abc.ABC):
         """Forget the instance (it left, restarted, or its stream lost events)."""
 
     @abc.abstractmethod
-    async def place(self, instance_id: str, keys: Sequence[int]) -> None:
-        """Count ``keys`` as held by the instance for ``PLACED_S`` (a proxy just sent them
-        there); an instance's ``CLEAR`` or ``drop`` forgets them."""
+    async def place(self, placements: Sequence[Placement]) -> None:
+        """Count each placement's keys as held by its instance for ``PLACED_S`` (a proxy just
+        sent them there), all in one write; an instance's ``CLEAR`` or ``drop`` forgets them."""
 
     @abc.abstractmethod
     async def match(
@@ -109,15 +117,16 @@ class MemoryKVIndex(KVIndex):
         self._blocks.pop(instance_id, None)
         self._placed.pop(instance_id, None)
 
-    async def place(self, instance_id: str, keys: Sequence[int]) -> None:
-        placed = self._placed.setdefault(instance_id, OrderedDict())
+    async def place(self, placements: Sequence[Placement]) -> None:
         now = self._clock()
         until = now + PLACED_S
-        for k in keys:
-            placed[k] = until
-            placed.move_to_end(k)
-        while placed and (len(placed) > MAX_PLACED or next(iter(placed.values())) < now):
-            placed.popitem(last=False)
+        for p in placements:
+            placed = self._placed.setdefault(p.instance, OrderedDict())
+            for k in p.keys:
+                placed[k] = until
+                placed.move_to_end(k)
+            while placed and (len(placed) > MAX_PLACED or next(iter(placed.values())) < now):
+                placed.popitem(last=False)
 
     async def match(
         self, keys: Sequence[int], instance_ids: Iterable[str], placed: bool = True

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from metaserver.errors import StoreUnavailable
-from metaserver.kvindex.index import DEFAULT_MAX_BLOCKS, PLACED_S, Change, KVIndex, Op
+from metaserver.kvindex.index import DEFAULT_MAX_BLOCKS, PLACED_S, Change, KVIndex, Op, Placement
 
 _CHUNK = 1000  # keys per command (Lua's stack bounds the script's arguments)
 _STORE = """
@@ -109,19 +109,22 @@ class RedisKVIndex(KVIndex):
         except RedisError as exc:
             raise StoreUnavailable(f"KV index: {exc}") from exc
 
-    async def place(self, instance_id: str, keys: Sequence[int]) -> None:
-        if not keys:
-            return
-        key = self._placed_key(instance_id)
+    async def place(self, placements: Sequence[Placement]) -> None:
         now = self._clock()
         until = now + PLACED_S
-        try:
+        try:  # one pipeline: Redis on appendfsync always waits for its disk once, not per item
             async with self._r.pipeline(transaction=False) as pipe:
-                for i in range(0, len(keys), _CHUNK):
-                    pipe.zadd(key, dict.fromkeys((_member(k) for k in keys[i : i + _CHUNK]), until))
-                pipe.zremrangebyscore(key, "-inf", now)
-                pipe.pexpire(key, int(PLACED_S * 1000) + 1000)
-                await pipe.execute()
+                for p in placements:
+                    if not p.keys:
+                        continue
+                    key = self._placed_key(p.instance)
+                    for i in range(0, len(p.keys), _CHUNK):
+                        chunk = p.keys[i : i + _CHUNK]
+                        pipe.zadd(key, dict.fromkeys((_member(k) for k in chunk), until))
+                    pipe.zremrangebyscore(key, "-inf", now)
+                    pipe.pexpire(key, int(PLACED_S * 1000) + 1000)
+                if pipe.command_stack:
+                    await pipe.execute()
         except RedisError as exc:
             raise StoreUnavailable(f"KV index: {exc}") from exc
 

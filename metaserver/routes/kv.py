@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from metaserver.context import ctx
+from metaserver.kvindex import Placement
 from metaserver.validation import parse_body
 from pdwire.models import KV_MATCH_PATH, KV_PLACED_PATH, KVMatchIn, KVMatchOut, KVPlacedIn
 
@@ -52,9 +53,7 @@ async def placed(request: Request) -> Response:
     c = ctx(request)
     c.authorize(request.headers.get("authorization"), write=True).may_share_load()
     body = parse_body(KVPlacedIn, await request.body())
-    index = c.store.kv_index()
-    for p in body.placed:
-        await index.place(p.instance, p.keys)
+    await c.store.kv_index().place([Placement(p.instance, p.keys) for p in body.placed])
     return Response(status_code=204)
 
 

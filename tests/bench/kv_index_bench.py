@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 import redis.asyncio as aioredis  # noqa: E402
 
-from metaserver.kvindex import Change, MemoryKVIndex, Op  # noqa: E402
+from metaserver.kvindex import Change, MemoryKVIndex, Op, Placement  # noqa: E402
 from metaserver.kvindex.redis_index import RedisKVIndex  # noqa: E402
 from tests.bench.timing import amedian_s  # noqa: E402
 from tests.support.services import RedisServer  # noqa: E402
@@ -55,7 +55,7 @@ async def run(a: argparse.Namespace) -> str:
     sample = await fill(mem, a.instances, a.blocks)
     mem_bytes = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    await mem.place(ids[-1], sample)  # a proxy's placement, read beside the events
+    await mem.place([Placement(ids[-1], sample)])  # a proxy's placement, read beside the events
     mem_match = await amedian_s(lambda: mem.match(sample, ids), a.repeat)
     mem_events = await amedian_s(lambda: mem.match(sample, ids, placed=False), a.repeat)
 
@@ -67,7 +67,7 @@ async def run(a: argparse.Namespace) -> str:
         red = RedisKVIndex(r, "bench", max_blocks=max(a.blocks, 1))
         await fill(red, a.instances, a.blocks)
         red_bytes = int((await r.info("memory"))["used_memory"]) - base
-        await red.place(ids[-1], sample)
+        await red.place([Placement(ids[-1], sample)])
         red_match = await amedian_s(lambda: red.match(sample, ids), a.repeat)
         red_events = await amedian_s(lambda: red.match(sample, ids, placed=False), a.repeat)
         ping = await amedian_s(r.ping, a.repeat)

@@ -13,7 +13,7 @@ import pytest
 import zmq.asyncio
 from vllm.distributed import kv_events as vllm_events
 
-from metaserver.kvindex import Change, KVIndex, Op
+from metaserver.kvindex import Change, KVIndex, Op, Placement
 from metaserver.kvindex.follower import Follower, Source
 from metaserver.kvindex.index import PLACED_S
 from metaserver.kvindex.manager import KVEventManager
@@ -143,8 +143,7 @@ async def test_placed_keys_count_until_they_lapse_or_the_engine_clears(store: St
     now = [1_000_000.0]
     index._clock = lambda: now[0]  # type: ignore[attr-defined]
     await index.apply("a", [Change(Op.STORE, [1, 2])])
-    await index.place("a", [1, 2, 3, 4])
-    await index.place("b", [1, 2])
+    await index.place([Placement("a", [1, 2, 3, 4]), Placement("b", [1, 2])])
     assert await index.match([1, 2, 3, 4, 5], ["a", "b", "c"]) == {"a": 4, "b": 2, "c": 0}
     assert (await index.sizes())["a"] == 2  # the engine's blocks only
     assert await index.match([1, 2, 3, 4], ["a", "b"], placed=False) == {"a": 2, "b": 0}
@@ -152,10 +151,10 @@ async def test_placed_keys_count_until_they_lapse_or_the_engine_clears(store: St
     assert await index.match([1, 2, 3, 4], ["a", "b"]) == {"a": 4, "b": 2}
     now[0] += 2
     assert await index.match([1, 2, 3, 4], ["a", "b"]) == {"a": 2, "b": 0}
-    await index.place("a", [1, 2, 3])
+    await index.place([Placement("a", [1, 2, 3])])
     await index.apply("a", [Change(Op.CLEAR)])
     assert await index.match([1, 2, 3], ["a"]) == {"a": 0}
-    await index.place("b", [7])
+    await index.place([Placement("b", [7])])
     await index.drop("b")
     assert await index.match([7], ["b"]) == {"b": 0}
 

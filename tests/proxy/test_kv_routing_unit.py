@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from metaserver.kvindex import Change, MemoryKVIndex, Op
+from metaserver.kvindex import Change, MemoryKVIndex, Op, Placement
 from pdwire.block_hash import BlockHasher
 from pdwire.models import KV_PLACED_MAX, KVEvents, MarkKind
 from pdwire.models import Instance as Registered
@@ -60,8 +60,7 @@ class IndexMatcher:
         self.placed += [i for i, _ in placed]
         self.batches.append(len(placed))
         if self.placing:
-            for instance_id, keys in placed:
-                await self.index.place(instance_id, keys)
+            await self.index.place([Placement(i, keys) for i, keys in placed])
 
 
 def keys_of(text: str) -> list[int]:
