@@ -8,17 +8,17 @@ from fastapi import APIRouter, Request, Response
 from metaserver import ascend
 from metaserver.context import ctx
 from metaserver.responses import json_bytes
-from pdwire.ascend import COMPAT_PATH
+from metaserver.routes._openapi import json_body
+from pdwire.ascend import COMPAT_PATH, AscendBinding
 
 router = APIRouter(tags=["vllm-ascend"])
-_BODY = {"$ref": "#/components/schemas/AscendBinding"}
 
 
 @router.post(
     COMPAT_PATH,
     responses={200: {}, 401: {}, 403: {}, 409: {}, 422: {}},
     openapi_extra={
-        "requestBody": {"required": True, "content": {"application/json": {"schema": _BODY}}},
+        **json_body(AscendBinding, write=False),
         "parameters": [
             {
                 "name": "rid",

@@ -7,7 +7,8 @@ from fastapi import APIRouter, Request, Response
 from metaserver import batch
 from metaserver.context import ctx
 from metaserver.responses import json_bytes
-from pdwire.models import BATCH_PATH, BatchOut
+from metaserver.routes._openapi import json_body
+from pdwire.models import BATCH_PATH, BatchIn, BatchOut
 
 router = APIRouter(tags=["bindings"])
 
@@ -15,13 +16,7 @@ router = APIRouter(tags=["bindings"])
 @router.post(
     BATCH_PATH,
     responses={200: {"model": BatchOut}, 422: {}},
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/BatchIn"}}},
-        },
-        "security": [{"bearer": []}],
-    },
+    openapi_extra=json_body(BatchIn),
     summary="Several binding writes in one request, each answered as if sent alone",
 )
 async def post_batch(request: Request) -> Response:

@@ -10,6 +10,7 @@ from metaserver import service
 from metaserver.context import ctx
 from metaserver.errors import NotFound
 from metaserver.responses import json_bytes, json_list
+from metaserver.routes._openapi import WRITE, json_body
 from pdwire.ids import TRANSFER_ID_PATTERN
 from pdwire.models import (
     Binding,
@@ -21,15 +22,6 @@ from pdwire.models import (
 
 router = APIRouter(prefix="/v1/bindings", tags=["bindings"])
 TransferId = Annotated[str, Path(pattern=TRANSFER_ID_PATTERN)]
-_WRITE: dict[str, object] = {"security": [{"bearer": []}]}
-
-
-def _body(model: type[BindingSpec] | type[EventIn] | type[MarkIn]) -> dict[str, object]:
-    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {
-        "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
-        **_WRITE,
-    }
 
 
 @router.put(
@@ -41,7 +33,7 @@ def _body(model: type[BindingSpec] | type[EventIn] | type[MarkIn]) -> dict[str, 
         409: {},
         422: {},
     },
-    openapi_extra=_body(BindingSpec),
+    openapi_extra=json_body(BindingSpec),
     summary="Record where a transfer's KV must go (idempotent)",
 )
 async def put_binding(request: Request, transfer_id: TransferId) -> Response:
@@ -74,7 +66,7 @@ async def get_binding(
     return _send(await service.get_binding(c, transfer_id, wait, state))
 
 
-@router.delete("/{transfer_id}", status_code=204, responses={404: {}}, openapi_extra=_WRITE)
+@router.delete("/{transfer_id}", status_code=204, responses={404: {}}, openapi_extra=WRITE)
 async def delete_binding(request: Request, transfer_id: TransferId) -> Response:
     c = ctx(request)
     c.authorize(request.headers.get("authorization"), write=True).may_administer("delete bindings")
@@ -99,7 +91,7 @@ async def list_bindings(
 @router.post(
     "/{transfer_id}/events",
     responses={200: {"model": Binding}, 404: {}, 409: {}},
-    openapi_extra=_body(EventIn),
+    openapi_extra=json_body(EventIn),
     summary="Append a state change (bound → prefill_started → pushing → done|failed|aborted)",
 )
 async def post_event(request: Request, transfer_id: TransferId) -> Response:
@@ -112,7 +104,7 @@ async def post_event(request: Request, transfer_id: TransferId) -> Response:
     "/{transfer_id}/marks",
     status_code=204,
     responses={204: {"description": "recorded (or one of that kind already was)"}, 404: {}},
-    openapi_extra=_body(MarkIn),
+    openapi_extra=json_body(MarkIn),
     summary="Record a moment that is not a state (first_token, end); once per kind",
 )
 async def post_mark(request: Request, transfer_id: TransferId) -> Response:

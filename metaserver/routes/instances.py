@@ -9,6 +9,7 @@ from fastapi import APIRouter, Path, Request, Response
 from metaserver.context import ctx
 from metaserver.errors import NotFound
 from metaserver.responses import json_bytes, json_list
+from metaserver.routes._openapi import WRITE, json_body
 from metaserver.store.base import PutOutcome
 from metaserver.validation import parse_body
 from pdwire.ids import INSTANCE_ID_PATTERN
@@ -16,7 +17,6 @@ from pdwire.models import LATER_FIELDS, Instance, InstanceRole, InstanceSpec
 
 router = APIRouter(prefix="/v1/instances", tags=["instances"])
 InstanceId = Annotated[str, Path(pattern=INSTANCE_ID_PATTERN)]
-_SPEC = {"$ref": "#/components/schemas/InstanceSpec"}
 
 
 @router.put(
@@ -26,10 +26,7 @@ _SPEC = {"$ref": "#/components/schemas/InstanceSpec"}
         200: {"model": Instance, "description": "heartbeat of a known instance"},
         201: {"model": Instance},
     },
-    openapi_extra={
-        "requestBody": {"required": True, "content": {"application/json": {"schema": _SPEC}}},
-        "security": [{"bearer": []}],
-    },
+    openapi_extra=json_body(InstanceSpec),
     summary="Register an instance, or heartbeat it (same call); expires after its TTL",
 )
 async def put_instance(request: Request, instance_id: InstanceId) -> Response:
@@ -71,7 +68,7 @@ async def list_instances(request: Request, role: InstanceRole | None = None) -> 
     "/{instance_id}",
     status_code=204,
     responses={404: {}},
-    openapi_extra={"security": [{"bearer": []}]},
+    openapi_extra=WRITE,
 )
 async def delete_instance(request: Request, instance_id: InstanceId) -> Response:
     c = ctx(request)
@@ -93,7 +90,7 @@ async def _set_draining(request: Request, instance_id: str, draining: bool) -> R
 @router.put(
     "/{instance_id}/drain",
     responses={200: {"model": Instance}, 404: {}},
-    openapi_extra={"security": [{"bearer": []}]},
+    openapi_extra=WRITE,
     summary="Drain a registered instance: proxies send it no new requests (kept across "
     "heartbeats, forgotten with the registration)",
 )
@@ -104,7 +101,7 @@ async def drain_instance(request: Request, instance_id: InstanceId) -> Response:
 @router.delete(
     "/{instance_id}/drain",
     responses={200: {"model": Instance}, 404: {}},
-    openapi_extra={"security": [{"bearer": []}]},
+    openapi_extra=WRITE,
     summary="Undrain an instance: proxies select it again",
 )
 async def undrain_instance(request: Request, instance_id: InstanceId) -> Response:

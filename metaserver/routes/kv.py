@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request, Response
 
 from metaserver.context import ctx
 from metaserver.kvindex import Placement
+from metaserver.routes._openapi import json_body
 from metaserver.validation import parse_body
 from pdwire.models import KV_MATCH_PATH, KV_PLACED_PATH, KVMatchIn, KVMatchOut, KVPlacedIn
 
@@ -18,12 +19,7 @@ router = APIRouter(tags=["kv index"])
     KV_MATCH_PATH,
     response_model=KVMatchOut,
     responses={422: {}},
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/KVMatchIn"}}},
-        }
-    },
+    openapi_extra=json_body(KVMatchIn, write=False),
     summary="Per instance: how many of a prompt's first blocks its prefix cache holds",
 )
 async def match(request: Request) -> dict[str, Any]:
@@ -38,15 +34,7 @@ async def match(request: Request) -> dict[str, Any]:
     KV_PLACED_PATH,
     status_code=204,
     responses={401: {}, 403: {}, 422: {}},
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {"schema": {"$ref": "#/components/schemas/KVPlacedIn"}}
-            },
-        },
-        "security": [{"bearer": []}],
-    },
+    openapi_extra=json_body(KVPlacedIn),
     summary="Prompts a proxy just sent: their blocks count as held there for a few seconds",
 )
 async def placed(request: Request) -> Response:

@@ -9,6 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Request
 
 from metaserver.context import ctx
+from metaserver.routes._openapi import json_body
 from metaserver.validation import parse_body
 from pdwire.ids import INSTANCE_ID_PATTERN
 from pdwire.models import LOAD_PATH, LoadReport, LoadView
@@ -21,15 +22,7 @@ Replica = Annotated[str, Path(pattern=INSTANCE_ID_PATTERN, max_length=128)]
     LOAD_PATH,
     response_model=LoadView,
     responses={401: {}, 403: {}, 422: {}},
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {"schema": {"$ref": "#/components/schemas/LoadReport"}}
-            },
-        },
-        "security": [{"bearer": []}],
-    },
+    openapi_extra=json_body(LoadReport),
     summary="Report one proxy replica's in-flight load; answer the other replicas' (summed)",
 )
 async def report(request: Request, replica: Replica) -> LoadView:
