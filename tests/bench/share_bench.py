@@ -111,10 +111,10 @@ async def measure(base: str, a: argparse.Namespace, replicas: int) -> dict[str, 
     }
 
 
-def metaserver(port: int, store: str | None, work: Path) -> Process:
+def metaserver(port: int, store: str | None, namespace: str, work: Path) -> Process:
     args = [str(VENV_BIN / "pd-metaserver"), "--port", str(port), "--log-level", "warning"]
     if store is not None:
-        args += ["--store", store, "--namespace", "bench"]
+        args += ["--store", store, "--namespace", namespace]
     return Process(args, log=work / f"metaserver-{port}.log")
 
 
@@ -125,17 +125,16 @@ async def run(a: argparse.Namespace) -> int:
     rows = []
     try:
         for store_name, store in (("memory", None), ("redis", redis.url)):
-            port = free_port()
-            server = metaserver(port, store, work)
-            try:
-                wait_http(f"http://127.0.0.1:{port}/ready", proc=server)
-                a.metaserver_pid = server.pid
-                for n in a.replicas:
-                    m = await measure(f"http://127.0.0.1:{port}", a, n)
-                    rows.append((store_name, n, m))
+            for n in a.replicas:  # a metaserver each: the last row's reports have not lapsed
+                port = free_port()
+                server = metaserver(port, store, f"bench{n}", work)
+                try:
+                    wait_http(f"http://127.0.0.1:{port}/ready", proc=server)
+                    a.metaserver_pid = server.pid
+                    rows.append((store_name, n, await measure(f"http://127.0.0.1:{port}", a, n)))
                     print(f"  {store_name}, {n} replicas: done", file=sys.stderr, flush=True)
-            finally:
-                server.stop()
+                finally:
+                    server.stop()
     finally:
         redis.stop()
 
