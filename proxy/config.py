@@ -124,7 +124,11 @@ class ProxySettings(LayeredSettings, TlsListener):
         "with --workers each process adds its pid",
     )
     share_interval_s: float = Field(
-        0.1, gt=0, le=10, description="how often the load is shared (reports lapse after 3x)"
+        0.1,
+        gt=0,
+        le=10,
+        description="how often the load is reported when no choice reports it sooner "
+        "(each choice reads the others' first and reports after; reports lapse after 3x)",
     )
     kv_hash_seed: str = Field(
         "vllm-none-hash",
