@@ -46,7 +46,8 @@ class LoadBoard(abc.ABC):
 
     @abc.abstractmethod
     async def view(self, replica: str) -> LoadView:
-        """The others' reports (those not expired), summed; writes nothing."""
+        """The others' reports (those not expired), summed; records nothing (on Redis, a
+        script that only reads)."""
 
 
 class MemoryLoadBoard(LoadBoard):

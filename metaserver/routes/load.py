@@ -35,7 +35,7 @@ async def report(request: Request, replica: Replica) -> LoadView:
 @router.get(
     LOAD_PATH,
     response_model=LoadView,
-    responses={401: {}},
+    responses={401: {}, 422: {}},
     summary="The load of every proxy replica but this one (summed), reporting nothing",
 )
 async def view(request: Request, replica: Replica) -> LoadView:
