@@ -128,7 +128,8 @@ class ProxySettings(LayeredSettings, TlsListener):
         gt=0,
         le=10,
         description="how often the load is reported when no choice reports it sooner "
-        "(each choice reads the others' first and reports after; reports lapse after 3x)",
+        "(each choice reads the others' load first; each change is reported at once; reports "
+        "lapse after 3x)",
     )
     kv_hash_seed: str = Field(
         "vllm-none-hash",

@@ -148,7 +148,7 @@ class Dispatcher:
         avoiding: frozenset[str] = frozenset(),
     ) -> tuple[Upstream, Instance, FlowName]:
         """Run attempts until D's first byte is in. The caller owns ``Upstream`` and must
-        ``release_decode`` the returned instance when the stream ends. ``trace``: the
+        ``release`` the returned instance when the stream ends. ``trace``: the
         request's span (tracing on); each attempt's legs become its children. ``avoiding``:
         instance URLs not to choose while others are available."""
 
@@ -181,16 +181,16 @@ class Dispatcher:
             p_load = 0 if p is None else info.uncached(p)  # P's load: the tokens it computes
             if p is not None:  # reserved now, so a burst's later picks already see it
                 p.acquire(p_load)
-            self._share.changed()  # and the other replicas' picks soon after
+            self._share.changed()  # the other replicas' next choices see it
             transfer = self._metrics.transfers.start() if p is not None else None
             try:
                 up = await impl.open(a)
             except LegError as exc:
                 if transfer is not None:  # not in flight while backing off
                     self._metrics.transfers.end(transfer)
-                d.release(info.tokens)
+                self.release(d, info.tokens)
                 if p is not None:
-                    p.release(p_load)
+                    self.release(p, p_load)
                 self._charge(exc, d, p)
                 give_up = not exc.retryable or attempt >= self._retries
                 log.warning(
@@ -213,15 +213,15 @@ class Dispatcher:
                 await asyncio.sleep(self._backoff.compute(attempt))  # 1st retry: <= base
                 continue
             except BaseException:
-                d.release(info.tokens)
+                self.release(d, info.tokens)
                 if p is not None:
-                    p.release(p_load)
+                    self.release(p, p_load)
                 raise
             finally:
                 if transfer is not None:
                     self._metrics.transfers.end(transfer)
             if p is not None:
-                p.release(p_load)  # its leg is over once D's first byte is in
+                self.release(p, p_load)  # its leg is over once D's first byte is in
             d.circuit.record(True)
             if info.kv is not None:  # the decision, for the binding's first_token mark
                 up.kv_held = {m.instance_id: m.blocks for m in info.kv.values()}
@@ -233,6 +233,11 @@ class Dispatcher:
                 self._p_policy.on_routed(p, info)
                 self._count_ok(p)
             return up, d, chosen
+
+    def release(self, inst: Instance, tokens: int) -> None:
+        """Give back a request's load on ``inst``; the other replicas hear of it at once."""
+        inst.release(tokens)
+        self._share.changed()
 
     async def _annotate(
         self, info: RequestInfo, req: ClientRequest, trace: RequestSpan | None

@@ -138,7 +138,8 @@ class CompletionsHandler:
         the binding marked ``migrated``."""
         rt = self.rt
         self._abort(up, "migrated")
-        d.release(held)
+        assert rt.dispatcher is not None
+        rt.dispatcher.release(d, held)
         d.circuit.record(False)
         if up.binding_tracked and rt.events is not None:
             rt.events.mark(up.tid, MarkKind.MIGRATED, time.perf_counter() - t0, d.url[:64])
@@ -301,7 +302,7 @@ class CompletionsHandler:
                     end = time.perf_counter() - t0
                     rt.events.mark(up.tid, MarkKind.END, end, outcome, chunks=chunks)
             if d is not None:
-                d.release(at.held)
+                rt.dispatcher.release(d, at.held)
             rt.metrics.inflight.dec()
             if outcome != "ok" or log.isEnabledFor(logging.DEBUG):
                 log.log(

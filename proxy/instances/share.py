@@ -4,9 +4,10 @@ instance, its open circuits and each instance's recent prefill work to the metas
 its own (``Instance.load``, ``Instance.work``). An instance whose circuit another replica has
 open is not chosen here either.
 
-When: every ``interval_s``, and at once after a choice (``changed``: one report in flight at a
-time, the next as soon as it ends while choices are left unreported); and before every choice
-it reads the others' load (``fresh``: ``GET``, joining a read in flight, waiting at most
+When: every ``interval_s``, and at once after a change (``changed``: a choice, or load
+released, so the others do not count a freed P as busy until the interval; one report in flight
+at a time, the next as soon as it ends while changes are left unreported); and before every
+choice it reads the others' load (``fresh``: ``GET``, joining a read in flight, waiting at most
 ``WAIT_S``, then routing on the view it has). A replica's choice is on the board one round
 trip after it is made and the other replicas' next choices read it: two replicas are blind to
 each other only for choices less than about two round trips apart. The read before a choice is

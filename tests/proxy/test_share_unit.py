@@ -251,20 +251,23 @@ async def test_a_choice_waits_little_for_the_others() -> None:
 
 
 class Spy:
-    """``LoadSync`` recording what the dispatcher told it, with P's load at that moment."""
+    """``LoadSync`` recording what the dispatcher told it, with P's and D's load then."""
 
     def __init__(self, px: InMemoryProxy) -> None:
         self.px = px
-        self.seen: list[tuple[str, int]] = []
+        self.seen: list[tuple[str, int, int]] = []
 
     async def fresh(self) -> None:
-        self.seen.append(("fresh", self.px.p.inflight))
+        self.seen.append(("fresh", self.px.p.inflight, self.px.d.inflight))
 
     def changed(self) -> None:
-        self.seen.append(("changed", self.px.p.inflight))
+        self.seen.append(("changed", self.px.p.inflight, self.px.d.inflight))
 
 
-async def test_the_dispatcher_asks_before_choosing_and_tells_after() -> None:
+async def test_the_dispatcher_asks_before_choosing_and_tells_every_change() -> None:
+    """Before the choice it reads; it reports the choice, P's release once D's first byte is
+    in, and D's at the end of the answer, each as it happens (not an interval later: another
+    replica would count the released load meanwhile)."""
     backend = MockBackend(
         {"prefill": PUSHED, "decode": Reply.completion("hi"), "get": Reply.json(BINDING)}
     )
@@ -273,7 +276,7 @@ async def test_the_dispatcher_asks_before_choosing_and_tells_after() -> None:
     px.runtime.share = spy  # type: ignore[assignment]
     px.runtime.wire(backend, px.event_client)
     assert (await px.send()).status == 200
-    assert spy.seen == [("fresh", 0), ("changed", 1)]
+    assert spy.seen == [("fresh", 0, 0), ("changed", 1, 1), ("changed", 0, 1), ("changed", 0, 0)]
     await px.settle()
 
 
