@@ -110,21 +110,21 @@ class RedisKVIndex(KVIndex):
             raise StoreUnavailable(f"KV index: {exc}") from exc
 
     async def place(self, placements: Sequence[Placement]) -> None:
+        placements = [p for p in placements if p.keys]
+        if not placements:
+            return
         now = self._clock()
         until = now + PLACED_S
         try:  # one pipeline: Redis on appendfsync always waits for its disk once, not per item
             async with self._r.pipeline(transaction=False) as pipe:
                 for p in placements:
-                    if not p.keys:
-                        continue
                     key = self._placed_key(p.instance)
                     for i in range(0, len(p.keys), _CHUNK):
                         chunk = p.keys[i : i + _CHUNK]
                         pipe.zadd(key, dict.fromkeys((_member(k) for k in chunk), until))
                     pipe.zremrangebyscore(key, "-inf", now)
                     pipe.pexpire(key, int(PLACED_S * 1000) + 1000)
-                if pipe.command_stack:
-                    await pipe.execute()
+                await pipe.execute()
         except RedisError as exc:
             raise StoreUnavailable(f"KV index: {exc}") from exc
 
