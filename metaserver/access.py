@@ -39,11 +39,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from metaserver.errors import Forbidden, Unauthorized
+from metaserver.hosts import Hosts
 from pdwire.ascend import capability as make_capability
 from pdwire.ids import ID_BODY
-from pdwire.models import InstanceRole
+from pdwire.models import InstanceRole, InstanceSpec
+from pdwire.origin import parse_origin
 
 MIN_TOKEN_CHARS = 16
+EXACT_CAP = 1  # registrations an engine credential bound to one id may hold
+POOL_CAP = 64  # ... and one bound to a prefix (a pool's pods)
 
 
 class Role(enum.StrEnum):
@@ -55,12 +59,20 @@ class Role(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Whoever made a call: its credential's name and role (engines: the ids it may act as)."""
+    """Whoever made a call: its credential's name and role (engines: the ids it may act as,
+    the hosts it may register, how many instances it may hold)."""
 
     name: str
     role: Role
     instance: str | None = None  # engines: an id, or a prefix ending in "*"
     engine_role: InstanceRole | None = None
+    hosts: Hosts | None = None  # engines: where its URL and KV endpoint may point (None: any)
+    max_instances: int = 0  # engines: live registrations it may hold (0: no cap)
+
+    @property
+    def owner(self) -> str:
+        """The name its registrations are counted under ('' : not counted)."""
+        return self.name if self.role is Role.ENGINE else ""
 
     def covers(self, instance_id: str) -> bool:
         if self.instance is None:
@@ -72,11 +84,20 @@ class Principal:
     def _refuse(self, what: str) -> Forbidden:
         return Forbidden(f"credential {self.name!r} (role {self.role.value}) may not {what}")
 
-    def may_register(self, instance_id: str, role: InstanceRole) -> None:
-        """PUT an instance (register or heartbeat)."""
+    def may_register(self, instance_id: str, spec: InstanceSpec) -> None:
+        """PUT an instance (register or heartbeat): an id it covers, its role, hosts it may
+        name."""
         self.may_manage(instance_id)
-        if self.engine_role is not None and role is not self.engine_role:
-            raise self._refuse(f"register a {role.value} instance")
+        if self.engine_role is not None and spec.role is not self.engine_role:
+            raise self._refuse(f"register a {spec.role.value} instance")
+        if self.hosts is None:
+            return
+        hosts = [parse_origin(spec.url).host]
+        if spec.kv_endpoint is not None:
+            hosts.append(spec.kv_endpoint.host)
+        for host in hosts:
+            if not self.hosts.allows(host):
+                raise self._refuse(f"register an instance on host {host!r}")
 
     def may_manage(self, instance_id: str) -> None:
         """Deregister an instance (and what registering needs)."""
@@ -131,6 +152,14 @@ class CredentialEntry(BaseModel):
     token_file: Path | None = Field(None, description="read the token from this file instead")
     instance: Annotated[str, Field(pattern=rf"^{ID_BODY}\*?$|^\*$")] | None = None
     engine_role: InstanceRole | None = None
+    hosts: Annotated[list[str], Field(min_length=1, max_length=256)] | None = Field(
+        None, description="engines: the hosts (addresses, networks, names) it may register"
+    )
+    max_instances: Annotated[int, Field(ge=1, le=100_000)] | None = Field(
+        None,
+        description=f"engines: live instances it may hold (default {EXACT_CAP} for one id, "
+        f"{POOL_CAP} for a prefix)",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> CredentialEntry:
@@ -138,9 +167,23 @@ class CredentialEntry(BaseModel):
             raise ValueError(f"{self.name}: give exactly one of token and token_file")
         if self.role is Role.ENGINE and self.instance is None:
             raise ValueError(f"{self.name}: an engine credential needs instance (an id or prefix*)")
-        if self.role is not Role.ENGINE and (self.instance or self.engine_role):
-            raise ValueError(f"{self.name}: instance and engine_role are for engine credentials")
+        if self.role is not Role.ENGINE and (
+            self.instance or self.engine_role or self.hosts or self.max_instances
+        ):
+            raise ValueError(
+                f"{self.name}: instance, engine_role, hosts and max_instances are for engine "
+                "credentials"
+            )
+        if self.hosts is not None:
+            Hosts.parse(self.hosts)
         return self
+
+    def principal(self) -> Principal:
+        cap = self.max_instances
+        if cap is None and self.role is Role.ENGINE:
+            cap = POOL_CAP if (self.instance or "").endswith("*") else EXACT_CAP
+        hosts = None if self.hosts is None else Hosts.parse(self.hosts)
+        return Principal(self.name, self.role, self.instance, self.engine_role, hosts, cap or 0)
 
     def secret(self) -> str:
         if self.token is not None:
@@ -178,7 +221,7 @@ class Access:
         if token is not None:
             self._add(token, Principal("token", Role.ADMIN))
         for secret, e in entries or []:
-            self._add(secret, Principal(e.name, e.role, e.instance, e.engine_role))
+            self._add(secret, e.principal())
         self.open = not self._by_digest
         self.mode = "roles" if entries else "single token" if token is not None else "open"
 

@@ -32,6 +32,7 @@ def build_parser() -> SettingsParser[MetaserverSettings]:
     p.option("--ttl", "binding_ttl_s", float)
     p.option("--retain", "retain_s", float)
     p.option("--instance-ttl", "instance_ttl_s", float)
+    p.option("--max-instance-ttl", "max_instance_ttl_s", float)
     p.option("--max-body-bytes", "max_body_bytes", int)
     p.option("--max-wait", "max_wait_s", float)
     p.option("--receipt-timeout", "receipt_timeout_s", float)

@@ -35,6 +35,9 @@ class MetaserverSettings(LayeredSettings, TlsListener):
     binding_ttl_s: float = Field(600.0, gt=0, description="lifetime of an unfinished binding")
     retain_s: float = Field(900.0, gt=0, description="how long done/failed/aborted bindings stay")
     instance_ttl_s: float = Field(30.0, gt=0, description="default heartbeat TTL of instances")
+    max_instance_ttl_s: float = Field(
+        300.0, gt=0, le=86_400, description="a registration asking a longer ttl_s gets 422"
+    )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="request bodies above this get 413")
     receipt_timeout_s: float = Field(
         30.0,

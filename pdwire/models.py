@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdwire.ids import ID_BODY, INSTANCE_ID_PATTERN
+from pdwire.origin import OriginUrl
 from pdwire.version import UNVERSIONED
 
 MAX_KV_GROUPS = 16
@@ -250,7 +251,7 @@ class KVEvents(_Strict):
 
 class InstanceSpec(_Strict):
     role: InstanceRole
-    url: Annotated[str, Field(min_length=1, max_length=512, pattern=r"^https?://[^\s]+$")]
+    url: OriginUrl = Field(description="scheme://host:port, nothing else (pdwire.origin)")
     kv_endpoint: KVEndpoint | None = None
     model: Annotated[str, Field(max_length=512)] | None = None
     tp_size: Annotated[int, Field(ge=1, le=MAX_TP_SIZE)] = 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,7 +24,10 @@ from proxy.config import ProxySettings
 from proxy.errors import ProxyError, Unauthorized, error_object
 from proxy.handler import HOT_PATHS, CompletionsHandler, _authorized
 from proxy.instances import Role
+from proxy.model_list import read_capped, rebuilt
 from proxy.runtime import Runtime
+
+log = logging.getLogger("pdgate.proxy")
 
 
 class ProxyApp:
@@ -121,6 +125,9 @@ def _routes(api: FastAPI, rt: Runtime) -> None:
                 async with asyncio.timeout(5):
                     async with rt.session.get(inst.url + "/v1/models") as resp:
                         if resp.status == 200:
-                            return Response(await resp.read(), media_type="application/json")
+                            models = rebuilt(await read_capped(resp.content))
+                            if models is not None:
+                                return Response(models, media_type="application/json")
+                            log.warning("%s: /v1/models is not a model list", inst.id)
         body = error_object("no decode instance answered /v1/models", "service_unavailable", 503)
         return JSONResponse(body, 503)

@@ -7,10 +7,10 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Request, Response
 
 from metaserver.context import ctx
-from metaserver.errors import NotFound
+from metaserver.errors import NotFound, Unprocessable
 from metaserver.responses import json_bytes, json_list
 from metaserver.routes._openapi import WRITE, json_body
-from metaserver.store.base import PutOutcome
+from metaserver.store.base import InstancePut, PutOutcome
 from metaserver.validation import parse_body
 from pdwire.ids import INSTANCE_ID_PATTERN
 from pdwire.models import LATER_FIELDS, Instance, InstanceRole, InstanceSpec
@@ -33,16 +33,18 @@ async def put_instance(request: Request, instance_id: InstanceId) -> Response:
     c = ctx(request)
     who = c.authorize(request.headers.get("authorization"), write=True)
     spec = parse_body(InstanceSpec, await request.body())
-    who.may_register(instance_id, spec.role)
-    kv = None if spec.kv_endpoint is None else (spec.kv_endpoint.host, spec.kv_endpoint.port)
+    who.may_register(instance_id, spec)
     ttl = spec.ttl_s if spec.ttl_s is not None else c.settings.instance_ttl_s
+    if ttl > c.settings.max_instance_ttl_s:
+        raise Unprocessable(
+            f"ttl_s {ttl:g} is above this metaserver's cap ({c.settings.max_instance_ttl_s:g} s)"
+        )
     # fields newer readers know, left out when unset: a reader from before them (a proxy or
     # connector not upgraded yet) parses every record it parsed before
     unset = {name for name in LATER_FIELDS if getattr(spec, name) is None}
     body = spec.model_dump_json(exclude=unset).encode()
-    outcome, record = await c.store.put_instance(
-        instance_id, body, spec.role.value, kv, ttl, c.clock()
-    )
+    put = InstancePut.of(instance_id, spec, ttl, who.owner, who.max_instances, body)
+    outcome, record = await c.store.put_instance(put, c.clock())
     return json_bytes(record.to_json(), 201 if outcome is PutOutcome.CREATED else 200)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from metaserver.kvindex.index import KVIndex
 from metaserver.loadboard import LoadBoard
-from pdwire.models import BindingSpec, BindingState, MarkKind
+from pdwire.models import BindingSpec, BindingState, InstanceSpec, MarkKind
 
 # Told of each binding created from now on, on any replica sharing the store; ``None`` when
 # notifications may have been missed (the store's subscription was interrupted).
@@ -93,6 +93,31 @@ class BindingPut:
             kv_port=spec.kv_endpoint.port,
             event_json=event_json(BindingState.BOUND, spec.decode_instance_id, now, None),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class InstancePut:
+    """A validated registration (or heartbeat), with what the store checks atomically: no other
+    live instance has this URL or KV endpoint, and the registering credential (``owner``) holds
+    at most ``max_owned`` live instances."""
+
+    instance_id: str
+    spec_json: bytes
+    role: str
+    url: str
+    kv: tuple[str, int] | None
+    ttl_s: float
+    owner: str = ""  # the credential's name ('' : not counted, as for an admin)
+    max_owned: int = 0  # 0: no cap
+
+    @classmethod
+    def of(
+        cls, instance_id: str, spec: InstanceSpec, ttl_s: float, owner: str = "",
+        max_owned: int = 0, spec_json: bytes | None = None,
+    ) -> InstancePut:  # fmt: skip
+        kv = None if spec.kv_endpoint is None else (spec.kv_endpoint.host, spec.kv_endpoint.port)
+        body = spec.model_dump_json().encode() if spec_json is None else spec_json
+        return cls(instance_id, body, spec.role.value, spec.url, kv, ttl_s, owner, max_owned)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,15 +219,9 @@ class Store(abc.ABC):
 
     # instances
     @abc.abstractmethod
-    async def put_instance(
-        self,
-        instance_id: str,
-        spec_json: bytes,
-        role: str,
-        kv: tuple[str, int] | None,
-        ttl_s: float,
-        now: float,
-    ) -> tuple[PutOutcome, StoredInstance]: ...
+    async def put_instance(self, put: InstancePut, now: float) -> tuple[PutOutcome, StoredInstance]:
+        """Register or heartbeat; ``Conflict`` when another live instance has the URL or the KV
+        endpoint, ``Forbidden`` when the owner already holds ``max_owned`` other instances."""
 
     @abc.abstractmethod
     async def get_instance(self, instance_id: str) -> StoredInstance | None: ...

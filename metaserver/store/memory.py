@@ -15,7 +15,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from metaserver.errors import Conflict, NotFound, Unprocessable
+from metaserver.errors import Conflict, Forbidden, NotFound, Unprocessable
 from metaserver.kvindex.index import KVIndex, MemoryKVIndex
 from metaserver.loadboard import LoadBoard, MemoryLoadBoard
 from metaserver.store.base import (
@@ -23,6 +23,7 @@ from metaserver.store.base import (
     BindingPut,
     ChangeSubscription,
     CreatedListener,
+    InstancePut,
     LocalWaiters,
     OpenTransfers,
     PutOutcome,
@@ -46,6 +47,8 @@ class _Instance:
     record: StoredInstance
     kv: tuple[str, int] | None
     expires: float
+    url: str = ""
+    owner: str = ""
 
 
 @dataclass(slots=True)
@@ -65,6 +68,11 @@ class MemoryStore(Store):
         self._clock = clock
         self._bindings: dict[str, _Binding] = {}
         self._instances: dict[str, _Instance] = {}
+        # who holds each URL and KV endpoint, and each credential's instances (id -> expiry);
+        # stale entries are checked against the live registration before they count
+        self._by_url: dict[str, str] = {}
+        self._by_kv: dict[tuple[str, int], str] = {}
+        self._owned: dict[str, dict[str, float]] = {}
         self._latencies: deque[float] = deque(maxlen=_LATENCY_SAMPLES)
         self._writes = 0
         self._due: list[tuple[float, str]] = []  # a heap: the bindings by (past) expiry
@@ -114,6 +122,19 @@ class MemoryStore(Store):
         if self._writes % _SWEEP_EVERY == 0:
             for key in [k for k, v in self._instances.items() if v.expires <= now]:
                 del self._instances[key]
+            self._reindex(now)
+
+    def _reindex(self, now: float) -> None:
+        """Forget URLs, KV endpoints and owned ids that no live registration holds."""
+        live = self._instances
+        self._by_url = {e.url: k for k, e in live.items()}
+        self._by_kv = {e.kv: k for k, e in live.items() if e.kv is not None}
+        for owner in list(self._owned):
+            owned = {i: t for i, t in self._owned[owner].items() if t > now and i in live}
+            if owned:
+                self._owned[owner] = owned
+            else:
+                del self._owned[owner]
 
     async def put_binding(self, put: BindingPut, now: float) -> tuple[PutOutcome, StoredBinding]:
         existing = self._live_binding(put.transfer_id)
@@ -214,24 +235,48 @@ class MemoryStore(Store):
         return True
 
     # ---- instances ------------------------------------------------------------------------
-    async def put_instance(
-        self,
-        instance_id: str,
-        spec_json: bytes,
-        role: str,
-        kv: tuple[str, int] | None,
-        ttl_s: float,
-        now: float,
-    ) -> tuple[PutOutcome, StoredInstance]:
-        existing = self._live_instance(instance_id)
+    async def put_instance(self, put: InstancePut, now: float) -> tuple[PutOutcome, StoredInstance]:
+        iid = put.instance_id
+        url_holder = self._by_url.get(put.url)
+        if url_holder not in (None, iid) and self._holds(url_holder, put.url, None):
+            raise Conflict(f"url {put.url} is registered by instance {url_holder!r}")
+        kv_holder = None if put.kv is None else self._by_kv.get(put.kv)
+        if kv_holder not in (None, iid) and self._holds(kv_holder, None, put.kv):
+            host, port = put.kv or ("", 0)
+            raise Conflict(f"kv_endpoint {host}:{port} is registered by instance {kv_holder!r}")
+        owned = self._owned.setdefault(put.owner, {}) if put.owner else None
+        if owned is not None and put.max_owned and iid not in owned:
+            for other in [o for o, until in owned.items() if until <= self._clock()]:
+                del owned[other]
+            if len(owned) >= put.max_owned:
+                raise Forbidden(f"credential {put.owner!r} already holds {len(owned)} instances")
+        existing = self._live_instance(iid)
+        if existing is not None:  # a move frees its old URL and KV endpoint at once
+            if self._by_url.get(existing.url) == iid:
+                del self._by_url[existing.url]
+            if existing.kv is not None and self._by_kv.get(existing.kv) == iid:
+                del self._by_kv[existing.kv]
         registered = now if existing is None else existing.record.registered_at
         draining = existing is not None and existing.record.draining
         record = StoredInstance(
-            instance_id, spec_json, role, registered, now, now + ttl_s, draining
+            iid, put.spec_json, put.role, registered, now, now + put.ttl_s, draining
         )
-        self._instances[instance_id] = _Instance(record, kv, self._clock() + ttl_s)
+        expires = self._clock() + put.ttl_s
+        self._instances[iid] = _Instance(record, put.kv, expires, put.url, put.owner)
+        self._by_url[put.url] = iid
+        if put.kv is not None:
+            self._by_kv[put.kv] = iid
+        if owned is not None:
+            owned[iid] = expires
         self._sweep()
         return (PutOutcome.CREATED if existing is None else PutOutcome.SAME), record
+
+    def _holds(self, iid: str | None, url: str | None, kv: tuple[str, int] | None) -> bool:
+        """Whether ``iid`` is live and still registered with this URL (or KV endpoint)."""
+        entry = None if iid is None else self._live_instance(iid)
+        if entry is None:
+            return False
+        return entry.url == url if url is not None else entry.kv == kv
 
     async def get_instance(self, instance_id: str) -> StoredInstance | None:
         entry = self._live_instance(instance_id)
@@ -246,9 +291,11 @@ class MemoryStore(Store):
         return sorted(out, key=lambda r: r.instance_id)
 
     async def delete_instance(self, instance_id: str) -> bool:
-        found = self._live_instance(instance_id) is not None
+        entry = self._live_instance(instance_id)
         self._instances.pop(instance_id, None)
-        return found
+        if entry is not None:
+            self._owned.get(entry.owner, {}).pop(instance_id, None)
+        return entry is not None
 
     async def set_draining(self, instance_id: str, draining: bool) -> StoredInstance | None:
         entry = self._live_instance(instance_id)

@@ -32,7 +32,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from metaserver.errors import Conflict, NotFound, StoreUnavailable, Unprocessable
+from metaserver.errors import Conflict, Forbidden, NotFound, StoreUnavailable, Unprocessable
 from metaserver.kvindex.index import KVIndex
 from metaserver.kvindex.redis_index import RedisKVIndex
 from metaserver.loadboard import LoadBoard, RedisLoadBoard
@@ -42,6 +42,7 @@ from metaserver.store.base import (
     BindingPut,
     ChangeSubscription,
     CreatedListener,
+    InstancePut,
     LocalWaiters,
     OpenTransfers,
     PutOutcome,
@@ -102,6 +103,7 @@ class RedisStore(Store):
         self._add_mark = self._r.register_script(lua.ADD_MARK)
         self._delete_binding = self._r.register_script(lua.DELETE_BINDING)
         self._put_instance = self._r.register_script(lua.PUT_INSTANCE)
+        self._delete_instance = self._r.register_script(lua.DELETE_INSTANCE)
         self._set_drain = self._r.register_script(lua.SET_DRAIN)
         self._batch = ScriptBatcher(self._r)
         self._waiters = LocalWaiters()
@@ -118,6 +120,14 @@ class RedisStore(Store):
 
     def _ikey(self, instance_id: str) -> str:
         return f"{self._ns}:i:{instance_id}"
+
+    def _okey(self, owner: str) -> str:
+        """The instances a credential registered (``owner``: its name)."""
+        return f"{self._ns}:o:{owner}"
+
+    def _instance_indexes(self) -> tuple[str, str, str]:
+        """The live instances by expiry, and who holds each URL and each KV endpoint."""
+        return f"{self._ns}:iidx", f"{self._ns}:iurl", f"{self._ns}:ikv"
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -333,35 +343,28 @@ class RedisStore(Store):
         return bool(res)
 
     # ---- instances ------------------------------------------------------------------------
-    async def put_instance(
-        self,
-        instance_id: str,
-        spec_json: bytes,
-        role: str,
-        kv: tuple[str, int] | None,
-        ttl_s: float,
-        now: float,
-    ) -> tuple[PutOutcome, StoredInstance]:
-        expires = now + ttl_s
-        host, port = kv if kv is not None else ("", 0)
+    async def put_instance(self, put: InstancePut, now: float) -> tuple[PutOutcome, StoredInstance]:
+        expires = now + put.ttl_s
+        host, port = put.kv if put.kv is not None else ("", 0)
         res = await self._call(
             self._put_instance,
-            keys=[self._ikey(instance_id), f"{self._ns}:iidx"],
+            keys=[self._ikey(put.instance_id), *self._instance_indexes(), self._okey(put.owner)],
             args=[
-                instance_id,
-                spec_json,
-                role,
-                host,
-                port,
-                repr(now),
-                int(ttl_s * 1000),
-                repr(expires),
+                put.instance_id, put.spec_json, put.role, host, port, repr(now),
+                int(put.ttl_s * 1000), repr(expires), put.url, self._ikey(""), put.owner,
+                put.max_owned, int(time.time() * 1000),
             ],
-        )
+        )  # fmt: skip
+        if res[0] == b"taken":
+            what, holder = res[1].decode(), res[2].decode()
+            shown = put.url if what == "url" else f"{host}:{port}"
+            raise Conflict(f"{what} {shown} is registered by instance {holder!r}")
+        if res[0] == b"quota":
+            raise Forbidden(f"credential {put.owner!r} already holds {res[1]} instances")
         outcome = PutOutcome.CREATED if res[0] == b"created" else PutOutcome.SAME
         draining = bool(res[2])
         return outcome, StoredInstance(
-            instance_id, spec_json, role, float(res[1]), now, expires, draining
+            put.instance_id, put.spec_json, put.role, float(res[1]), now, expires, draining
         )
 
     async def get_instance(self, instance_id: str) -> StoredInstance | None:
@@ -392,8 +395,11 @@ class RedisStore(Store):
         return sorted(out, key=lambda r: r.instance_id)
 
     async def delete_instance(self, instance_id: str) -> bool:
-        n = await self._call(self._r.delete, self._ikey(instance_id))
-        await self._call(self._r.zrem, f"{self._ns}:iidx", instance_id)
+        n = await self._call(
+            self._delete_instance,
+            keys=[self._ikey(instance_id), *self._instance_indexes()],
+            args=[instance_id, self._okey("")],
+        )
         return bool(n)
 
     async def stats(self, scan_limit: int) -> StoreStats:

@@ -135,17 +135,76 @@ if n > 0 then redis.call('PUBLISH', ARGV[1], ARGV[2]) end
 return n
 """
 
-# KEYS: instance hash, instance index
-# ARGV: instance_id, spec, role, kv_host, kv_port, now, ttl_ms, expires_at
+# KEYS: instance hash, instance index, URL index (url -> id), KV index ("host:port" -> id),
+#       the owner's instances (a sorted set scored by expiry in ms)
+# ARGV: instance_id, spec, role, kv_host, kv_port, now, ttl_ms, expires_at, url, instance hash
+#       key prefix, owner ('' : not counted), max_owned (0: no cap), now_ms
+# Refused with {'taken', what, holder} when another live instance holds the URL or KV endpoint,
+# {'quota', n} when the owner holds max_owned others. A stale index entry (its holder gone or
+# moved) is taken over.
 PUT_INSTANCE = """
-local reg = redis.call('HGET', KEYS[1], 'reg')
+local id = ARGV[1]
+local kv = ARGV[4] ~= '' and (ARGV[4] .. ':' .. ARGV[5]) or nil
+local function holder(index, key, field)
+  local other = redis.call('HGET', index, key)
+  if not other or other == id then return nil end
+  local h = redis.call('HMGET', ARGV[10] .. other, 'url', 'kvh', 'kvp')
+  local theirs = h[1]
+  if field == 'kv' then theirs = h[2] and (h[2] .. ':' .. h[3]) end
+  if theirs == key then return other end
+  return nil
+end
+local other = holder(KEYS[3], ARGV[9], 'url')
+if other then return {'taken', 'url', other} end
+if kv then
+  other = holder(KEYS[4], kv, 'kv')
+  if other then return {'taken', 'kv_endpoint', other} end
+end
+if ARGV[11] ~= '' then
+  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', ARGV[13])
+  local n = redis.call('ZCARD', KEYS[5])
+  if tonumber(ARGV[12]) > 0 and not redis.call('ZSCORE', KEYS[5], id)
+     and n >= tonumber(ARGV[12]) then
+    return {'quota', n}
+  end
+  redis.call('ZADD', KEYS[5], tonumber(ARGV[13]) + tonumber(ARGV[7]), id)
+  if redis.call('PTTL', KEYS[5]) < tonumber(ARGV[7]) then
+    redis.call('PEXPIRE', KEYS[5], ARGV[7])
+  end
+end
+local old = redis.call('HMGET', KEYS[1], 'url', 'kvh', 'kvp', 'reg')
+if old[1] and old[1] ~= ARGV[9] and redis.call('HGET', KEYS[3], old[1]) == id then
+  redis.call('HDEL', KEYS[3], old[1])
+end
+if old[2] and old[2] ~= '' then
+  local was = old[2] .. ':' .. old[3]
+  if was ~= kv and redis.call('HGET', KEYS[4], was) == id then redis.call('HDEL', KEYS[4], was) end
+end
+local reg = old[4]
 local status = 'same'
 if not reg then reg = ARGV[6]; status = 'created' end
 redis.call('HSET', KEYS[1], 'spec', ARGV[2], 'role', ARGV[3], 'kvh', ARGV[4], 'kvp', ARGV[5],
-           'reg', reg, 'hb', ARGV[6], 'exp', ARGV[8])
+           'reg', reg, 'hb', ARGV[6], 'exp', ARGV[8], 'url', ARGV[9], 'owner', ARGV[11])
 redis.call('PEXPIRE', KEYS[1], ARGV[7])
-redis.call('ZADD', KEYS[2], ARGV[8], ARGV[1])
+redis.call('ZADD', KEYS[2], ARGV[8], id)
+redis.call('HSET', KEYS[3], ARGV[9], id)
+if kv then redis.call('HSET', KEYS[4], kv, id) end
 return {status, reg, redis.call('HGET', KEYS[1], 'drain')}
+"""
+
+# KEYS: instance hash, instance index, URL index, KV index; ARGV: instance_id, owner set prefix
+# A deregistration also frees its URL, KV endpoint and its place in its owner's count.
+DELETE_INSTANCE = """
+local h = redis.call('HMGET', KEYS[1], 'url', 'kvh', 'kvp', 'owner')
+local n = redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+if h[1] and redis.call('HGET', KEYS[3], h[1]) == ARGV[1] then redis.call('HDEL', KEYS[3], h[1]) end
+if h[2] and h[2] ~= '' then
+  local kv = h[2] .. ':' .. h[3]
+  if redis.call('HGET', KEYS[4], kv) == ARGV[1] then redis.call('HDEL', KEYS[4], kv) end
+end
+if h[4] and h[4] ~= '' then redis.call('ZREM', ARGV[2] .. h[4], ARGV[1]) end
+return n
 """
 
 # KEYS: instance hash; ARGV: '1' to drain, '' to undrain. Only a live registration is marked

@@ -25,9 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from metaserver.store.base import BindingPut
+from metaserver.store.base import BindingPut, InstancePut
 from metaserver.store.memory import MemoryStore
-from tests.bench.metaserver_bench import INSTANCE, KV, SPEC  # the same binding and instance
+from pdwire.models import InstanceSpec
+from tests.bench.metaserver_bench import INSTANCE, SPEC  # the same binding and instance
 
 SCAN_EVERY = 512
 
@@ -48,7 +49,8 @@ class ScanSweep(MemoryStore):
 
 async def _store(kind: type[MemoryStore]) -> MemoryStore:
     store = kind(binding_ttl_s=600, retain_s=900)
-    await store.put_instance("decode-0", INSTANCE, "decode", (KV.host, KV.port), 1e6, time.time())
+    spec = InstanceSpec.model_validate_json(INSTANCE)
+    await store.put_instance(InstancePut.of("decode-0", spec, 1e6, spec_json=INSTANCE), time.time())
     return store
 
 

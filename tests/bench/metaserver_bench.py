@@ -43,7 +43,7 @@ SPEC = BindingSpec(
 SPEC_BODY = SPEC.model_dump_json().encode()
 INSTANCE = (
     b'{"role":"decode","url":"http://10.0.0.7:8200",'
-    b'"kv_endpoint":{"host":"10.0.0.7","port":5600},"ttl_s":3600}'
+    b'"kv_endpoint":{"host":"10.0.0.7","port":5600},"ttl_s":300}'
 )
 
 

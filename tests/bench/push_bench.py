@@ -273,7 +273,9 @@ def sched_bench(a: argparse.Namespace) -> list[SchedRow]:
     from tests.support.services import MetaserverProcess
 
     model = make_tiny_model(Path("/tmp") / "pdgate-bench-models")
-    ms = MetaserverProcess("memory", "--token", "t", log_dir=Path("/tmp"))
+    ms = MetaserverProcess(
+        "memory", "--token", "t", "--max-instance-ttl", "600", log_dir=Path("/tmp")
+    )
     slow = SlowProxy(ms.url, 2.0)
     rows: dict[tuple[float, str], list[SchedRow]] = {}
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import zlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -113,12 +114,25 @@ def decode_instance(**over: Any) -> InstanceSpec:
     return InstanceSpec(**base)
 
 
+def at(instance_id: str) -> dict[str, Any]:
+    """A URL and KV endpoint of an instance's own (two live instances may not share them):
+    ``decode_instance(**at("decode-3"))``. decode-0 keeps the defaults, which ``binding_spec``
+    names."""
+    if instance_id == "decode-0":
+        return {}
+    n = zlib.crc32(instance_id.encode())
+    host = f"10.{100 + n % 100}.{(n >> 8) % 250}.{(n >> 16) % 250 + 1}"
+    return {"url": f"http://{host}:8200", "kv_endpoint": {"host": host, "port": 5600}}
+
+
 def binding_spec(**over: Any) -> BindingSpec:
+    """A binding for decode-0, or for ``decode_instance_id`` at the KV endpoint ``at`` gives it."""
+    decode = over.get("decode_instance_id", "decode-0")
     base: dict[str, Any] = {
         "request_id": "chatcmpl-abc-0",
         "decode_instance_id": "decode-0",
         "engine_id": "engine-d0",
-        "kv_endpoint": DECODE_KV,
+        "kv_endpoint": at(decode).get("kv_endpoint", DECODE_KV),
         "tp_size": 1,
         "block_size": 16,
         "block_ids": [[4, 5, 6]],

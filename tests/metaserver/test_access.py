@@ -14,7 +14,7 @@ import pytest
 from metaserver import MetaserverSettings, create_app
 from metaserver.cli import _build
 from metaserver.store import MemoryStore
-from tests.metaserver.conftest import TOKENS, binding_spec, decode_instance, write_credentials
+from tests.metaserver.conftest import TOKENS, at, binding_spec, decode_instance, write_credentials
 
 
 def bearer(name: str) -> dict[str, str]:
@@ -36,8 +36,8 @@ def spec(decode: str = "decode-0") -> dict[str, Any]:
     return binding_spec(decode_instance_id=decode).model_dump(mode="json")
 
 
-def instance(role: str = "decode") -> dict[str, Any]:
-    return decode_instance(role=role).model_dump(mode="json")
+def instance(role: str = "decode", iid: str = "decode-0") -> dict[str, Any]:
+    return decode_instance(role=role, **at(iid)).model_dump(mode="json")
 
 
 async def test_no_or_wrong_token_is_401_and_reader_reads_only(roles: httpx.AsyncClient) -> None:
@@ -80,7 +80,11 @@ async def test_an_engine_acts_only_as_its_own_instance(roles: httpx.AsyncClient)
     assert (await roles.delete("/v1/bindings/t1", headers=me)).status_code == 403
     assert (await put("/v1/instances/decode-0/drain", headers=me)).status_code == 200
     admin = bearer("admin")
-    assert (await put("/v1/instances/decode-9", json=instance(), headers=admin)).status_code == 201
+    other = decode_instance(
+        url="http://10.0.0.9:8200", kv_endpoint={"host": "10.0.0.9", "port": 5600}
+    )
+    nine = other.model_dump(mode="json")
+    assert (await put("/v1/instances/decode-9", json=nine, headers=admin)).status_code == 201
     assert (await put("/v1/instances/decode-9/drain", headers=me)).status_code == 403
     assert (await roles.delete("/v1/instances/decode-9", headers=me)).status_code == 403
     assert (await roles.delete("/v1/instances/decode-0", headers=me)).status_code == 204
@@ -155,7 +159,7 @@ async def test_single_token_mode_still_does_everything(tmp_path: Path) -> None:
     app = create_app(MetaserverSettings(token="one-token-for-all-0123"))
     headers = {"authorization": "Bearer one-token-for-all-0123"}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ms") as c:
-        r = await c.put("/v1/instances/d-3", json=instance(), headers=headers)
+        r = await c.put("/v1/instances/d-3", json=instance(iid="d-3"), headers=headers)
         assert r.status_code == 201
         assert (
             await c.put("/v1/bindings/t1", json=spec("d-3"), headers=headers)

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdwire.models import Binding, Instance
-from tests.metaserver.conftest import binding_spec, decode_instance
+from tests.metaserver.conftest import at, binding_spec, decode_instance
 
 TOKEN = "s3cret"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -28,7 +28,7 @@ def instance_json(**over: Any) -> dict[str, Any]:
 
 
 async def register(api: httpx.AsyncClient, iid: str = "decode-0", headers: Any = None) -> None:
-    r = await api.put(f"/v1/instances/{iid}", json=instance_json(), headers=headers)
+    r = await api.put(f"/v1/instances/{iid}", json=instance_json(**at(iid)), headers=headers)
     assert r.status_code in (200, 201), r.text
 
 
@@ -233,7 +233,8 @@ async def test_api_instances(api: httpx.AsyncClient) -> None:
     assert inst.expires_at > inst.last_heartbeat
     r = await api.put("/v1/instances/decode-0", json=instance_json(model="tiny", version="0.32.0"))
     assert r.status_code == 200
-    r = await api.put("/v1/instances/p-0", json=instance_json(role="prefill", kv_endpoint=None))
+    p0 = instance_json(role="prefill", kv_endpoint=None, url="http://10.0.0.8:8100")
+    r = await api.put("/v1/instances/p-0", json=p0)
     assert r.status_code == 201
     listed = (await api.get("/v1/instances")).json()
     assert [i["instance_id"] for i in listed["instances"]] == ["decode-0", "p-0"]
@@ -270,7 +271,8 @@ async def test_api_instance_revision_and_kv_identity_are_kept_only_when_sent(
     assert (await api.put("/v1/instances/decode-0", json=body)).status_code == 201
     got = (await api.get("/v1/instances/decode-0")).json()
     assert got["revision"] == "llama@v2" and got["kv"] == kv
-    assert (await api.put("/v1/instances/decode-1", json=instance_json())).status_code == 201
+    one = instance_json(**at("decode-1"))
+    assert (await api.put("/v1/instances/decode-1", json=one)).status_code == 201
     plain = (await api.get("/v1/instances/decode-1")).json()
     assert "revision" not in plain and "kv" not in plain
     bad = instance_json() | {"revision": "has space"}

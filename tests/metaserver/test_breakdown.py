@@ -14,7 +14,7 @@ from metaserver import MetaserverSettings, create_app
 from metaserver.advice import Model, Pools, busy_s, erlang_wait, recommend, served_alone
 from metaserver.breakdown import STAGES, Breakdown, Timeline
 from metaserver.store import MemoryStore
-from tests.metaserver.conftest import binding_spec, decode_instance
+from tests.metaserver.conftest import at, binding_spec, decode_instance
 
 
 @dataclass
@@ -39,7 +39,7 @@ async def ms() -> AsyncIterator[Ms]:
     app = create_app(MetaserverSettings(), store=store, clock=clock)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ms") as c:
         for iid, role in (("decode-0", "decode"), ("prefill-0", "prefill")):
-            spec = decode_instance(role=role).model_dump(mode="json")
+            spec = decode_instance(role=role, **at(iid)).model_dump(mode="json")
             assert (await c.put(f"/v1/instances/{iid}", json=spec)).is_success
         yield Ms(c, clock)
     await store.close()

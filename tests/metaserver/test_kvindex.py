@@ -18,6 +18,7 @@ from metaserver.kvindex.follower import Follower, Source
 from metaserver.kvindex.index import PLACED_S
 from metaserver.kvindex.manager import KVEventManager
 from metaserver.store import Store
+from metaserver.store.base import InstancePut
 from pdwire.kv_events import block_key
 from pdwire.models import InstanceSpec, KVEvents
 
@@ -296,8 +297,8 @@ async def test_manager_follows_registered_engines(
     )
     plain = InstanceSpec(role="prefill", url="http://127.0.0.1:10")
     now = time.time()
-    await store.put_instance("d1", spec.model_dump_json().encode(), "decode", None, 30, now)
-    await store.put_instance("p1", plain.model_dump_json().encode(), "prefill", None, 30, now)
+    await store.put_instance(InstancePut.of("d1", spec, 30), now)
+    await store.put_instance(InstancePut.of("p1", plain, 30), now)
     engine.publish(stored(1, 2))
     manager = KVEventManager(store, store.kv_index(), interval_s=0.05)
     task = asyncio.create_task(manager.run())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from metaserver.store.base import BindingPut, event_json
+from metaserver.store.base import BindingPut, InstancePut, event_json
 from metaserver.store.memory import MemoryStore
 from pdwire.models import BindingState
 from tests.metaserver.conftest import binding_spec, decode_instance
@@ -23,9 +23,7 @@ class Clock:
 
 async def _store(clock: Clock) -> MemoryStore:
     store = MemoryStore(binding_ttl_s=10, retain_s=30, clock=clock)
-    spec = decode_instance()
-    kv = (spec.kv_endpoint.host, spec.kv_endpoint.port) if spec.kv_endpoint else None
-    await store.put_instance("decode-0", spec.model_dump_json().encode(), "decode", kv, 1e6, 0.0)
+    await store.put_instance(InstancePut.of("decode-0", decode_instance(), 1e6), 0.0)
     return store
 
 

@@ -61,7 +61,7 @@ async def test_redis_crash_gives_503_then_recovers_without_losing_bindings(
     ms = metaserver_factory(private_redis.url)
     async with httpx.AsyncClient(base_url=ms.url, timeout=30) as http:
         assert (
-            await http.put("/v1/instances/decode-0", json=instance_json(ttl_s=600))
+            await http.put("/v1/instances/decode-0", json=instance_json(ttl_s=300))
         ).status_code == 201
         for i in range(20):
             assert (await http.put(f"/v1/bindings/acked{i}", json=spec_json())).status_code == 201
@@ -133,7 +133,7 @@ async def test_sentinel_failover_moves_the_metaserver_to_the_promoted_replica(
     ms = metaserver_factory(sentinel_group.url)
     async with httpx.AsyncClient(base_url=ms.url, timeout=30) as http:
         assert (
-            await http.put("/v1/instances/decode-0", json=instance_json(ttl_s=600))
+            await http.put("/v1/instances/decode-0", json=instance_json(ttl_s=300))
         ).status_code == 201
         assert (await http.put("/v1/bindings/before", json=spec_json())).status_code == 201
         deadline = time.monotonic() + 10

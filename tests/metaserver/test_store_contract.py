@@ -9,29 +9,30 @@ from typing import Any
 
 import pytest
 
-from metaserver.errors import Conflict, NotFound, Unprocessable
+from metaserver.errors import Conflict, Forbidden, NotFound, Unprocessable
 from metaserver.store import Store
 from metaserver.store.base import (
     MAX_EVENTS,
     BindingPut,
+    InstancePut,
     OpenTransfers,
     PutOutcome,
     StoredBinding,
     event_json,
 )
 from pdwire.models import Binding, BindingState, Instance, KVEndpoint
-from tests.metaserver.conftest import binding_spec, decode_instance
+from tests.metaserver.conftest import at, binding_spec, decode_instance
 
 S = BindingState
 
 
-async def register(store: Store, instance_id: str = "decode-0", **over: Any) -> None:
-    spec = decode_instance(**over)
-    kv = None if spec.kv_endpoint is None else (spec.kv_endpoint.host, spec.kv_endpoint.port)
-    ttl = spec.ttl_s or 30.0
-    await store.put_instance(
-        instance_id, spec.model_dump_json().encode(), spec.role.value, kv, ttl, time.time()
-    )
+async def register(
+    store: Store, instance_id: str = "decode-0", *, owner: str = "", cap: int = 0, **over: Any
+) -> PutOutcome:
+    spec = decode_instance(**(at(instance_id) | over))
+    put = InstancePut.of(instance_id, spec, spec.ttl_s or 30.0, owner, cap)
+    outcome, _ = await store.put_instance(put, time.time())
+    return outcome
 
 
 async def bind(store: Store, tid: str = "t1", **over: Any) -> tuple[PutOutcome, Binding]:
@@ -280,6 +281,46 @@ async def test_store_drain_lapses_with_the_registration_ttl(store: Store) -> Non
     await register(store, "d-a", ttl_s=30)
     fresh = await store.get_instance("d-a")
     assert fresh is not None and not fresh.draining
+
+
+async def test_store_keeps_each_url_and_kv_endpoint_to_one_live_instance(store: Store) -> None:
+    await register(store, "d-a")
+    with pytest.raises(Conflict, match="d-a"):
+        await register(store, "d-b", url=at("d-a")["url"])
+    with pytest.raises(Conflict, match="d-a"):
+        await register(store, "d-b", kv_endpoint=at("d-a")["kv_endpoint"])
+    assert await store.get_instance("d-b") is None
+    # the holder's own heartbeat is no collision; a move frees its old URL and endpoint at once
+    assert await register(store, "d-a") is PutOutcome.SAME
+    assert await register(store, "d-a", **at("d-c")) is PutOutcome.SAME
+    assert await register(store, "d-b", **at("d-a")) is PutOutcome.CREATED
+    # so do a deregistration and a lapse
+    assert await store.delete_instance("d-b")
+    assert await register(store, "d-e", **at("d-a")) is PutOutcome.CREATED
+    await register(store, "d-f", ttl_s=0.2)
+    await asyncio.sleep(0.3)
+    assert await register(store, "d-g", **at("d-f")) is PutOutcome.CREATED
+
+
+async def test_store_caps_the_instances_one_credential_holds(store: Store) -> None:
+    def pool(iid: str, **over: Any) -> Any:
+        return register(store, iid, role="prefill", owner="pool", cap=3, **over)
+
+    for i in range(3):
+        assert await pool(f"p-{i}") is PutOutcome.CREATED
+    with pytest.raises(Forbidden, match="pool"):
+        await pool("p-3")
+    assert await store.get_instance("p-3") is None
+    assert await pool("p-0") is PutOutcome.SAME  # a heartbeat still counts
+    assert await register(store, "q-0", role="prefill", owner="other", cap=3) is (
+        PutOutcome.CREATED
+    )
+    assert await register(store, "r-0", role="prefill") is PutOutcome.CREATED  # no owner, no cap
+    assert await store.delete_instance("p-1")  # a deregistration frees its place
+    assert await pool("p-3") is PutOutcome.CREATED
+    await pool("p-0", ttl_s=0.2)
+    await asyncio.sleep(0.3)  # and so does a lapse
+    assert await pool("p-4") is PutOutcome.CREATED
 
 
 async def test_store_stats_count_states_and_done_latency(store: Store) -> None:

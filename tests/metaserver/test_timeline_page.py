@@ -27,7 +27,7 @@ from metaserver.store import MemoryStore
 from metaserver.store.base import StoredInstance
 from pdwire.models import BindingState
 from tests.fakes import FakeVLLM
-from tests.metaserver.conftest import binding_spec, decode_instance
+from tests.metaserver.conftest import at, binding_spec, decode_instance
 from tests.support.procs import REPO, VENV_BIN, Process, free_port, wait_http
 from tests.support.services import InThreadMetaserver, MetaserverProcess, RedisServer
 
@@ -357,7 +357,7 @@ async def test_timeline_page_keeps_the_timeline_when_the_breakdown_fails(
 ) -> None:
     async with httpx.AsyncClient(base_url=bare.url, headers=AUTH, timeout=10) as http:
         for iid, role in (("decode-0", "decode"), ("prefill-0", "prefill")):
-            spec = decode_instance(role=role).model_dump(mode="json")
+            spec = decode_instance(role=role, **at(iid)).model_dump(mode="json")
             assert (await http.put(f"/v1/instances/{iid}", json=spec)).status_code in (200, 201)
         r = await http.put("/v1/bindings/t-ok", content=binding_spec().model_dump_json())
         assert r.status_code == 201, r.text

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.metaserver.conftest import TOKENS, binding_spec, decode_instance, write_credentials
+from tests.metaserver.conftest import TOKENS, at, binding_spec, decode_instance, write_credentials
 from tests.support.services import MetaserverProcess, RedisServer
 
 FAKE = decode_instance(url="http://10.6.6.6:8200", kv_endpoint={"host": "10.6.6.6", "port": 5600})
@@ -42,7 +42,7 @@ def legitimate(ms: str, token: str) -> list[int]:
 
 def _register_decode_1(ms: str, token: str) -> None:
     auth = {"authorization": f"Bearer {token}"}
-    spec = decode_instance(url="http://10.0.0.8:8200").model_dump_json()
+    spec = decode_instance(**at("decode-1")).model_dump_json()
     r = httpx.put(f"{ms}/v1/instances/decode-1", content=spec, headers=auth, timeout=10)
     assert r.status_code in (200, 201), r.text
 

@@ -198,3 +198,25 @@ class InThreadMetaserver:
         self._server.should_exit = True
         self._thread.join(timeout=10)
         self._sock.close()
+
+
+class ProxyProcess:
+    """A ``pd-proxy`` process on a free loopback port, up once its ``/health`` answers (any
+    status below 500, or 503 while no instance is selectable yet)."""
+
+    def __init__(
+        self, *extra: str, log_dir: Path, env: dict[str, str] | None = None,
+        ready_timeout_s: float = 30.0,
+    ) -> None:  # fmt: skip
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [str(VENV_BIN / "pd-proxy"), "--port", str(self.port), *extra]
+        self.proc = Process(argv, env=env, log=log_dir / f"proxy-{self.port}.log")
+        try:
+            wait_http(self.url + "/metrics", proc=self.proc, timeout=ready_timeout_s)
+        except BaseException:
+            self.proc.stop()
+            raise
+
+    def stop(self) -> None:
+        self.proc.stop()
