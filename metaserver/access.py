@@ -10,11 +10,12 @@ Three modes, from the settings:
 
   ========  ================================================================================
   admin     everything
-  proxy     reads; binding events and marks; drain and undrain
+  proxy     reads; binding marks (no events); drain and undrain
   engine    reads; register, heartbeat, drain and deregister the instances it is bound to
             (``instance``: one id, or a prefix ending in ``*`` for a pool whose ids are made
-            at start, such as pod names); write bindings that name such an instance as their
-            decode; post events as such an instance; ``engine_role`` limits what it registers
+            at start, such as pod names; at most ``max_instances`` live, on ``hosts``); write
+            bindings that name such an instance as their decode; post the events that are
+            such an instance's steps; ``engine_role`` limits what it registers
   reader    reads (the timeline page, dashboards)
   ========  ================================================================================
 
@@ -119,11 +120,16 @@ class Principal:
         raise self._refuse(f"write a binding for decode instance {decode_instance_id!r}")
 
     def may_post_event(self, actor: str) -> None:
-        if self.role in (Role.ADMIN, Role.PROXY) or (
-            self.role is Role.ENGINE and self.covers(actor)
-        ):
+        """Post a binding event as ``actor``: an admin, or an engine as itself (the store then
+        checks that the step is the actor's, ``store.base.owner_problem``). The proxy posts
+        marks, not events: it reports what it saw, it does not move a transfer."""
+        if self.role is Role.ADMIN or (self.role is Role.ENGINE and self.covers(actor)):
             return
-        raise self._refuse(f"post an event as {actor!r}")
+        raise self._refuse(f"post a binding event as {actor!r}")
+
+    @property
+    def engine(self) -> bool:
+        return self.role is Role.ENGINE
 
     def may_mark(self) -> None:
         if self.role not in (Role.ADMIN, Role.PROXY):

@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from metaserver.access import Principal
 from metaserver.context import Context
 from metaserver.errors import NotFound, StoreUnavailable
-from metaserver.store.base import BindingPut, PutOutcome, StoredBinding, event_json, mark_json
+from metaserver.store.base import (
+    BindingPut,
+    EventPut,
+    PutOutcome,
+    StoredBinding,
+    event_json,
+    mark_json,
+)
 from metaserver.validation import parse_body
 from pdwire.models import BindingSpec, BindingState, EventIn, MarkIn
 
@@ -83,7 +90,8 @@ async def apply_event(c: Context, who: Principal, transfer_id: str, event: Event
     now = c.clock()
     detail = None if event.detail is None else event.detail.model_dump_json(exclude_none=True)
     raw = event_json(event.state, event.actor, now, None if detail is None else detail.encode())
-    record = await c.store.add_event(transfer_id, event.state, raw, now)
+    put = EventPut(transfer_id, event.state, event.actor, raw, engine=who.engine)
+    record = await c.store.add_event(put, now)
     c.metrics.events.labels(event.state.value).inc()
     if record.updated_at == now and record.state is event.state:  # applied, not a duplicate
         c.metrics.observe_event(event.state, record.created_at, len(record.events), now)

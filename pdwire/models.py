@@ -138,6 +138,9 @@ class MarkKind(enum.StrEnum):
     END = "end"  # the proxy finished (or gave up on) the client's answer
     CORRUPT = "corrupt"  # P's first token and D's differed: D's answer was not sent
     MIGRATED = "migrated"  # D broke mid-stream: the answer went on from another pair
+    # the proxy gave up on this transfer's KV (outcome failed or aborted, message why): D
+    # computed the prompt itself, or the attempt ended; the engines' events move the state
+    ABANDONED = "abandoned"
 
 
 class MarkDetail(_Strict):
@@ -147,7 +150,11 @@ class MarkDetail(_Strict):
     )
     outcome: Annotated[str, Field(max_length=64)] | None = Field(
         default=None,
-        description="end: how the answer ended (ok, stream_error, …); corrupt: both first tokens",
+        description="end: how the answer ended (ok, stream_error, …); corrupt: both first "
+        "tokens; abandoned: failed (P failed or pushed nothing) or aborted",
+    )
+    message: Annotated[str, Field(max_length=1024)] | None = Field(
+        default=None, description="abandoned: why the proxy gave up on the transfer's KV"
     )
     chunks: Annotated[int, Field(ge=0, le=100_000_000)] | None = Field(
         default=None,

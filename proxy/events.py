@@ -1,10 +1,13 @@
-"""Fire-and-forget binding events (``aborted``, ``failed``) and marks (``first_token``,
-``end``) from the proxy: never on the response's critical path, bounded so a slow metaserver
-cannot pile up tasks.
+"""Fire-and-forget binding marks from the proxy (``first_token``, ``end``, ``abandoned``…): never
+on the response's critical path, bounded so a slow metaserver cannot pile up tasks.
+
+The proxy reports what it saw; it never moves a transfer's state (the metaserver refuses it
+binding events): when it gives up on a transfer's KV it marks the binding ``abandoned``, and the
+engines' own events end it (D posts ``aborted`` when its waiting request goes away).
 
 An outcome can be known before D has written the binding it belongs to (the concurrent flow
-sends P at once, and P may answer ``push: none`` before D's write lands): an event answered
-404 is posted again a few times over ``NOT_YET_S`` before it is given up."""
+sends P at once, and P may answer ``push: none`` before D's write lands): a mark answered 404 is
+posted again a few times over ``NOT_YET_S`` before it is given up."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from pdwire.client import MetaserverClientError, NotFoundError
-from pdwire.models import BindingState, EventDetail, MarkDetail, MarkKind
+from pdwire.models import BindingState, MarkDetail, MarkKind
 
 log = logging.getLogger("pdgate.proxy.events")
 ACTOR = "proxy"
@@ -22,11 +25,7 @@ NOT_YET_S = (0.1, 0.3, 1.0, 2.0)  # waits before re-posting an event whose bindi
 
 
 class EventClient(Protocol):
-    """Where events go: ``pdwire.client.AsyncMetaserverClient`` (``proxy.mock`` has a double)."""
-
-    async def post_event(
-        self, transfer_id: str, state: BindingState, actor: str, detail: EventDetail | None = None
-    ) -> object: ...
+    """Where marks go: ``pdwire.client.AsyncMetaserverClient`` (``proxy.mock`` has a double)."""
 
     async def post_mark(
         self, transfer_id: str, mark: MarkKind, actor: str, detail: MarkDetail | None = None
@@ -48,9 +47,12 @@ class EventSink:
         self.dropped = 0
         self.sent = 0
 
-    def post(self, transfer_id: str, state: BindingState, error: str | None = None) -> None:
-        detail = EventDetail(error=error[:4000]) if error else None
-        self._spawn(transfer_id, state.value, self._client.post_event, state, ACTOR, detail)
+    def abandon(self, transfer_id: str, outcome: BindingState, why: str | None = None) -> None:
+        """The proxy gave up on this transfer's KV: ``failed`` (P failed, pushed nothing, the
+        binding could not be used) or ``aborted`` (anything else), and why."""
+        detail = MarkDetail(outcome=outcome.value, message=why[:1000] if why else None)
+        kind = MarkKind.ABANDONED
+        self._spawn(transfer_id, kind.value, self._client.post_mark, kind, ACTOR, detail)
 
     def mark(
         self,

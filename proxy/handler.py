@@ -147,12 +147,12 @@ class CompletionsHandler:
             span.event("migrated", {"pdgate.transfer_id": up.tid, "server.address": d.url})
 
     def _abort(self, up: Upstream, why: str) -> None:
-        """Drop D's answer (vLLM aborts the request) and mark its bindings ``aborted``."""
+        """Drop D's answer (vLLM aborts the request) and mark its bindings ``abandoned``."""
         up.close()
         events = self.rt.events
         if up.binding_tracked and events is not None:
             for bid in up.binding_ids or (up.tid,):
-                events.post(bid, BindingState.ABORTED, why)
+                events.abandon(bid, BindingState.ABORTED, why)
 
     def _count(self, endpoint: str, flow: Flow, outcome: str, status: int) -> Any:
         """The label child of ``pd_requests_total``, resolved once per label set."""

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from pdwire.models import BindingState, EventDetail, MarkDetail, MarkKind
+from pdwire.models import BindingState, MarkDetail, MarkKind
 from proxy.backend import LegError, status_error
 from proxy.errors import UpstreamError, UpstreamTimeout
 
@@ -384,11 +384,14 @@ class MockBackend:
         self.closed = True
 
 
-class RecordedEvent(NamedTuple):
+class RecordedAbandon(NamedTuple):
+    """An ``abandoned`` mark: the proxy gave up on the transfer's KV (``outcome``: failed or
+    aborted), and why."""
+
     transfer_id: str
-    state: BindingState
+    outcome: BindingState
     actor: str
-    error: str | None
+    message: str | None
 
 
 class RecordedMark(NamedTuple):
@@ -399,23 +402,22 @@ class RecordedMark(NamedTuple):
 
 
 class MockEventClient:
-    """The metaserver client behind ``proxy.events.EventSink``: records binding events and
-    marks."""
+    """The metaserver client behind ``proxy.events.EventSink``: records the marks, and the
+    ``abandoned`` ones apart (``abandoned``)."""
 
     def __init__(self) -> None:
-        self.events: list[RecordedEvent] = []
+        self.abandoned: list[RecordedAbandon] = []
         self.marks: list[RecordedMark] = []
 
     async def post_mark(
         self, transfer_id: str, mark: MarkKind, actor: str, detail: MarkDetail | None = None
     ) -> None:
+        if mark is MarkKind.ABANDONED:
+            assert detail is not None and detail.outcome is not None
+            outcome = BindingState(detail.outcome)
+            self.abandoned.append(RecordedAbandon(transfer_id, outcome, actor, detail.message))
+            return
         self.marks.append(RecordedMark(transfer_id, mark, actor, detail))
-
-    async def post_event(
-        self, transfer_id: str, state: BindingState, actor: str, detail: EventDetail | None = None
-    ) -> None:
-        error = detail.error if detail is not None else None
-        self.events.append(RecordedEvent(transfer_id, state, actor, error))
 
 
 __all__ = [
@@ -425,7 +427,7 @@ __all__ = [
     "MockEventClient",
     "MockResponse",
     "Outcome",
-    "RecordedEvent",
+    "RecordedAbandon",
     "RecordedMark",
     "Reply",
     "Step",

@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from metaserver.errors import Conflict, Forbidden
 from metaserver.kvindex.index import KVIndex
 from metaserver.loadboard import LoadBoard
 from pdwire.models import BindingSpec, BindingState, InstanceSpec, MarkKind
@@ -93,6 +94,60 @@ class BindingPut:
             kv_port=spec.kv_endpoint.port,
             event_json=event_json(BindingState.BOUND, spec.decode_instance_id, now, None),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class EventPut:
+    """A validated state change, with who posts it: the store checks atomically that the step
+    is the actor's to take (``owner_problem``)."""
+
+    transfer_id: str
+    state: BindingState
+    actor: str
+    event_json: bytes
+    engine: bool = False  # an engine credential posts it: the actor must own the step
+
+
+def owner_problem(
+    put: EventPut, state: BindingState, decode: str, holder: str | None, actor_role: str | None
+) -> Conflict | Forbidden | None:
+    """Whose step ``put`` is, on a binding in ``state`` naming ``decode``, whose lease
+    ``holder`` took (``None``: nobody yet). P's lease (``prefill_started``) is exclusive in every
+    access mode: a second claimant gets 409. An engine's other steps are its own: ``pushing`` and
+    ``done`` the holder's, ``failed`` the holder's or the decode's, ``aborted`` the decode's; and
+    only a registered prefill (or both-role) instance takes a lease. ``actor_role``: the actor's
+    registered role, ``None`` when it is not registered."""
+    actor = put.actor
+    if put.state is BindingState.PREFILL_STARTED:
+        if holder not in (None, actor) or (holder is None and state is not BindingState.BOUND):
+            return taken(put, holder)
+        if put.engine and actor_role not in ("prefill", "both"):
+            return not_prefill(put)
+        return None
+    if not put.engine:
+        return None
+    unknown = holder is None and state is not BindingState.BOUND  # taken before holders were kept
+    mine = actor == holder or unknown
+    allowed = {
+        BindingState.PUSHING: mine,
+        BindingState.DONE: mine,
+        BindingState.FAILED: mine or actor == decode,
+        BindingState.ABORTED: actor == decode,
+    }.get(put.state, False)
+    return None if allowed else not_its_step(put)
+
+
+def taken(put: EventPut, holder: str | None) -> Conflict:
+    return Conflict(f"binding {put.transfer_id} was taken by {holder or 'another prefill'}")
+
+
+def not_prefill(put: EventPut) -> Forbidden:
+    return Forbidden(f"{put.actor!r} is not a registered prefill instance: it takes no lease")
+
+
+def not_its_step(put: EventPut) -> Forbidden:
+    what = f"{put.state.value} on binding {put.transfer_id}"
+    return Forbidden(f"{put.actor!r} may not post {what}: not its step")
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,9 +261,9 @@ class Store(abc.ABC):
     ) -> list[StoredBinding]: ...
 
     @abc.abstractmethod
-    async def add_event(
-        self, transfer_id: str, state: BindingState, event_json: bytes, now: float
-    ) -> StoredBinding: ...
+    async def add_event(self, put: EventPut, now: float) -> StoredBinding:
+        """Apply a state change (``check_transition``) that is the actor's to make
+        (``owner_problem``); ``NotFound``, ``Conflict`` or ``Forbidden`` otherwise."""
 
     @abc.abstractmethod
     async def add_mark(self, transfer_id: str, kind: MarkKind, mark_json: bytes) -> bool:

@@ -23,6 +23,7 @@ from metaserver.store.base import (
     BindingPut,
     ChangeSubscription,
     CreatedListener,
+    EventPut,
     InstancePut,
     LocalWaiters,
     OpenTransfers,
@@ -34,6 +35,7 @@ from metaserver.store.base import (
     check_transition,
     decode_instance_problem,
     open_transfers_of,
+    owner_problem,
 )
 from pdwire.models import BindingState, MarkKind
 
@@ -57,6 +59,7 @@ class _Binding:
     expires: float
     events: list[bytes] = field(default_factory=list)
     marks: dict[MarkKind, bytes] = field(default_factory=dict)
+    holder: str | None = None  # the actor whose prefill_started took the lease
 
 
 class MemoryStore(Store):
@@ -193,12 +196,18 @@ class MemoryStore(Store):
         out.sort(key=lambda r: r.created_at, reverse=True)
         return out[:limit]
 
-    async def add_event(
-        self, transfer_id: str, state: BindingState, event_json: bytes, now: float
-    ) -> StoredBinding:
+    async def add_event(self, put: EventPut, now: float) -> StoredBinding:
+        transfer_id, state, event_json = put.transfer_id, put.state, put.event_json
         entry = self._live_binding(transfer_id)
         if entry is None:
             raise NotFound(f"binding {transfer_id} not found")
+        actor = self._live_instance(put.actor) if put.engine else None
+        problem = owner_problem(
+            put, entry.record.state, entry.record.decode_instance_id, entry.holder,
+            None if actor is None else actor.record.role,
+        )  # fmt: skip
+        if problem is not None:
+            raise problem
         verdict = check_transition(entry.record.state, state)
         if verdict == "conflict":
             raise Conflict(
@@ -216,6 +225,8 @@ class MemoryStore(Store):
         else:
             events.append(event_json)
         entry.record = replace(entry.record, state=state, updated_at=now, events=tuple(events))
+        if state is BindingState.PREFILL_STARTED:
+            entry.holder = put.actor
         ttl = self._retain if state.terminal else self._binding_ttl
         entry.expires = self._clock() + ttl
         if state is BindingState.DONE:

@@ -42,6 +42,7 @@ from metaserver.store.base import (
     BindingPut,
     ChangeSubscription,
     CreatedListener,
+    EventPut,
     InstancePut,
     LocalWaiters,
     OpenTransfers,
@@ -51,7 +52,10 @@ from metaserver.store.base import (
     StoredInstance,
     StoreStats,
     decode_instance_problem,
+    not_its_step,
+    not_prefill,
     open_transfers_of,
+    taken,
 )
 from metaserver.store.redis_batch import ScriptBatcher
 from metaserver.store.redis_pool import close_pool, make_pool
@@ -307,27 +311,29 @@ class RedisStore(Store):
                     break
         return out
 
-    async def add_event(
-        self, transfer_id: str, state: BindingState, event_json: bytes, now: float
-    ) -> StoredBinding:
+    async def add_event(self, put: EventPut, now: float) -> StoredBinding:
+        transfer_id, state = put.transfer_id, put.state
         res = await self._batch.call(
             self._add_event,
-            keys=[self._bkey(transfer_id), self._ekey(transfer_id), f"{self._ns}:lat"],
-            args=[
-                state.value,
-                event_json,
-                repr(now),
-                self._ttl_ms,
-                self._retain_ms,
-                self._channel,
-                transfer_id,
-                MAX_EVENTS,
-                _LATENCY_SAMPLES,
+            keys=[
+                self._bkey(transfer_id), self._ekey(transfer_id), f"{self._ns}:lat",
+                self._ikey(put.actor),
             ],
-        )
+            args=[
+                state.value, put.event_json, repr(now), self._ttl_ms, self._retain_ms,
+                self._channel, transfer_id, MAX_EVENTS, _LATENCY_SAMPLES, put.actor,
+                "1" if put.engine else "",
+            ],
+        )  # fmt: skip
         status = res[0].decode()
         if status == "notfound":
             raise NotFound(f"binding {transfer_id} not found")
+        if status == "taken":
+            raise taken(put, res[1].decode())
+        if status == "notprefill":
+            raise not_prefill(put)
+        if status == "notyours":
+            raise not_its_step(put)
         if status == "conflict":
             raise Conflict(
                 f"binding {transfer_id} is {res[1].decode()}; cannot become {state.value}"

@@ -69,17 +69,36 @@ return {'created', ARGV[2], 'bound', ARGV[3], ARGV[7], ARGV[7]"""
 """
 )
 
-# KEYS: binding hash, event list, latency list
+# KEYS: binding hash, event list, latency list, the actor's instance hash
 # ARGV: state, event, now, ttl_active_ms, ttl_terminal_ms, channel, transfer_id, max_events,
-#       latency_samples
+#       latency_samples, actor, '1' when an engine credential posts it
+# Whose step it is, as ``base.owner_problem`` says: {'taken', holder} (409), {'notprefill'} and
+# {'notyours'} (403); the lease's taker is kept in the hash's 'holder'.
 ADD_EVENT = (
     _RECORD
     + """
-local cur = redis.call('HMGET', KEYS[1], 'state', 'created')
+local cur = redis.call('HMGET', KEYS[1], 'state', 'created', 'inst', 'holder')
 if not cur[1] then return {'notfound'} end
 local rank = {bound=0, prefill_started=1, pushing=2, done=3, failed=3, aborted=3}
 local c, n = cur[1], ARGV[1]
 local cr, nr = rank[c], rank[n]
+local actor, holder, engine = ARGV[10], cur[4], ARGV[11] == '1'
+if n == 'prefill_started' then
+  if (holder and holder ~= actor) or ((not holder) and c ~= 'bound') then
+    return {'taken', holder or 'another prefill'}
+  end
+  if engine then
+    local role = redis.call('HGET', KEYS[4], 'role')
+    if role ~= 'prefill' and role ~= 'both' then return {'notprefill'} end
+  end
+elseif engine then
+  local mine = actor == holder or ((not holder) and c ~= 'bound')
+  local ok = false
+  if n == 'pushing' or n == 'done' then ok = mine
+  elseif n == 'failed' then ok = mine or actor == cur[3]
+  elseif n == 'aborted' then ok = actor == cur[3] end
+  if not ok then return {'notyours'} end
+end
 local verdict = 'apply'
 if cr == 3 then
   if n == c then verdict = 'duplicate' else return {'conflict', c} end
@@ -96,6 +115,7 @@ if verdict == 'apply' then
     redis.call('RPUSH', KEYS[2], ARGV[2])
   end
   redis.call('HSET', KEYS[1], 'state', n, 'updated', ARGV[3])
+  if n == 'prefill_started' then redis.call('HSET', KEYS[1], 'holder', actor) end
   local ttl = ARGV[4]
   if nr == 3 then ttl = ARGV[5] end
   redis.call('PEXPIRE', KEYS[1], ttl)

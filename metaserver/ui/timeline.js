@@ -144,7 +144,8 @@
     const names = {
       bound: "waiting for P", prefill_started: "prefill", pushing: "pushing",
       done: "KV landed → first token", first_token: "streaming",
-      failed: "after the failure (D computes the prompt itself)",
+      failed: "after the failure", aborted: "after the abort",
+      abandoned: "after the proxy gave up on the KV (D computes the prompt itself)",
     };
     list.forEach((x, i) => {
       const next = i + 1 < list.length ? list[i + 1].at : end;
@@ -178,6 +179,11 @@
   }
 
   function errorOf(b) {
+    const gaveUp = (b.marks || []).find((m) => m.mark === "abandoned");
+    if (gaveUp) {
+      const d = gaveUp.detail || {};
+      return `proxy gave up on the KV (${d.outcome || "?"}): ${d.message || "no reason given"}`;
+    }
     const bad = [...b.events].reverse().find((e) => e.detail && e.detail.error);
     if (bad) return `${bad.state}: ${bad.detail.error}`;
     if (b.state === "failed" || b.state === "aborted") return `${b.state} (no reason given)`;

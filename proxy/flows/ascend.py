@@ -93,7 +93,7 @@ class AscendLayerwise:
             failed = isinstance(exc, LegError) and exc.leg == "prefill"
             state = BindingState.FAILED if failed else BindingState.ABORTED
             for rid in ids:
-                self._events.post(rid, state, str(exc) or type(exc).__name__)
+                self._events.abandon(rid, state, str(exc) or type(exc).__name__)
             raise
         up.prefill_cached = prefill_cached(answer)
         return self._tracked(up, ids)

@@ -161,7 +161,7 @@ class DecodeFirst:
             drop(d_task)
             failed = isinstance(exc, LegError) and exc.leg == "prefill"
             state = BindingState.FAILED if failed else BindingState.ABORTED
-            self._events.post(a.tid, state, str(exc) or type(exc).__name__)
+            self._events.abandon(a.tid, state, str(exc) or type(exc).__name__)
             raise
         if why is not None and not answered(d_task):
             return await self._decode_alone(a, d_task, why, Without.NO_PUSH)
@@ -170,7 +170,7 @@ class DecodeFirst:
         try:
             differ = await self._legs.first_tokens_differ(a, answer, up)
         except BaseException as exc:
-            self._events.post(a.tid, BindingState.ABORTED, str(exc) or type(exc).__name__)
+            self._events.abandon(a.tid, BindingState.ABORTED, str(exc) or type(exc).__name__)
             raise
         if differ is not None:
             self._events.mark(a.tid, MarkKind.CORRUPT, None, differ[:64])
@@ -194,7 +194,7 @@ class DecodeFirst:
             return await self._bindings.taken(a.tid)
         except BaseException:
             drop(d_task)
-            self._events.post(a.tid, BindingState.FAILED, str(exc))
+            self._events.abandon(a.tid, BindingState.FAILED, str(exc))
             raise
 
     def _prefill(
@@ -229,7 +229,7 @@ class DecodeFirst:
         if without is Without.NO_PUSH:
             self._legs.metrics.no_push.inc()
         why = f"{what}: {why}"
-        self._events.post(a.tid, BindingState.FAILED, why)
+        self._events.abandon(a.tid, BindingState.FAILED, why)
         body = a.decode_body(None)
         span = a.leg_span("decode", a.decode.url)
         if span is None:

@@ -369,8 +369,10 @@ class FakeVLLM:
             f"writes={chunks} p_end_at=0.000000"
         )
 
-    async def _post_event(self, tid: str, state: str, detail: dict[str, Any] | None = None) -> None:
-        body: dict[str, Any] = {"state": state, "actor": f"prefill:{self.instance_id}"}
+    async def _post_event(
+        self, tid: str, state: str, detail: dict[str, Any] | None = None, actor: str = ""
+    ) -> None:
+        body: dict[str, Any] = {"state": state, "actor": actor or f"prefill:{self.instance_id}"}
         if detail is not None:
             body["detail"] = detail
         assert self.writes is not None
@@ -400,6 +402,13 @@ class FakeVLLM:
         try:
             await asyncio.wait_for(event.wait(), self.knobs.kv_timeout_s)
             self.stats.kv_received += 1
+        except asyncio.CancelledError:
+            # dropped while it waited for its KV: D ends its own binding, as the connector's
+            # scheduler does (connector/scheduler/decode.py, ``finished``)
+            if self.metaserver and self.knobs.write_binding:
+                detail = {"message": "D's request was aborted while it waited for the KV"}
+                self._spawn(self._post_event(tid, "aborted", detail, self.instance_id))
+            raise
         except TimeoutError:
             self.stats.kv_timeouts += 1
             if self.knobs.kv_failure == "fail":

@@ -69,12 +69,15 @@ async def test_an_engine_acts_only_as_its_own_instance(roles: httpx.AsyncClient)
     r = await put("/v1/bindings/t2", json=spec("decode-1"), headers=me)
     assert r.status_code == 403
     assert (await roles.get("/v1/bindings/t2", headers=me)).status_code == 404  # nothing stored
-    # events as itself only; no marks; no deletes; its own drain only
+    # events as itself, and only its own steps (a decode takes no lease); no marks; no
+    # deletes; its own drain only
     post = roles.post
-    ok = {"state": "prefill_started", "actor": "decode-0"}
-    assert (await post("/v1/bindings/t1/events", json=ok, headers=me)).status_code == 200
+    lease = {"state": "prefill_started", "actor": "decode-0"}
+    assert (await post("/v1/bindings/t1/events", json=lease, headers=me)).status_code == 403
     forged = {"state": "failed", "actor": "proxy"}
     assert (await post("/v1/bindings/t1/events", json=forged, headers=me)).status_code == 403
+    ok = {"state": "aborted", "actor": "decode-0"}
+    assert (await post("/v1/bindings/t1/events", json=ok, headers=me)).status_code == 200
     mark = {"mark": "first_token", "actor": "decode-0"}
     assert (await post("/v1/bindings/t1/marks", json=mark, headers=me)).status_code == 403
     assert (await roles.delete("/v1/bindings/t1", headers=me)).status_code == 403
@@ -101,15 +104,20 @@ async def test_a_pool_credential_covers_its_prefix_and_role_only(roles: httpx.As
     assert (await put("/v1/bindings/t1", json=spec(), headers=pool)).status_code == 403
 
 
-async def test_the_proxy_posts_events_marks_and_drains_but_binds_nothing(
+async def test_the_proxy_marks_and_drains_but_neither_binds_nor_moves_a_transfer(
     roles: httpx.AsyncClient,
 ) -> None:
     proxy, engine = bearer("proxy"), bearer("decode-0")
     assert (await roles.put("/v1/instances/decode-0", json=instance(), headers=engine)).is_success
     assert (await roles.put("/v1/bindings/t1", json=spec(), headers=engine)).status_code == 201
     assert (await roles.put("/v1/bindings/t2", json=spec(), headers=proxy)).status_code == 403
-    failed = {"state": "failed", "actor": "proxy"}
-    assert (await roles.post("/v1/bindings/t1/events", json=failed, headers=proxy)).is_success
+    for state in ("prefill_started", "failed", "aborted"):
+        moved = {"state": state, "actor": "proxy"}
+        r = await roles.post("/v1/bindings/t1/events", json=moved, headers=proxy)
+        assert r.status_code == 403, state
+    gave_up = {"mark": "abandoned", "actor": "proxy", "detail": {"outcome": "failed"}}
+    r = await roles.post("/v1/bindings/t1/marks", json=gave_up, headers=proxy)
+    assert r.status_code == 204
     mark = {"mark": "first_token", "actor": "proxy"}
     assert (await roles.post("/v1/bindings/t1/marks", json=mark, headers=proxy)).status_code == 204
     assert (await roles.put("/v1/instances/decode-0/drain", headers=proxy)).status_code == 200

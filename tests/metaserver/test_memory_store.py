@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from metaserver.store.base import BindingPut, InstancePut, event_json
+from metaserver.store.base import BindingPut, EventPut, InstancePut, event_json
 from metaserver.store.memory import MemoryStore
 from pdwire.models import BindingState
 from tests.metaserver.conftest import binding_spec, decode_instance
@@ -32,7 +32,8 @@ async def _bind(store: MemoryStore, tid: str) -> None:
 
 
 async def _event(store: MemoryStore, tid: str, state: BindingState) -> None:
-    await store.add_event(tid, state, event_json(state, "p0", time.time(), None), time.time())
+    put = EventPut(tid, state, "p0", event_json(state, "p0", time.time(), None))
+    await store.add_event(put, time.time())
 
 
 def _held(store: MemoryStore) -> set[str]:

@@ -14,6 +14,7 @@ from metaserver.store import Store
 from metaserver.store.base import (
     MAX_EVENTS,
     BindingPut,
+    EventPut,
     InstancePut,
     OpenTransfers,
     PutOutcome,
@@ -42,10 +43,14 @@ async def bind(store: Store, tid: str = "t1", **over: Any) -> tuple[PutOutcome, 
     return outcome, Binding.model_validate_json(rec.to_json())
 
 
-async def event(store: Store, tid: str, state: BindingState, actor: str = "p0") -> Binding:
+async def event(
+    store: Store, tid: str, state: BindingState, actor: str = "p0", *, engine: bool = False
+) -> Binding:
+    """``state`` posted by ``actor``; ``engine``: as an engine credential posts it (its own
+    steps only), else as an admin does."""
     now = time.time()
-    rec = await store.add_event(tid, state, event_json(state, actor, now, None), now)
-    return Binding.model_validate_json(rec.to_json())
+    put = EventPut(tid, state, actor, event_json(state, actor, now, None), engine=engine)
+    return Binding.model_validate_json((await store.add_event(put, now)).to_json())
 
 
 async def test_store_put_binding_creates_then_same_content_is_idempotent(store: Store) -> None:
@@ -281,6 +286,51 @@ async def test_store_drain_lapses_with_the_registration_ttl(store: Store) -> Non
     await register(store, "d-a", ttl_s=30)
     fresh = await store.get_instance("d-a")
     assert fresh is not None and not fresh.draining
+
+
+async def test_store_a_lease_is_exclusive_and_each_step_is_its_owners(store: Store) -> None:
+    await register(store)
+    for p in ("p-a", "p-b"):
+        await register(store, p, role="prefill")
+    await bind(store)
+    # a decode instance takes no lease, nor does an actor nobody registered
+    for actor in ("decode-0", "ghost"):
+        with pytest.raises(Forbidden, match="no lease"):
+            await event(store, "t1", S.PREFILL_STARTED, actor, engine=True)
+    # before the lease no prefill may move or end the transfer
+    for state in (S.PUSHING, S.DONE, S.FAILED, S.ABORTED):
+        with pytest.raises(Forbidden, match="not its step"):
+            await event(store, "t1", state, "p-a", engine=True)
+    taken = await event(store, "t1", S.PREFILL_STARTED, "p-a", engine=True)
+    assert taken.state is S.PREFILL_STARTED
+    again = await event(store, "t1", S.PREFILL_STARTED, "p-a", engine=True)  # its retry
+    assert again.events == taken.events
+    # the lease excludes a second prefill, whoever posts it
+    for engine in (True, False):
+        with pytest.raises(Conflict, match="p-a"):
+            await event(store, "t1", S.PREFILL_STARTED, "p-b", engine=engine)
+    with pytest.raises(Forbidden, match="not its step"):
+        await event(store, "t1", S.PUSHING, "p-b", engine=True)
+    with pytest.raises(Forbidden, match="not its step"):
+        await event(store, "t1", S.ABORTED, "p-a", engine=True)  # the decode's to say
+    assert (await event(store, "t1", S.PUSHING, "p-a", engine=True)).state is S.PUSHING
+    assert (await event(store, "t1", S.DONE, "p-a", engine=True)).state is S.DONE
+    held = await store.get_binding("t1")
+    assert held is not None
+    assert [e.actor for e in Binding.model_validate_json(held.to_json()).events] == [
+        "decode-0",
+        "p-a",
+        "p-a",
+        "p-a",
+    ]
+    # the decode ends its own transfers, taken or not; an admin may end any
+    await bind(store, "t2")
+    assert (await event(store, "t2", S.ABORTED, "decode-0", engine=True)).state is S.ABORTED
+    await bind(store, "t3")
+    await event(store, "t3", S.PREFILL_STARTED, "p-b", engine=True)
+    assert (await event(store, "t3", S.FAILED, "decode-0", engine=True)).state is S.FAILED
+    await bind(store, "t4")
+    assert (await event(store, "t4", S.FAILED, "ops")).state is S.FAILED
 
 
 async def test_store_keeps_each_url_and_kv_endpoint_to_one_live_instance(store: Store) -> None:

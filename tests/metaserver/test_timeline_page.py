@@ -214,25 +214,28 @@ async def test_timeline_page_shows_a_failed_transfer_with_its_error_and_filters(
     await page.goto(stack.metaserver.url + "/ui/")
     await page.fill("#token", TOKEN)
     await page.click("#auth-form button")
-    tid = await ask(stack)  # P refuses: the proxy marks the binding failed, D computes alone
-    box = await wait_for_end(page, tid, "failed")
+    # P refuses: the proxy marks the binding abandoned (why: P's reason) and drops D's leg, so D
+    # ends its binding aborted and computes the prompt itself
+    tid = await ask(stack)
+    box = await wait_for_end(page, tid, "aborted")
     error = await page.text_content(f"{box} .error") or ""
+    assert "gave up" in error and "(failed)" in error, error
     assert "P pushed nothing" in error and "block size 32" in error, error
     kinds = await steps_of(page, tid)
-    assert [k for k in kinds if k in STATES] == ["bound", "failed"], kinds
-    assert {"first_token", "end"} <= set(kinds)  # D still answered: the timeline says when
-    # filters: failed only, then the decode instance; both go into the address for sharing
-    await page.select_option("#f-state", "failed")
-    await until(page, "location.search.includes('state=failed')")
+    assert [k for k in kinds if k in STATES] == ["bound", "aborted"], kinds
+    assert {"abandoned", "first_token", "end"} <= set(kinds)  # D still answered: it says when
+    # filters: aborted only, then the decode instance; both go into the address for sharing
+    await page.select_option("#f-state", "aborted")
+    await until(page, "location.search.includes('state=aborted')")
     await until(
         page,
         "(() => { const all = [...document.querySelectorAll('section.transfer')];"
-        " return all.length > 0 && all.every(s => s.dataset.state === 'failed'); })()",
+        " return all.length > 0 && all.every(s => s.dataset.state === 'aborted'); })()",
     )
     await page.select_option("#f-instance", stack.decode.instance_id)
     await until(page, f"location.search.includes('instance={stack.decode.instance_id}')")
     assert await page.locator(box).count() == 1
-    assert await page.locator(f"{box} .bar .seg.failed").count() == 1
+    assert await page.locator(f"{box} .bar .seg.abandoned").count() == 1
     await page.click(f"{box} .row")
     path = shot_path("timeline-failed.png")
     await page.screenshot(path=str(path), full_page=True)

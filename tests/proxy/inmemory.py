@@ -19,7 +19,7 @@ from proxy.mock import (
     MockBackend,
     MockEventClient,
     Outcome,
-    RecordedEvent,
+    RecordedAbandon,
     RecordedMark,
     Reply,
 )
@@ -195,8 +195,9 @@ class InMemoryProxy:
         return await self.request(stream=stream).done()
 
     @property
-    def events(self) -> list[RecordedEvent]:
-        return self.event_client.events
+    def abandoned(self) -> list[RecordedAbandon]:
+        """The ``abandoned`` marks the proxy posted: where it gave up on a transfer's KV."""
+        return self.event_client.abandoned
 
     @property
     def marks(self) -> list[RecordedMark]:

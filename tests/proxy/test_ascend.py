@@ -97,6 +97,12 @@ def _states(ms: MetaserverProcess, rid: str) -> list[str]:
     return [e["state"] for e in _binding(ms, rid)["events"]]
 
 
+def _abandoned(ms: MetaserverProcess, rid: str) -> str | None:
+    """The outcome of the proxy's ``abandoned`` mark on the binding (None: no such mark)."""
+    marks = [m for m in _binding(ms, rid).get("marks", []) if m["mark"] == "abandoned"]
+    return str(marks[0]["detail"]["outcome"]) if marks else None
+
+
 async def test_ascend_completions_legs_carry_vllm_ascend_params(
     cluster: Cluster, proxy_factory: ProxyFactory
 ) -> None:
@@ -235,7 +241,7 @@ async def test_ascend_prefill_failing_retries_and_marks_failed(
     assert err.value.status_code == 502
     (d_req,) = cluster.decode[0].requests()
     rid = f"cmpl-{d_req['x_request_id']}-0"
-    await wait_until(lambda: _states(cluster.metaserver, rid)[-1] == "failed")
+    await wait_until(lambda: _abandoned(cluster.metaserver, rid) == "failed")
     await wait_until(lambda: rid in cluster.decode[0].stats()["aborted"])  # D's leg dropped
     # with a second P the retry gets a new pair and a new request id
     proxy2 = await proxy_factory(**_settings(cluster, prefill=[p0.url, p1.url], retries=2))
@@ -270,7 +276,7 @@ async def test_ascend_client_disconnect_aborts_both_legs(
     rid = f"cmpl-{d_req['x_request_id']}-0"
     await wait_until(lambda: rid in cluster.decode[0].stats()["aborted"])
     await wait_until(lambda: rid in p.stats()["aborted"])
-    await wait_until(lambda: _states(cluster.metaserver, rid)[-1] == "aborted")
+    await wait_until(lambda: _abandoned(cluster.metaserver, rid) == "aborted")
 
 
 async def test_ascend_binding_outside_pool_is_refused(

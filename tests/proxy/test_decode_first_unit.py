@@ -14,7 +14,7 @@ from proxy.config import Flow
 from proxy.errors import UpstreamTimeout
 from proxy.flows import bindings
 from proxy.flows.bindings import ANSWER_MARGIN_S, POLL_S, TAKEN_READ_S
-from proxy.mock import Call, MockBackend, Outcome, RecordedEvent, Reply
+from proxy.mock import Call, MockBackend, Outcome, RecordedAbandon, Reply
 from tests.proxy.inmemory import (
     BINDING,
     D_URL,
@@ -79,7 +79,7 @@ async def test_decode_first_nonstream_sends_binding_to_prefill() -> None:
         ("prefill", Outcome.RELEASED),
     ]
     await px.settle()
-    assert px.events == []
+    assert px.abandoned == []
     assert px.requests("ok", 200) == 1
     assert px.d.circuit.consecutive == 0 and px.d.served == 1 and px.p.served == 1
 
@@ -96,7 +96,7 @@ async def test_decode_first_stream_relays_decode_chunks() -> None:
     assert d.outcome == Outcome.RELEASED and d.response is not None
     assert d.response.chunks_read == 3
     await px.settle()
-    assert px.events == [] and px.requests("ok", 200) == 1
+    assert px.abandoned == [] and px.requests("ok", 200) == 1
 
 
 async def test_concurrent_sends_prefill_at_once_without_binding() -> None:
@@ -139,7 +139,7 @@ async def test_decode_first_decode_failure_during_binding_wait_aborts(
     assert legs(backend) == [("decode", Outcome.FAILED), ("get", Outcome.CANCELLED)]
     await px.settle()
     tid = d.transfer_id
-    assert px.events == [RecordedEvent(tid, ABORTED, "proxy", f"decode {D_URL}: D died")]
+    assert px.abandoned == [RecordedAbandon(tid, ABORTED, "proxy", f"decode {D_URL}: D died")]
     assert px.d.circuit.consecutive == 1 and px.p.circuit.consecutive == 0
     assert (
         f"attempt failed tid={tid} engine_request_id={d.request_id} flow=decode-first leg=decode"
@@ -170,7 +170,9 @@ async def test_decode_first_decode_failure_during_prefill_cancels_prefill() -> N
         ("prefill", Outcome.CANCELLED),
     ]
     await px.settle()
-    assert px.events == [RecordedEvent(d.transfer_id, ABORTED, "proxy", f"decode {D_URL}: D died")]
+    assert px.abandoned == [
+        RecordedAbandon(d.transfer_id, ABORTED, "proxy", f"decode {D_URL}: D died")
+    ]
     assert px.p.circuit.consecutive == 0  # P is not to blame
 
 
@@ -182,7 +184,7 @@ async def test_decode_first_decode_answer_during_binding_wait_skips_prefill() ->
     assert legs(backend) == [("decode", Outcome.RELEASED), ("get", Outcome.CANCELLED)]
     assert backend.calls_of("prefill") == []
     await px.settle()
-    assert px.events == []
+    assert px.abandoned == []
 
 
 async def test_decode_first_decode_answer_before_prefill_ends_is_kept() -> None:
@@ -205,7 +207,7 @@ async def test_decode_first_decode_answer_before_prefill_ends_is_kept() -> None:
         ("prefill", Outcome.RELEASED),
     ]
     await px.settle()
-    assert px.events == []
+    assert px.abandoned == []
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
@@ -238,7 +240,7 @@ async def test_decode_first_prefill_silent_past_the_grace_is_dropped(
     assert px.metric("pd_prefill_dropped_total") == 1.0
     assert "its leg dropped" in caplog.text
     await px.settle()
-    assert px.events == []  # P's connector and D report the transfer's end themselves
+    assert px.abandoned == []  # P's connector and D report the transfer's end themselves
 
 
 async def test_decode_first_prefill_answering_within_the_grace_is_merged() -> None:
@@ -292,8 +294,8 @@ async def test_decode_first_no_push_sends_decode_the_plain_request(
     assert ex.status == 200 and sse_text(ex.body) == "Hello world"
     tid = sent_plain(backend)
     await px.settle()
-    assert px.events == [
-        RecordedEvent(tid, FAILED, "proxy", "P pushed nothing: decoder not vouched")
+    assert px.abandoned == [
+        RecordedAbandon(tid, FAILED, "proxy", "P pushed nothing: decoder not vouched")
     ]
     assert px.metric("pd_prefill_no_push_total") == 1.0
     assert f"{tid}: P pushed nothing (decoder not vouched); D computes" in caplog.text
@@ -315,7 +317,7 @@ async def test_decode_first_no_push_after_decode_answered_keeps_answer() -> None
     assert ex.status == 200 and sse_text(ex.body) == "Hello world"
     assert len(backend.calls_of("decode")) == 1  # no plain request: D did not wait
     await px.settle()
-    assert px.events == [] and px.metric("pd_prefill_no_push_total") == 0.0
+    assert px.abandoned == [] and px.metric("pd_prefill_no_push_total") == 0.0
 
 
 async def test_decode_first_prefill_error_marks_binding_failed() -> None:
@@ -336,7 +338,7 @@ async def test_decode_first_prefill_error_marks_binding_failed() -> None:
         ("prefill", Outcome.FAILED),
     ]
     await px.settle()
-    ((tid, state, _, error),) = px.events
+    ((tid, state, _, error),) = px.abandoned
     assert tid == backend.calls_of("decode")[0].transfer_id
     assert state == FAILED and "overloaded" in str(error)
     assert px.p.circuit.consecutive == 1 and px.d.circuit.consecutive == 0
@@ -376,8 +378,8 @@ async def test_decode_first_prefill_failing_after_taking_the_binding_lets_decode
     assert read.url == f"{MS_URL}/v1/bindings/{tid}" and read.timeout_s == TAKEN_READ_S
     await px.settle()
     why = f"prefill {P_URL}: server disconnected"
-    assert px.events == [
-        RecordedEvent(tid, FAILED, "proxy", f"P failed after taking the binding: {why}")
+    assert px.abandoned == [
+        RecordedAbandon(tid, FAILED, "proxy", f"P failed after taking the binding: {why}")
     ]
     assert px.metric("pd_decode_without_prefill_total", reason="prefill_failed") == 1.0
     assert px.p.circuit.consecutive == 1 and px.d.circuit.consecutive == 0
@@ -407,7 +409,7 @@ async def test_decode_first_missing_binding_is_504_and_aborts() -> None:
     assert ex.status == 504 and ex.json()["error"]["type"] == "binding_timeout"
     assert legs(backend) == [("decode", Outcome.CANCELLED), ("get", Outcome.ANSWERED)]
     await px.settle()
-    ((tid, state, _, error),) = px.events
+    ((tid, state, _, error),) = px.abandoned
     assert state == ABORTED and f"no binding for {tid}" in str(error)
     assert px.d.circuit.consecutive == 1  # D never wrote it
 
@@ -428,7 +430,7 @@ async def test_decode_first_retry_uses_new_transfer_id() -> None:
     assert first.transfer_id != second.transfer_id == p.transfer_id
     assert first.request_id != second.request_id == p.request_id
     await px.settle()
-    assert [(e.transfer_id, e.state) for e in px.events] == [(first.transfer_id, ABORTED)]
+    assert [(e.transfer_id, e.outcome) for e in px.abandoned] == [(first.transfer_id, ABORTED)]
     assert px.metric("pd_retries_total", reason="upstream_error") == 1.0
     assert px.d.circuit.consecutive == 0  # the success closed it again
 
@@ -455,7 +457,7 @@ async def test_decode_first_decode_failure_as_binding_arrives_cancels_prefill() 
         ("prefill", Outcome.CANCELLED),
     ]
     await px.settle()
-    assert [e.state for e in px.events] == [ABORTED]
+    assert [e.outcome for e in px.abandoned] == [ABORTED]
 
 
 async def test_decode_first_first_token_timeout_is_504() -> None:
@@ -472,7 +474,7 @@ async def test_decode_first_first_token_timeout_is_504() -> None:
         ("prefill", Outcome.RELEASED),
     ]
     await px.settle()
-    assert [e.state for e in px.events] == [ABORTED]
+    assert [e.outcome for e in px.abandoned] == [ABORTED]
 
 
 async def test_decode_first_counts_binding_waits_and_transfers_in_flight() -> None:
@@ -525,7 +527,7 @@ async def test_decode_first_unreadable_binding_sends_decode_the_plain_request(
     assert px.metric("pd_binding_waits") == 0
     assert px.metric("pd_transfers_inflight") == 0
     await px.settle()
-    assert px.events == [RecordedEvent(tid, FAILED, "proxy", f"binding unreadable: {why}")]
+    assert px.abandoned == [RecordedAbandon(tid, FAILED, "proxy", f"binding unreadable: {why}")]
     assert px.metric("pd_decode_without_prefill_total", reason="binding_unreadable") == 1.0
     assert px.metric("pd_prefill_no_push_total") == 0.0
     assert f"{tid}: binding unreadable ({why}); D computes the prompt itself" in caplog.text
@@ -548,7 +550,7 @@ async def test_decode_first_binding_naming_another_decode_is_not_sent_to_prefill
     assert backend.calls_of("prefill") == []
     await px.settle()
     why = "binding names another decode: it names d-other, d0 was chosen"
-    assert px.events == [RecordedEvent(tid, FAILED, "proxy", why)]
+    assert px.abandoned == [RecordedAbandon(tid, FAILED, "proxy", why)]
     assert px.metric("pd_decode_without_prefill_total", reason="binding_foreign") == 1.0
     # the binding of the chosen decode goes to P as before
     backend.route("get", Reply.json(BINDING))

@@ -12,7 +12,7 @@ import pytest
 
 from pdwire.models import BindingState
 from proxy.config import Flow
-from proxy.mock import Call, MockBackend, Outcome, RecordedEvent, Reply
+from proxy.mock import Call, MockBackend, Outcome, RecordedAbandon, Reply
 from tests.proxy.inmemory import BINDING, PUSHED, InMemoryProxy, legs, never, wait_until
 
 HOOK = pytest.mark.parametrize("hook", [True, False], ids=["server-hook", "receive"])
@@ -48,8 +48,8 @@ async def test_decode_first_disconnect_during_binding_wait(
     assert legs(backend) == [("decode", Outcome.CANCELLED), ("get", Outcome.CANCELLED)]
     assert backend.calls_of("prefill") == []
     await gone(px, caplog)
-    assert px.events == [
-        RecordedEvent(d.transfer_id, BindingState.ABORTED, "proxy", "CancelledError")
+    assert px.abandoned == [
+        RecordedAbandon(d.transfer_id, BindingState.ABORTED, "proxy", "CancelledError")
     ]
 
 
@@ -84,7 +84,7 @@ async def test_decode_first_disconnect_while_reading_whether_p_took_the_binding(
         ("prefill", Outcome.FAILED),
     ]
     await gone(px, caplog)
-    ((tid, state, _, error),) = px.events
+    ((tid, state, _, error),) = px.abandoned
     assert (tid, state) == (d.transfer_id, BindingState.FAILED)
     assert "server disconnected" in str(error)
 
@@ -111,8 +111,8 @@ async def test_decode_first_disconnect_during_prefill(
         ("prefill", Outcome.CLOSED if in_body else Outcome.CANCELLED),
     ]
     await gone(px, caplog)
-    assert px.events == [
-        RecordedEvent(p.transfer_id, BindingState.ABORTED, "proxy", "CancelledError")
+    assert px.abandoned == [
+        RecordedAbandon(p.transfer_id, BindingState.ABORTED, "proxy", "CancelledError")
     ]
     assert px.p.circuit.consecutive == 0 and px.d.circuit.consecutive == 0
 
@@ -137,7 +137,9 @@ async def test_decode_first_disconnect_after_decode_answered_during_prefill(
         ("prefill", Outcome.CANCELLED),
     ]
     await gone(px, caplog)
-    assert [(e.transfer_id, e.state) for e in px.events] == [(d.transfer_id, BindingState.ABORTED)]
+    assert [(e.transfer_id, e.outcome) for e in px.abandoned] == [
+        (d.transfer_id, BindingState.ABORTED)
+    ]
 
 
 @HOOK
@@ -161,7 +163,9 @@ async def test_decode_first_disconnect_waiting_for_first_token(
         ("prefill", Outcome.RELEASED),
     ]
     await gone(px, caplog)
-    assert [(e.transfer_id, e.state) for e in px.events] == [(p.transfer_id, BindingState.ABORTED)]
+    assert [(e.transfer_id, e.outcome) for e in px.abandoned] == [
+        (p.transfer_id, BindingState.ABORTED)
+    ]
 
 
 @HOOK
@@ -189,8 +193,8 @@ async def test_decode_first_disconnect_mid_stream_closes_decode(
     ]
     await gone(px, caplog)
     (d,) = backend.calls_of("decode")
-    assert px.events == [
-        RecordedEvent(d.transfer_id, BindingState.ABORTED, "proxy", "client_disconnected")
+    assert px.abandoned == [
+        RecordedAbandon(d.transfer_id, BindingState.ABORTED, "proxy", "client_disconnected")
     ]
 
 
@@ -209,7 +213,7 @@ async def test_decode_first_hang_up_after_done_is_not_an_abort() -> None:
     await ex.done()
     assert ex.ended and legs(backend)[0] == ("decode", Outcome.RELEASED)
     await px.settle()
-    assert px.events == [] and px.requests("ok", 200) == 1
+    assert px.abandoned == [] and px.requests("ok", 200) == 1
 
 
 async def test_server_cancel_is_not_taken_for_a_disconnect() -> None:
@@ -239,7 +243,7 @@ async def test_prefill_first_disconnect_during_prefill(caplog: pytest.LogCapture
     assert ex.messages == []
     assert legs(backend) == [("prefill", Outcome.CANCELLED)]
     await gone(px, caplog)
-    assert px.events == []
+    assert px.abandoned == []
 
 
 async def test_decode_first_disconnect_after_absorbed_decode_answer(
@@ -279,7 +283,7 @@ async def test_decode_first_disconnect_during_retry(caplog: pytest.LogCaptureFix
     assert (first.outcome, second.outcome) == (Outcome.FAILED, Outcome.CANCELLED)
     assert [c.outcome for c in backend.calls_of("get")] == [Outcome.CANCELLED] * 2
     await gone(px, caplog)
-    assert [(e.transfer_id, e.state) for e in px.events] == [
+    assert [(e.transfer_id, e.outcome) for e in px.abandoned] == [
         (first.transfer_id, BindingState.ABORTED),
         (second.transfer_id, BindingState.ABORTED),
     ]

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from tests.proxy.conftest import Cluster, ProxyFactory, wait_until
-from tests.proxy.test_flows import PROMPT, binding_state
+from tests.proxy.test_flows import PROMPT, abandoned
 
 
 async def test_malformed_json_is_400_without_backend_call(
@@ -126,5 +126,6 @@ async def test_prefill_failure_aborts_decode_and_marks_binding_failed(
     assert len(set(tids)) == 2  # a new transfer id per attempt
     await wait_until(lambda: cluster.decode[0].stats()["cancelled"] == 2)
     for tid in tids:
-        await wait_until(lambda t=tid: binding_state(cluster, t) == "failed")  # type: ignore[misc]
+        await wait_until(lambda t=tid: abandoned(cluster, t) is not None)  # type: ignore[misc]
+        assert (abandoned(cluster, tid) or ("",))[0] == "failed"
     assert all(i.inflight == 0 for i in proxy.runtime.registry.instances())

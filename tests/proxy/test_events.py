@@ -1,10 +1,9 @@
-"""``EventSink``: an event (or mark) whose binding is not written yet is posted again; others
-are not."""
+"""``EventSink``: a mark whose binding is not written yet is posted again; others are not."""
 
 from __future__ import annotations
 
 from pdwire.client import ConflictError, MetaserverClientError, NotFoundError
-from pdwire.models import BindingState, EventDetail, MarkDetail, MarkKind
+from pdwire.models import BindingState, MarkDetail, MarkKind
 from proxy.events import NOT_YET_S, EventSink
 
 
@@ -14,16 +13,7 @@ class ScriptedClient:
     def __init__(self, *errors: MetaserverClientError) -> None:
         self.errors = list(errors)
         self.calls = 0
-        self.stored: list[tuple[str, BindingState, str | None]] = []
         self.marks: list[tuple[str, MarkKind, MarkDetail | None]] = []
-
-    async def post_event(
-        self, transfer_id: str, state: BindingState, actor: str, detail: EventDetail | None = None
-    ) -> None:
-        self.calls += 1
-        if self.errors:
-            raise self.errors.pop(0)
-        self.stored.append((transfer_id, state, detail.error if detail else None))
 
     async def post_mark(
         self, transfer_id: str, mark: MarkKind, actor: str, detail: MarkDetail | None = None
@@ -45,9 +35,10 @@ async def test_events_binding_written_late_gets_the_event() -> None:
         waits.append(s)
 
     sink = EventSink(client, sleep=sleep)
-    sink.post("t", BindingState.FAILED, "P pushed nothing: no")
+    sink.abandon("t", BindingState.FAILED, "P pushed nothing: no")
     await sink.drain()
-    assert client.stored == [("t", BindingState.FAILED, "P pushed nothing: no")]
+    why = MarkDetail(outcome="failed", message="P pushed nothing: no")
+    assert client.marks == [("t", MarkKind.ABANDONED, why)]
     assert waits == list(NOT_YET_S[:2]) and sink.sent == 1
 
 
@@ -58,10 +49,10 @@ async def test_events_binding_never_written_gives_up_after_the_waits() -> None:
         waits.append(s)
 
     sink = EventSink(client, sleep=sleep)
-    sink.post("t", BindingState.ABORTED)
+    sink.abandon("t", BindingState.ABORTED)
     await sink.drain()
     assert client.calls == len(NOT_YET_S) + 1 and waits == list(NOT_YET_S)
-    assert client.stored == [] and sink.sent == 0
+    assert client.marks == [] and sink.sent == 0
 
 
 async def test_events_other_errors_are_not_retried() -> None:
@@ -72,7 +63,7 @@ async def test_events_other_errors_are_not_retried() -> None:
         waits.append(s)
 
     sink = EventSink(client, sleep=sleep)
-    sink.post("t", BindingState.ABORTED)
+    sink.abandon("t", BindingState.ABORTED)
     await sink.drain()
     assert client.calls == 1 and waits == [] and sink.sent == 0
 

@@ -21,6 +21,15 @@ def binding_state(cluster: Cluster, tid: str) -> str | None:
     return str(r.json()["state"]) if r.status_code == 200 else None
 
 
+def abandoned(cluster: Cluster, tid: str) -> tuple[str, str | None] | None:
+    """The proxy's ``abandoned`` mark on the binding: (outcome, why); ``None`` without one."""
+    r = httpx.get(f"{cluster.metaserver.url}/v1/bindings/{tid}")
+    for m in r.json().get("marks", []) if r.status_code == 200 else []:
+        if m["mark"] == "abandoned":
+            return str(m["detail"]["outcome"]), m["detail"].get("message")
+    return None
+
+
 def binding_events(cluster: Cluster, tid: str) -> list[dict[str, Any]]:
     r = httpx.get(f"{cluster.metaserver.url}/v1/bindings/{tid}")
     return list(r.json()["events"])
@@ -152,9 +161,9 @@ async def test_prefill_pushing_nothing_lets_decode_compute_at_once(
     assert second["x_request_id"] == first["x_request_id"]
     await wait_until(lambda: d.stats()["cancelled"] == 1)  # the waiting leg was dropped
     assert d.stats()["kv_timeouts"] == 0
-    await wait_until(lambda: binding_state(cluster, tid) == "failed")
-    events = binding_events(cluster, tid)
-    assert any(why in str(e.get("detail")) for e in events), events
+    await wait_until(lambda: abandoned(cluster, tid) is not None)
+    outcome, message = abandoned(cluster, tid) or ("", None)
+    assert outcome == "failed" and why in (message or ""), message
     async with proxy.http() as http:
         text = (await http.get("/metrics")).text
     assert metric(text, "pd_prefill_no_push_total") == 1

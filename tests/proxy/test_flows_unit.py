@@ -46,7 +46,7 @@ async def test_prefill_first_nonstream_relays_kv_params_unchanged() -> None:
     assert d.json()["kv_transfer_params"] == PULL_KV and d.json()["max_tokens"] == 4
     assert b'"remote_block_ids":[3,1,2]' in d.body  # passed on as P wrote it
     await px.settle()
-    assert px.events == [] and px.requests("ok", 200) == 1
+    assert px.abandoned == [] and px.requests("ok", 200) == 1
 
 
 async def test_prefill_first_stream_relays_decode_chunks() -> None:
@@ -109,7 +109,7 @@ async def test_stream_break_ends_with_error_event_and_aborts_binding() -> None:
     (d,) = backend.calls_of("decode")
     assert d.outcome == Outcome.CLOSED
     await px.settle()
-    assert [(e.transfer_id, e.state, e.error) for e in px.events] == [
+    assert [(e.transfer_id, e.outcome, e.message) for e in px.abandoned] == [
         (d.transfer_id, "aborted", "stream_error")
     ]
     assert px.requests("stream_error", 200) == 1

@@ -10,7 +10,7 @@ import asyncio
 from pdwire.models import BindingState, MarkDetail, MarkKind
 from pdwire.params import push_report
 from proxy.config import Flow
-from proxy.mock import MockBackend, RecordedEvent, Reply
+from proxy.mock import MockBackend, RecordedAbandon, Reply
 from tests.proxy.inmemory import BINDING, PUSHED, SSE, InMemoryProxy, never
 
 FIRST, END = MarkKind.FIRST_TOKEN, MarkKind.END
@@ -38,7 +38,7 @@ async def test_marks_stream_reports_first_token_then_end() -> None:
     assert end.detail is not None and end.detail.outcome == "ok"
     assert end.detail.chunks == 3  # one per event as D sent them: two tokens, then [DONE]
     assert 0 <= _since(first.detail) <= _since(end.detail) < 5
-    assert px.events == []
+    assert px.abandoned == []
 
 
 async def test_marks_nonstream_and_concurrent_flow() -> None:
@@ -61,7 +61,7 @@ async def test_marks_none_without_a_binding() -> None:
     ex = await px.send()
     assert ex.status == 200
     await px.settle()
-    assert px.marks == [] and px.events == []
+    assert px.marks == [] and px.abandoned == []
 
 
 async def test_marks_end_of_an_abandoned_stream_says_why() -> None:
@@ -78,8 +78,8 @@ async def test_marks_end_of_an_abandoned_stream_says_why() -> None:
         (FIRST, None),
         (END, "client_disconnected"),
     ]
-    assert px.events == [
-        RecordedEvent(d.transfer_id, BindingState.ABORTED, "proxy", "client_disconnected")
+    assert px.abandoned == [
+        RecordedAbandon(d.transfer_id, BindingState.ABORTED, "proxy", "client_disconnected")
     ]
 
 
@@ -120,7 +120,7 @@ async def test_marks_on_a_binding_failed_because_p_pushed_nothing() -> None:
         (first.transfer_id, FIRST),
         (first.transfer_id, END),
     ]
-    assert [e.state for e in px.events] == [BindingState.FAILED]  # no abort of a whole answer
+    assert [e.outcome for e in px.abandoned] == [BindingState.FAILED]  # no abort of a whole answer
 
 
 async def test_marks_off_by_default() -> None:
@@ -129,4 +129,4 @@ async def test_marks_off_by_default() -> None:
     ex = await px.send(stream=True)
     assert ex.status == 200 and ex.ended
     await px.settle()
-    assert px.marks == [] and px.events == []
+    assert px.marks == [] and px.abandoned == []

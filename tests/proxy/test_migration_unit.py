@@ -270,7 +270,7 @@ async def test_the_timeline_shows_the_move() -> None:
     ]
     moved = px.marks[1].detail
     assert moved is not None and moved.outcome == d0.url
-    assert [(e.transfer_id, e.state, e.error) for e in px.events] == [
+    assert [(e.transfer_id, e.outcome, e.message) for e in px.abandoned] == [
         (d0.transfer_id, "aborted", "migrated")
     ]
 

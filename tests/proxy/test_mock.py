@@ -10,7 +10,7 @@ from pdwire.models import BindingState
 from proxy.backend import Backend, LegError
 from proxy.errors import UpstreamError, UpstreamRejected, UpstreamTimeout
 from proxy.events import EventSink
-from proxy.mock import Call, MockBackend, MockEventClient, Outcome, RecordedEvent, Reply
+from proxy.mock import Call, MockBackend, MockEventClient, Outcome, RecordedAbandon, Reply
 
 D = "http://d0:8200"
 
@@ -126,13 +126,13 @@ async def test_mock_backend_records_cancel_release_and_close() -> None:
         await resp.next_chunk()
 
 
-async def test_mock_event_client_records_events_through_the_sink() -> None:
+async def test_mock_event_client_records_drops_through_the_sink() -> None:
     client = MockEventClient()
     sink = EventSink(client)
-    sink.post("tid-1", BindingState.ABORTED, "client went away")
-    sink.post("tid-2", BindingState.FAILED)
+    sink.abandon("tid-1", BindingState.ABORTED, "client went away")
+    sink.abandon("tid-2", BindingState.FAILED)
     await sink.drain(1.0)
-    assert client.events == [
-        RecordedEvent("tid-1", BindingState.ABORTED, "proxy", "client went away"),
-        RecordedEvent("tid-2", BindingState.FAILED, "proxy", None),
+    assert client.abandoned == [
+        RecordedAbandon("tid-1", BindingState.ABORTED, "proxy", "client went away"),
+        RecordedAbandon("tid-2", BindingState.FAILED, "proxy", None),
     ]
