@@ -3,7 +3,8 @@
 Three modes, from the settings:
 
 - **open** (no ``--token``, no ``--credentials-file``): every call is allowed. One machine,
-  development.
+  development: ``pd-metaserver`` refuses it on a non-loopback address unless
+  ``--insecure-open``.
 - **single token** (``--token``): that one bearer token may do everything. For small setups whose
   parts are all trusted alike: every engine pod then holds a token that can drain the fleet.
 - **roles** (``--credentials-file``): each bearer token in the file has one role:
@@ -19,8 +20,8 @@ Three modes, from the settings:
   reader    reads (the timeline page, dashboards)
   ========  ================================================================================
 
-In every mode reads are open unless ``--protect-reads``. A call without a known token is 401;
-a known token whose role does not allow the call is 403, naming the role.
+Reads need a credential too unless ``--open-reads`` (open mode aside). A call without a known
+token is 401; a known token whose role does not allow the call is 403, naming the role.
 
 Tokens are found by their SHA-256 (a dict lookup, not a comparison that leaks their bytes by
 timing). The proxy's and admin's tokens also key the per-request capabilities that vllm-ascend
@@ -219,7 +220,7 @@ class Access:
         *,
         token: str | None = None,
         entries: list[tuple[str, CredentialEntry]] | None = None,
-        protect_reads: bool = False,
+        protect_reads: bool = True,
     ) -> None:
         self.protect_reads = protect_reads
         self._by_digest: dict[bytes, Principal] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import ipaddress
 import logging
 import sys
 from collections.abc import Sequence
@@ -28,7 +29,15 @@ def build_parser() -> SettingsParser[MetaserverSettings]:
     p.option("--namespace", "namespace")
     p.option("--token", "token")
     p.option("--credentials-file", "credentials_file")
-    p.switch("--protect-reads", "protect_reads")
+    p.switch("--protect-reads", "protect_reads")  # the default; kept for existing command lines
+    p.add_argument(
+        "--open-reads",
+        dest="protect_reads",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="INSECURE: anyone may read bindings, instances, load and the KV index",
+    )
+    p.switch("--insecure-open", "insecure_open")
     p.option("--ttl", "binding_ttl_s", float)
     p.option("--retain", "retain_s", float)
     p.option("--instance-ttl", "instance_ttl_s", float)
@@ -70,6 +79,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     _logging(settings)
     import uvicorn
 
+    if open_to_the_network(settings):
+        build_parser().error(
+            f"refusing to listen on {settings.host} without credentials: give --token or "
+            "--credentials-file (docs/security.md), or --insecure-open to let everyone who "
+            "reaches it act as admin"
+        )
     if settings.workers > 1 and settings.store == "memory":
         build_parser().error(
             "--workers needs a shared store: the memory store lives in one process "
@@ -87,14 +102,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     log = logging.getLogger("pdgate.metaserver")
     mode = "roles" if settings.credentials_file else "single token" if settings.token else "open"
     log.info(
-        "pd-metaserver listening on %s://%s:%d (store: %s, access: %s, %d process(es))",
+        "pd-metaserver listening on %s://%s:%d (store: %s, access: %s%s, %d process(es))",
         settings.scheme,
         settings.host,
         settings.port,
         redact_url(settings.store),
-        mode if mode != "open" else "open, anyone may write (no --token or --credentials-file)",
+        mode,
+        "" if mode == "open" or settings.protect_reads else ", reads open",
         settings.workers,
     )
+    if mode == "open":
+        log.warning(
+            "INSECURE: no --token or --credentials-file: everyone who reaches %s:%d may read "
+            "and write everything, as admin",
+            settings.host,
+            settings.port,
+        )
     uvicorn.run(
         app,
         factory=settings.workers > 1,
@@ -113,6 +136,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         timeout_worker_healthcheck=30,
         **settings.uvicorn_tls(),
     )
+
+
+def open_to_the_network(settings: MetaserverSettings) -> bool:
+    """Whether these settings would serve everyone as admin on a non-loopback address, not
+    asked for by name (``--insecure-open``)."""
+    if settings.token or settings.credentials_file or settings.insecure_open:
+        return False
+    return not loopback(settings.host)
+
+
+def loopback(host: str) -> bool:
+    """A literal loopback address or ``localhost`` (a name that may resolve elsewhere is not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _logging(settings: MetaserverSettings) -> None:

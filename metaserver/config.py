@@ -31,7 +31,16 @@ class MetaserverSettings(LayeredSettings, TlsListener):
         description="roles mode: a YAML file of bearer tokens with roles (admin, proxy, engine "
         "bound to instance ids, reader); see docs/security.md",
     )
-    protect_reads: bool = Field(False, description="require the token for reads too")
+    protect_reads: bool = Field(
+        True,
+        description="reads need a credential too (/health, /ready, /metrics and the page's "
+        "files stay open)",
+    )
+    insecure_open: bool = Field(
+        False,
+        description="INSECURE: without --token or --credentials-file, listen on a non-loopback "
+        "address anyway (everyone who reaches it is admin)",
+    )
     binding_ttl_s: float = Field(600.0, gt=0, description="lifetime of an unfinished binding")
     retain_s: float = Field(900.0, gt=0, description="how long done/failed/aborted bindings stay")
     instance_ttl_s: float = Field(30.0, gt=0, description="default heartbeat TTL of instances")

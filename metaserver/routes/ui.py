@@ -2,7 +2,8 @@
 
 The page holds no data: it reads ``GET /v1/bindings``, ``GET /v1/instances`` and
 ``GET /v1/breakdown`` from the browser, so those calls keep their own authorization
-(``--protect-reads``: the page asks for the token and sends it as a bearer header). The files
+(reads are protected unless ``--open-reads``: the page asks for a token and sends it as a
+bearer header). The files
 are read once, when the app is built, and served with a content security policy that allows
 this origin only — the page loads nothing from elsewhere and works with no internet.
 """

@@ -15,6 +15,7 @@ from pdwire.models import InstanceRole, InstanceSpec, KVEndpoint
 from tests.support.services import InThreadMetaserver
 
 TOKEN = "t0ken"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
 def _spec() -> InstanceSpec:
@@ -40,7 +41,7 @@ def test_registrar_registers_and_reports_a_heartbeat_that_came_after_expiry(
     with caplog.at_level(logging.WARNING, logger="pdgate.connector.registrar"):
         reg.start()
         assert reg.registered.wait(10)
-        got = httpx.get(f"{metaserver.url}/v1/instances/dec-9").json()
+        got = httpx.get(f"{metaserver.url}/v1/instances/dec-9", headers=AUTH).json()
         assert got["kv_endpoint"] == {"host": "127.0.0.1", "port": 5800}
         for _ in range(500):
             if reg.beats >= 4:
@@ -49,4 +50,6 @@ def test_registrar_registers_and_reports_a_heartbeat_that_came_after_expiry(
         reg.close()
     assert reg.lapses == 1
     assert "landed 28.0s after the previous one" in caplog.text
-    assert httpx.get(f"{metaserver.url}/v1/instances/dec-9").status_code == 404  # deregistered
+    assert (
+        httpx.get(f"{metaserver.url}/v1/instances/dec-9", headers=AUTH).status_code == 404
+    )  # deregistered

@@ -22,10 +22,13 @@ from tests.support.otlp import otlp_receiver
 from tests.support.services import InThreadMetaserver
 
 TOKEN = "t0ken"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
 def _wait_binding(url: str, tid: str, timeout: float = 10.0) -> dict[str, Any]:
-    r = httpx.get(f"{url}/v1/bindings/{tid}", params={"wait": timeout}, timeout=timeout + 5)
+    r = httpx.get(
+        f"{url}/v1/bindings/{tid}", params={"wait": timeout}, timeout=timeout + 5, headers=AUTH
+    )
     assert r.status_code == 200, r.text
     body: dict[str, Any] = r.json()
     return body
@@ -78,7 +81,7 @@ def test_decode_matching_is_side_effect_free(
     assert conn.scheduler is not None and conn.scheduler.decode is not None
     assert conn.scheduler.decode.bindings_sent == 0
     assert conn.scheduler.writer.pending() == 0
-    r = httpx.get(f"{metaserver.url}/v1/bindings/tid-pure")
+    r = httpx.get(f"{metaserver.url}/v1/bindings/tid-pure", headers=AUTH)
     assert r.status_code == 404
     plain = H.request(H.prompt(50), None)
     assert conn.get_num_new_matched_tokens(plain, 0) == (0, False)
@@ -152,7 +155,7 @@ def test_decode_schedule_never_waits_for_a_slow_metaserver(
         out, meta = H.step(s)
         elapsed = time.monotonic() - t0
         # schedule() returned before the metaserver could have answered a single write:
-        missing = httpx.get(f"{metaserver.url}/v1/bindings/tid-slow-0")
+        missing = httpx.get(f"{metaserver.url}/v1/bindings/tid-slow-0", headers=AUTH)
         assert missing.status_code == 404
         assert elapsed < 2.0
         assert len(meta.recvs) == 4
@@ -218,7 +221,7 @@ def test_decode_abort_before_p_took_the_binding_frees_the_blocks_at_once(
     t0 = time.monotonic()
     assert _abort_and_watch(s, req.request_id, 5.0) == [req.request_id]
     assert time.monotonic() - t0 < 2.0
-    final = httpx.get(f"{metaserver.url}/v1/bindings/tid-abort-early").json()
+    final = httpx.get(f"{metaserver.url}/v1/bindings/tid-abort-early", headers=AUTH).json()
     assert final["state"] == "aborted"  # P's compare-and-set can no longer win
     assert [e["actor"] for e in final["events"]] == ["decoder-0", "decoder-0"]
     H.step(s, recving={req.request_id})  # the worker finishes it on that word
@@ -267,7 +270,7 @@ def test_decode_finished_load_is_not_ended_again(
     assert _abort_and_watch(s, req.request_id, 0.5) == []
     decode = H.connector_of(s).scheduler.decode  # type: ignore[union-attr]
     assert decode is not None and decode.held == decode.released == 0
-    state = httpx.get(f"{metaserver.url}/v1/bindings/tid-loaded").json()["state"]
+    state = httpx.get(f"{metaserver.url}/v1/bindings/tid-loaded", headers=AUTH).json()["state"]
     assert state == "bound"  # no abort posted for a request that was not waiting any more
 
 

@@ -34,7 +34,7 @@ def _p_registration(url: str, timeout_s: float = 20.0) -> dict[str, Any]:
     """P's own registration (its registrar thread writes it at start)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        r = httpx.get(f"{url}/v1/instances/pre-1")
+        r = httpx.get(f"{url}/v1/instances/pre-1", headers=AUTH)
         if r.status_code == 200 or time.monotonic() > deadline:
             r.raise_for_status()
             found: dict[str, Any] = r.json()
@@ -50,7 +50,7 @@ def _register_decoder_as(url: str, **fields: Any) -> None:
 def _failed_event(url: str, tid: str, timeout_s: float = 10.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while True:
-        events = httpx.get(f"{url}/v1/bindings/{tid}").json()["events"]
+        events = httpx.get(f"{url}/v1/bindings/{tid}", headers=AUTH).json()["events"]
         failed = [e for e in events if e["state"] == "failed"]
         if failed or time.monotonic() > deadline:
             assert failed, f"no failed event on {tid}: {events}"

@@ -64,7 +64,7 @@ def _bind(
         spec["load_deadline"] = load_deadline
     r = httpx.put(f"{url}/v1/bindings/{tid}", json=spec, headers=AUTH)
     assert r.status_code in (200, 201), r.text
-    body: dict[str, Any] = httpx.get(f"{url}/v1/bindings/{tid}").json()
+    body: dict[str, Any] = httpx.get(f"{url}/v1/bindings/{tid}", headers=AUTH).json()
     return body
 
 
@@ -295,7 +295,7 @@ def test_prefill_abort_mid_prefill_holds_blocks_until_workers_release(
 
 
 def _state(url: str, tid: str) -> str:
-    state: str = httpx.get(f"{url}/v1/bindings/{tid}").json()["state"]
+    state: str = httpx.get(f"{url}/v1/bindings/{tid}", headers=AUTH).json()["state"]
     return state
 
 
@@ -473,7 +473,7 @@ def test_prefill_refuses_a_tp_pairing_that_cannot_map_heads_before_computing(
     assert half is not None and half.prefill is not None and half.prefill.refused == 1
     deadline = time.monotonic() + 10
     while True:
-        events = httpx.get(f"{metaserver.url}/v1/bindings/tid-tp").json()["events"]
+        events = httpx.get(f"{metaserver.url}/v1/bindings/tid-tp", headers=AUTH).json()["events"]
         failed = [e for e in events if e["state"] == "failed"]
         if failed or time.monotonic() > deadline:
             break
@@ -491,7 +491,7 @@ def test_prefill_takes_the_lease_before_its_first_push(
     s.add_request(req)
     out, meta = _step_until_scheduled(s, req.request_id)
     assert _pushes(meta, req.request_id)  # the first chunk's blocks go out …
-    now = httpx.get(f"{metaserver.url}/v1/bindings/tid-lease").json()
+    now = httpx.get(f"{metaserver.url}/v1/bindings/tid-lease", headers=AUTH).json()
     # … only after P's compare-and-set bound → prefill_started landed
     assert now["state"] == "prefill_started"
     assert [(e["state"], e["actor"]) for e in now["events"]] == [
@@ -526,7 +526,7 @@ def test_prefill_pushes_nothing_into_a_binding_that_ended_before_p_took_it(
     assert report["push"] == "none" and report["transfer_id"] == tid
     assert report["reason"].startswith("the binding ended before P took it"), report
     assert ended in report["reason"], report
-    assert httpx.get(f"{metaserver.url}/v1/bindings/{tid}").json()["state"] == ended
+    assert httpx.get(f"{metaserver.url}/v1/bindings/{tid}", headers=AUTH).json()["state"] == ended
     H.assert_empty(s)
 
 
@@ -552,6 +552,6 @@ def test_prefill_pushes_nothing_when_the_requests_binding_is_not_the_stored_one(
     report = H.FINISHED_PARAMS[req.request_id]
     assert report is not None and report["push"] == "none"
     assert report["reason"] == "the request's binding differs from the stored one in block_ids"
-    record = httpx.get(f"{metaserver.url}/v1/bindings/{tid}").json()
+    record = httpx.get(f"{metaserver.url}/v1/bindings/{tid}", headers=AUTH).json()
     assert [e["state"] for e in record["events"]] == ["bound", "prefill_started", "failed"]
     H.assert_empty(s)

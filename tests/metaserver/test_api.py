@@ -117,8 +117,10 @@ async def test_api_body_over_limit_is_413(api_factory: Callable[..., Any]) -> No
     assert (await api.get("/v1/bindings/t1")).status_code == 404
 
 
-async def test_api_writes_need_token_reads_open(api_factory: Callable[..., Any]) -> None:
-    api: httpx.AsyncClient = await api_factory(token=TOKEN)
+async def test_api_writes_need_token_reads_open_when_asked(
+    api_factory: Callable[..., Any],
+) -> None:
+    api: httpx.AsyncClient = await api_factory(token=TOKEN, protect_reads=False)
     r = await api.put("/v1/instances/decode-0", json=instance_json())
     assert r.status_code == 401
     r = await api.put(
@@ -137,8 +139,8 @@ async def test_api_writes_need_token_reads_open(api_factory: Callable[..., Any])
     assert (await api.get("/v1/bindings/t1")).json()["state"] == "bound"
 
 
-async def test_api_protect_reads(api_factory: Callable[..., Any]) -> None:
-    api: httpx.AsyncClient = await api_factory(token=TOKEN, protect_reads=True)
+async def test_api_reads_are_protected_by_default(api_factory: Callable[..., Any]) -> None:
+    api: httpx.AsyncClient = await api_factory(token=TOKEN)
     await register(api, headers=AUTH)
     assert (await api.get("/v1/instances")).status_code == 401
     assert (await api.get("/v1/instances", headers=AUTH)).status_code == 200
@@ -290,17 +292,17 @@ async def test_api_drain_and_undrain_an_instance(api_factory: Callable[..., Any]
     assert r.status_code == 200
     assert Instance.model_validate(r.json()).draining is True
     await register(api, headers=AUTH)  # heartbeat
-    listed = (await api.get("/v1/instances")).json()["instances"]
+    listed = (await api.get("/v1/instances", headers=AUTH)).json()["instances"]
     assert {i["instance_id"]: i["draining"] for i in listed} == {
         "decode-0": True,
         "decode-1": False,
     }
-    assert (await api.get("/v1/instances/decode-0")).json()["draining"] is True
+    assert (await api.get("/v1/instances/decode-0", headers=AUTH)).json()["draining"] is True
     r = await api.put("/v1/instances/decode-0/drain", headers=AUTH)  # idempotent
     assert r.status_code == 200 and r.json()["draining"] is True
     r = await api.delete("/v1/instances/decode-0/drain", headers=AUTH)
     assert r.status_code == 200 and r.json()["draining"] is False
-    assert (await api.get("/v1/instances/decode-0")).json()["draining"] is False
+    assert (await api.get("/v1/instances/decode-0", headers=AUTH)).json()["draining"] is False
     r = await api.put("/v1/instances/ghost/drain", headers=AUTH)
     assert r.status_code == 404 and "ghost not registered" in r.text
     assert (await api.delete("/v1/instances/ghost/drain", headers=AUTH)).status_code == 404

@@ -148,7 +148,8 @@ async def test_ascend_post_needs_a_capability_for_its_request(
     assert bad.status_code == 401
     other = await api.post(url, json=ascend_body(request_id="cmpl-pd-2-0"))
     assert other.status_code == 403, other.text  # that capability names another request
-    assert (await api.get("/v1/bindings/cmpl-pd-2-0")).status_code == 404
+    read = {"authorization": f"Bearer {token}"}
+    assert (await api.get("/v1/bindings/cmpl-pd-2-0", headers=read)).status_code == 404
     assert (await api.post(url, json=ascend_body())).status_code == 200
     batch_child = await api.post(url, json=ascend_body(request_id="cmpl-pd-1-3"))
     assert batch_child.status_code == 200  # every prompt of that request's batch

@@ -98,7 +98,7 @@ async def test_batch_answers_each_call_as_its_own_request_would(
     assert expected[10] == (405, {"detail": "Method Not Allowed"})  # FastAPI's words for it
     expected[10] = (405, "not a write")
     assert _comparable(got) == _comparable(expected)
-    final = (await batched.get("/v1/bindings/t1")).json()
+    final = (await batched.get("/v1/bindings/t1", headers=AUTH)).json()
     assert [e["state"] for e in final["events"]] == ["bound", "prefill_started", "pushing", "done"]
 
 
@@ -132,7 +132,9 @@ async def test_batch_refuses_a_malformed_batch_whole(
     r = await api.post("/v1/batch", json=body)
     assert r.status_code == status, r.text
     assert any(where in [str(x) for x in e["loc"]] for e in r.json()["detail"]), r.text
-    assert (await api.get("/v1/bindings/t1")).status_code == 404  # nothing was written
+    assert (
+        await api.get("/v1/bindings/t1", headers=AUTH)
+    ).status_code == 404  # nothing was written
 
 
 async def test_batch_needs_the_write_token(api_factory: Callable[..., Any]) -> None:
@@ -140,7 +142,7 @@ async def test_batch_needs_the_write_token(api_factory: Callable[..., Any]) -> N
     await register(api, headers=AUTH)
     r = await api.post("/v1/batch", json={"calls": [put("t1")]})
     assert r.status_code == 401
-    assert (await api.get("/v1/bindings/t1")).status_code == 404
+    assert (await api.get("/v1/bindings/t1", headers=AUTH)).status_code == 404
 
 
 async def test_batch_fast_path_and_route_agree_and_count_calls() -> None:

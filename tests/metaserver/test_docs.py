@@ -38,7 +38,7 @@ def test_docs_cookbook_runs_verbatim(
     assert '"state":"done"' in out
     assert '{"results":[{"status":201,' in out  # the batch: each call answered as if alone
     assert '"state":"prefill_started"' in out and '{"status":404,' in out
-    assert "409\n401\n" in out
+    assert "409\n401\n401\n" in out  # a different binding; a write, then a read, tokenless
     assert '"bindings_by_state"' in out
     assert "pdgate_metaserver_bindings_created_total 2.0" in out
     assert out.count('"draining":true') == 2  # the drain's answer and the listing

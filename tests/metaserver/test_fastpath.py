@@ -25,20 +25,22 @@ SCRIPT: list[tuple[str, str, dict[str, Any] | bytes | None, dict[str, str]]] = [
     ("PUT", "/v1/bindings/t2", b"{not json", TOKEN),
     ("PUT", "/v1/bindings/t2", {"block_size": 0}, TOKEN),
     ("PUT", "/v1/bindings/t2", {"x": "y" * 5000}, TOKEN),
-    ("GET", "/v1/bindings/t1", None, {}),
-    ("GET", "/v1/bindings/none", None, {}),
-    ("GET", "/v1/bindings/none?wait=0.05", None, {}),
-    ("GET", "/v1/bindings/t1?wait=0.05&state=done", None, {}),
-    ("GET", "/v1/bindings/t1?state=bound&wait=0.05", None, {}),
-    ("GET", "/v1/bindings/t1?wait=-1", None, {}),
-    ("GET", "/v1/bindings/t1?wait=0.05&state=sideways", None, {}),
+    ("GET", "/v1/bindings/t1", None, TOKEN),
+    ("GET", "/v1/bindings/none", None, TOKEN),
+    ("GET", "/v1/bindings/none?wait=0.05", None, TOKEN),
+    ("GET", "/v1/bindings/t1?wait=0.05&state=done", None, TOKEN),
+    ("GET", "/v1/bindings/t1?state=bound&wait=0.05", None, TOKEN),
+    ("GET", "/v1/bindings/t1?wait=-1", None, TOKEN),
+    ("GET", "/v1/bindings/t1?wait=0.05&state=sideways", None, TOKEN),
     ("POST", "/v1/bindings/t1/events", {"state": "pushing", "actor": "p"}, TOKEN),
     ("POST", "/v1/bindings/t1/events", {"state": "bogus", "actor": "p"}, TOKEN),
     ("POST", "/v1/bindings/t1/events", {"state": "done", "actor": "p"}, {}),
     ("POST", "/v1/bindings/t1/events", {"state": "done", "actor": "p"}, TOKEN),
     ("POST", "/v1/bindings/t1/events", {"state": "pushing", "actor": "p"}, TOKEN),
     ("POST", "/v1/bindings/nope/events", {"state": "done", "actor": "p"}, TOKEN),
-    ("GET", "/v1/bindings/t1", None, {}),
+    ("GET", "/v1/bindings/t1", None, TOKEN),
+    ("GET", "/v1/bindings/t1", None, {}),  # reads need the token too
+    ("GET", "/v1/bindings/t1?wait=0.05", None, {}),
 ]
 
 
@@ -81,7 +83,7 @@ async def test_fastpath_matches_documented_routes(apps: tuple[FastAPI, FastAPI])
     got, expected = await run_script(fast), await run_script(slow)
     statuses = [s for s, _, _ in expected]
     assert statuses == [201, 201, 200, 409, 401, 422, 422, 422, 413, 200, 404, 404, 200, 200,
-                        422, 422, 200, 422, 401, 200, 409, 404, 200]  # fmt: skip
+                        422, 422, 200, 422, 401, 200, 409, 404, 200, 401, 401]  # fmt: skip
     for step, (a, b) in enumerate(zip(got, expected, strict=True)):
         assert a == b, f"step {step} {SCRIPT[step][:2]}: fast path {a} != routes {b}"
     assert expected[12][2] == "timeout"

@@ -145,7 +145,7 @@ async def test_api_marks_need_the_write_token(api_factory: Callable[..., Any]) -
     assert (await api.post("/v1/bindings/t1/marks", json=body)).status_code == 401
     r = await api.post("/v1/bindings/t1/marks", json=body, headers=AUTH)
     assert r.status_code == 204
-    got = (await api.get("/v1/bindings/t1")).json()
+    got = (await api.get("/v1/bindings/t1", headers=AUTH)).json()
     assert [m["mark"] for m in got["marks"]] == ["end"]
 
 

@@ -64,7 +64,9 @@ def test_an_engine_credential_cannot_plant_a_decoder_or_a_binding(
     _register_decode_1(roles.url, TOKENS["admin"])
     assert attack(roles.url, TOKENS["decode-0"]) == [403, 403, 403]
     assert legitimate(roles.url, TOKENS["decode-0"]) == [201, 201, 200]
-    listed = httpx.get(f"{roles.url}/v1/instances", timeout=10).json()["instances"]
+    read = {"authorization": f"Bearer {TOKENS['reader']}"}
+    listed = httpx.get(f"{roles.url}/v1/instances", headers=read, timeout=10).json()["instances"]
     assert sorted(i["instance_id"] for i in listed) == ["decode-0", "decode-1"]
     assert not any(i["draining"] for i in listed)
-    assert httpx.get(f"{roles.url}/v1/bindings/victim-1", timeout=10).status_code == 404
+    gone = httpx.get(f"{roles.url}/v1/bindings/victim-1", headers=read, timeout=10)
+    assert gone.status_code == 404
