@@ -66,8 +66,13 @@ class AiohttpBackend:
         connect_timeout_s: float,
         idle_timeout_s: float,
         owns_session: bool = False,
+        authorization: str | None = None,
     ) -> None:
+        """``authorization``: the header every leg carries (the engines' API key)."""
         self.session = session
+        self._leg_headers = {"content-type": "application/json"}
+        if authorization is not None:
+            self._leg_headers["authorization"] = authorization
         self._owns = owns_session
         self._idle = idle_timeout_s
         self._timeout = aiohttp.ClientTimeout(
@@ -88,7 +93,7 @@ class AiohttpBackend:
         target = self._urls.get((url, path))
         if target is None:
             target = self._urls[(url, path)] = URL(url + path)
-        headers = {"content-type": "application/json", "x-request-id": request_id}
+        headers = {**self._leg_headers, "x-request-id": request_id}
         if traceparent is not None:
             headers["traceparent"] = traceparent
         try:

@@ -120,10 +120,12 @@ def _routes(api: FastAPI, rt: Runtime) -> None:
         check_key(request)
         assert rt.dispatcher is not None and rt.session is not None
         candidates = [i for i in rt.registry.all(Role.DECODE) if i.available()]
+        key = rt.settings.engine_authorization
+        auth = {} if key is None else {"authorization": key}
         for inst in candidates[:3]:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(5):
-                    async with rt.session.get(inst.url + "/v1/models") as resp:
+                    async with rt.session.get(inst.url + "/v1/models", headers=auth) as resp:
                         if resp.status == 200:
                             models = rebuilt(await read_capped(resp.content))
                             if models is not None:

@@ -84,6 +84,7 @@ def build_parser() -> SettingsParser[ProxySettings]:
     opt("--share-interval", "share_interval_s", float)
     opt("--api-key", "api_keys", action="append", metavar="KEY")
     opt("--admin-key", "admin_keys", action="append", metavar="KEY")
+    opt("--engine-api-key-file", "engine_api_key_file", metavar="FILE")
     opt("--retries", "retries", int)
     opt("--backoff-base", "backoff_base_s", float)
     opt("--backoff-cap", "backoff_cap_s", float)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -219,6 +220,16 @@ class ProxySettings(LayeredSettings, TlsListener):
         "differ from every --api-key",
     )
 
+    # outbound auth: what the engines' own --api-key asks of every call (only the proxy holds it)
+    engine_api_key: SecretStr | None = Field(
+        None,
+        description="sent as a bearer token on every request to an engine (vLLM's --api-key / "
+        "VLLM_API_KEY on the engines); prefer the environment or --engine-api-key-file",
+    )
+    engine_api_key_file: Path | None = Field(
+        None, description="read the engines' API key from this file (its first line)"
+    )
+
     @field_validator("prefill", "decode", "api_keys", "admin_keys", mode="before")
     @classmethod
     def _comma_lists(cls, value: Any) -> Any:
@@ -231,6 +242,28 @@ class ProxySettings(LayeredSettings, TlsListener):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"{url!r} is not an http(s) URL")
         return [u.rstrip("/") for u in value]
+
+    @model_validator(mode="after")
+    def _engine_key(self) -> ProxySettings:
+        if self.engine_api_key_file is None:
+            return self
+        if self.engine_api_key is not None:
+            raise ValueError("give the engines' API key once: engine_api_key or its file")
+        try:
+            line = self.engine_api_key_file.read_text().splitlines()[0].strip()
+        except (OSError, IndexError) as exc:
+            raise ValueError(f"engine API key file {self.engine_api_key_file}: {exc}") from None
+        if not line:
+            raise ValueError(f"engine API key file {self.engine_api_key_file} is empty")
+        self.engine_api_key = SecretStr(line)
+        self.engine_api_key_file = None  # the key is in hand: a worker rebuilds from it
+        return self
+
+    @property
+    def engine_authorization(self) -> str | None:
+        """The Authorization header every engine call carries (``None``: no key)."""
+        key = self.engine_api_key
+        return None if key is None else f"Bearer {key.get_secret_value()}"
 
     @model_validator(mode="after")
     def _consistent(self) -> ProxySettings:

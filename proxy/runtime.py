@@ -103,16 +103,20 @@ class Runtime:
         token = s.metaserver_token.get_secret_value() if s.metaserver_token else None
         if s.metaserver:
             self.metaserver = AsyncMetaserverClient(s.metaserver, token=token, session=self.session)
+        auth = s.engine_authorization
         backend: Backend = AiohttpBackend(
-            self.session, connect_timeout_s=s.connect_timeout_s, idle_timeout_s=s.idle_timeout_s
-        )
+            self.session, connect_timeout_s=s.connect_timeout_s,
+            idle_timeout_s=s.idle_timeout_s, authorization=auth,
+        )  # fmt: skip
         if s.http_client == HttpClient.NATIVE:
             pools = Pools(
                 connect_timeout_s=s.connect_timeout_s,
                 keepalive_s=s.keepalive_s,
                 max_idle_per_origin=s.max_connections,
             )
-            backend = NativeBackend(pools, idle_timeout_s=s.idle_timeout_s, fallback=backend)
+            backend = NativeBackend(
+                pools, idle_timeout_s=s.idle_timeout_s, fallback=backend, authorization=auth
+            )
         if s.kv_routing and self.kv is None:
             assert s.tokenizer is not None and self.metaserver is not None and s.metaserver
             from proxy.kvroute.lookup import MATCH_TIMEOUT_S, KVLookup

@@ -15,8 +15,18 @@ _LEG_HEADERS = b"content-type: application/json\r\nx-request-id: "
 
 
 class NativeBackend:
-    def __init__(self, pools: Pools, *, idle_timeout_s: float, fallback: Backend) -> None:
+    def __init__(
+        self,
+        pools: Pools,
+        *,
+        idle_timeout_s: float,
+        fallback: Backend,
+        authorization: str | None = None,
+    ) -> None:
+        """``authorization``: the header every leg carries (the engines' API key)."""
         self.pools = pools
+        auth = b"" if authorization is None else b"authorization: %s\r\n" % authorization.encode()
+        self._leg_headers = auth + _LEG_HEADERS
         self._idle = idle_timeout_s
         self._fallback = fallback
         self._targets: dict[tuple[str, str], Target | None] = {}
@@ -48,7 +58,7 @@ class NativeBackend:
             return await self._fallback.post(
                 url, path, body, request_id, leg, timeout_s, traceparent
             )
-        headers = b"%s%s\r\n" % (_LEG_HEADERS, request_id.encode("latin-1"))
+        headers = b"%s%s\r\n" % (self._leg_headers, request_id.encode("latin-1"))
         if traceparent is not None:
             headers += b"traceparent: %s\r\n" % traceparent.encode("latin-1")
         resp: NativeResponse | None = None

@@ -24,8 +24,10 @@ class FakeVLLM:
         instance_id: str | None = None,
         extra: list[str] | None = None,
         module: str = "tests.fakes.vllm",
+        env: dict[str, str] | None = None,
     ) -> None:
-        """``module``: the fake to run (``tests.fakes.ascend`` for vllm-ascend's engines)."""
+        """``module``: the fake to run (``tests.fakes.ascend`` for vllm-ascend's engines);
+        ``env``: its environment's additions (``VLLM_API_KEY`` as for vLLM)."""
         self.role = role
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -36,7 +38,7 @@ class FakeVLLM:
             argv += ["--metaserver", metaserver]
         argv += extra or []
         log = log_dir / f"fake-{role}-{self.port}.log" if log_dir else None
-        self.proc = Process(argv, log=log)
+        self.proc = Process(argv, env=env, log=log)
         wait_http(self.url + "/health", proc=self.proc)
 
     def configure(self, **knobs: Any) -> dict[str, Any]:

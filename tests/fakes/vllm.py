@@ -30,7 +30,10 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
+import hmac
 import json
+import os
 import random
 from collections import deque
 from typing import Any
@@ -76,6 +79,7 @@ class Stats:
     requests: int = 0
     active: int = 0
     cancelled: int = 0
+    unauthorized: int = 0  # calls refused for want of the API key
     kv_received: int = 0
     kv_timeouts: int = 0
     bindings_written: int = 0
@@ -109,10 +113,11 @@ class FakeVLLM:
         self.signals: SignalChannels | None = None  # P's done signals to D, likewise
         self.background: set[asyncio.Task[Any]] = set()
         self.registered = False
+        self.api_key = os.environ.get("VLLM_API_KEY") or None  # as vLLM's --api-key
 
     # ---- app -----------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=64 << 20, middlewares=[self._api_key])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -126,6 +131,23 @@ class FakeVLLM:
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
+
+    @web.middleware
+    async def _api_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """vLLM's ``--api-key`` (``VLLM_API_KEY``), as its ``AuthenticationMiddleware`` has it
+        (vllm/entrypoints/serve/middleware/authenticate.py, 0.32): paths under ``/v1``, ``/v2``,
+        ``/inference`` and ``/cohere`` need ``Authorization: Bearer <key>``, else 401
+        ``{"error": "Unauthorized"}``; ``/health`` and the rest stay open."""
+        key = self.api_key
+        if key and request.method != "OPTIONS" and request.path.startswith(GUARDED_PREFIX):
+            scheme, _, given = (request.headers.get("authorization") or "").partition(" ")
+            ok = scheme.lower() == "bearer" and hmac.compare_digest(
+                hashlib.sha256(given.encode()).digest(), hashlib.sha256(key.encode()).digest()
+            )
+            if not ok:
+                self.stats.unauthorized += 1
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     async def _start(self, app: web.Application) -> None:
         token = self.metaserver_token
@@ -419,6 +441,9 @@ class FakeVLLM:
         finally:
             self.kv_events.pop(tid, None)
         return None
+
+
+GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
 
 
 def main(argv: list[str] | None = None) -> None:
