@@ -92,7 +92,13 @@ class ConnectorSettings(LayeredSettings):
         "",
         description="file holding the side channel's key(s), one per line: the first seals "
         "every P <-> D message, any of them opens one (rotation); every P and D of a "
-        "deployment reads the same file. '' = the side channel is unauthenticated",
+        "deployment reads the same file; required unless insecure_side_channel",
+    )
+    insecure_side_channel: bool = Field(
+        False,
+        description="run the side channel unauthenticated when no side_channel_secret_file is "
+        "set: anyone who reaches a D rank's side-channel port can then forge done signals and "
+        "read D's KV memory map (a trusted network only; logged as a WARNING at every start)",
     )
     side_channel_max_skew_s: float = Field(
         60.0,
@@ -139,6 +145,17 @@ class ConnectorSettings(LayeredSettings):
         if v:
             load_keys(v)  # a clear error at start, not at the first handshake
         return v
+
+    @model_validator(mode="after")
+    def _sealed(self) -> ConnectorSettings:
+        if not self.side_channel_secret_file and not self.insecure_side_channel:
+            raise ValueError(
+                "the P <-> D side channel needs side_channel_secret_file (a file of keys every "
+                "P and D of the deployment reads; make one with: umask 077; head -c 32 "
+                "/dev/urandom | base64 > FILE); an unauthenticated side channel, on a trusted "
+                "network only, takes insecure_side_channel: true"
+            )
+        return self
 
     @model_validator(mode="after")
     def _test_hooks(self) -> ConnectorSettings:

@@ -95,7 +95,8 @@ class LaunchOptions:
     # roles mode instead: a private directory where the plan writes the metaserver's
     # credentials file (one engine credential per instance, a proxy's, an admin's)
     credentials_dir: str = ""
-    # pdgate connector: the side channel's key file ('' = unauthenticated side channel)
+    # pdgate connector: the side channel's key file (required, unless extra_connector_config
+    # asks for ``insecure_side_channel``)
     side_channel_secret_file: str = ""
     flow: str = "decode-first"
     max_model_len: int = 2048
@@ -350,6 +351,17 @@ def write_private(path: Path, text: str, *, new: bool = False) -> None:
         f.write(text)
 
 
+def check_sealing(o: LaunchOptions) -> None:
+    """pdgate's connector refuses an unauthenticated side channel unless it is asked for by
+    name (``insecure_side_channel``): say so before anything starts."""
+    insecure = o.extra_connector_config.get("insecure_side_channel") is True
+    if o.connector == "pdgate" and not o.side_channel_secret_file and not insecure:
+        raise ValueError(
+            "the pdgate connector needs a side-channel key file (--side-channel-secret-file; "
+            "pd-launch makes a fresh one when it is not given)"
+        )
+
+
 def check_kv_events(o: LaunchOptions) -> None:
     if o.kv_routing and not o.kv_events_base_port:
         raise ValueError("--kv-routing needs the engines' KV events (--kv-events-base-port)")
@@ -361,6 +373,7 @@ def check_kv_events(o: LaunchOptions) -> None:
 
 def build_plan(o: LaunchOptions) -> LaunchPlan:
     check_connector(o)
+    check_sealing(o)
     check_pairing(o)
     check_kv_events(o)
     bin_dir = Path(sys.executable).parent

@@ -92,6 +92,14 @@ class ConnectorWorker:
         self.channel = channel_of(
             settings.side_channel_secret_file, settings.side_channel_max_skew_s
         )
+        if not self.channel.authenticated:  # insecure_side_channel: said at every start
+            log.warning(
+                "rank %d: the P <-> D side channel is not authenticated (insecure_side_channel, "
+                "no side_channel_secret_file): whoever reaches port %d can forge done signals "
+                "and read this engine's KV memory map",
+                rank,
+                settings.side_channel_port + rank,
+            )
         self._transport = transport
         self._clock = clock
         self._events = events

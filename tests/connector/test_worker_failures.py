@@ -511,7 +511,7 @@ def test_worker_waits_for_handshake_in_background_and_redoes_it_after_restart() 
 
         def slow(host: str, port_: int, hello: wire.Hello, timeout: float) -> wire.Welcome:
             gate.wait(10)
-            return handshake(host, port_, hello, timeout)
+            return handshake(host, port_, hello, timeout, channel=p.workers[0].channel)
 
         sender.handshakes._ask = slow
         C.expect(d, "dreq", "tslow", [4])
