@@ -1,7 +1,10 @@
 """D side bookkeeping: which requests wait for KV, their done signals, their deadlines.
 
 Signals are counted per transfer id and sender. One that arrives before the request is known
-is buffered (for up to the deadline); one for a transfer already finished (late, duplicate, an
+is buffered (for up to the deadline), and so is a keep-alive; at most ``MAX_EARLY`` transfers
+are held so, the oldest dropped first (a flood from whoever reaches the side channel), in
+arrival order, which is also their expiry order: ``poll`` drops the expired ones from the
+front and never looks at the rest. One for a transfer already finished (late, duplicate, an
 old attempt) is ignored. A request whose signals do not all arrive by its deadline is reported
 failed, so vLLM recomputes or fails it; an aborted request is released (without failure) once P
 confirmed or the deadline passed — until then P may still be writing its blocks — or at once
@@ -25,12 +28,18 @@ from typing import NamedTuple
 
 from connector import wire
 from connector.stats import StatsCollector
+from pdwire.models import MAX_TP_SIZE
 
 log = logging.getLogger("pdgate.connector.receiver")
 
 
 NO_PREFILL = "none"  # the load failed before any P signalled
 UNKNOWN_PREFILL = "unknown"  # a P whose signals do not name its instance
+# Transfers D holds signals or keep-alives for before it expects them: P is rarely ahead of
+# D's own scheduler by more than a step, so a few thousand is a flood, not a backlog
+MAX_EARLY = 4096
+# Done signals one transfer may have: one per P rank writing into this D rank at most
+MAX_SENDERS = MAX_TP_SIZE
 
 
 class Source(NamedTuple):
@@ -71,6 +80,7 @@ class RecvTracker:
         silence_s: float = 0.0,
         stats: StatsCollector | None = None,
         wall: Callable[[], float] = time.time,
+        early_max: int = MAX_EARLY,
     ) -> None:
         self.stats = stats or StatsCollector()
         self._wall = wall
@@ -82,6 +92,10 @@ class RecvTracker:
         self._recvs: dict[str, _Recv] = {}  # by req id
         self._tid_to_req: dict[str, str] = {}
         self._signals: dict[str, _Signals] = {}  # by transfer id (early ones included)
+        # the early ones (no request expects them yet), oldest first: their expiry order
+        self._early: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._early_max = early_max
+        self.early_dropped = 0
         self._retired: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._retired_max = retired_max
         self._failed_now: set[str] = set()
@@ -105,6 +119,7 @@ class RecvTracker:
                 return
             self._recvs[req_id] = _Recv(req_id, transfer_id, self._clock() + self._timeout)
             self._tid_to_req[transfer_id] = req_id
+            self._early.pop(transfer_id, None)  # its early signals are expected now
 
     def fail(self, req_id: str) -> None:
         """The binding was rejected: P cannot have it, so fail without waiting."""
@@ -135,11 +150,9 @@ class RecvTracker:
             if sig.transfer_id in self._retired:
                 self.ignored_signals += 1
                 return
-            entry = self._signals.get(sig.transfer_id)
-            if entry is None:
-                entry = self._signals[sig.transfer_id] = _Signals(self._clock())
-            if sig.sender in entry.by_sender:
-                self.ignored_signals += 1  # duplicate
+            entry = self._entry(sig.transfer_id, self._clock())
+            if sig.sender in entry.by_sender or len(entry.by_sender) >= MAX_SENDERS:
+                self.ignored_signals += 1  # a duplicate, or more senders than P has ranks
                 return
             entry.by_sender[sig.sender] = sig
             entry.last_wall = self._wall()
@@ -152,10 +165,37 @@ class RecvTracker:
             for tid in alive.transfer_ids:
                 if tid in self._retired:
                     continue
-                entry = self._signals.get(tid)
-                if entry is None:
-                    entry = self._signals[tid] = _Signals(now)
-                entry.alive_at = now
+                self._entry(tid, now).alive_at = now
+
+    def _entry(self, tid: str, now: float) -> _Signals:
+        """The signals of ``tid``; a new entry for a transfer no request expects yet is early
+        (``MAX_EARLY`` of them at most: the oldest makes room). Under the lock."""
+        entry = self._signals.get(tid)
+        if entry is not None:
+            return entry
+        entry = self._signals[tid] = _Signals(now)
+        if tid not in self._tid_to_req:
+            self._early[tid] = None
+            if len(self._early) > self._early_max:
+                oldest, _ = self._early.popitem(last=False)
+                del self._signals[oldest]
+                self._dropped_early()
+        return entry
+
+    def _dropped_early(self) -> None:
+        self.early_dropped += 1
+        if self.early_dropped == 1:  # once: a flood would otherwise flood the log too
+            log.warning(
+                "side channel: more than %d transfers not expected (yet) have signals or "
+                "keep-alives here; the oldest are dropped (logged once): a flood, or P far "
+                "ahead of D",
+                self._early_max,
+            )
+
+    def early_held(self) -> int:
+        """Transfers with signals or keep-alives no request expects yet."""
+        with self._lock:
+            return len(self._early)
 
     def take_silent(self) -> set[str]:
         """Req ids failed since the last call while P may still write: for P's silence (P may
@@ -213,10 +253,19 @@ class RecvTracker:
                     if len(self._sources) > self._retired_max:  # nobody takes them
                         del self._sources[next(iter(self._sources))]
                 self._retire(recv)
-            for tid, entry in list(self._signals.items()):  # early signals nobody claimed
-                if tid not in self._tid_to_req and now - entry.first_at > self._timeout:
-                    del self._signals[tid]
+            self._expire_early(now)
         return finished, failed
+
+    def _expire_early(self, now: float) -> None:
+        """Drop early entries nobody claimed by the deadline: from the oldest, up to the first
+        still within it (arrival order is expiry order). Under the lock."""
+        while self._early:
+            tid = next(iter(self._early))
+            entry = self._signals.get(tid)
+            if entry is not None and now - entry.first_at <= self._timeout:
+                return
+            del self._early[tid]
+            self._signals.pop(tid, None)
 
     def _verdict(self, recv: _Recv, now: float) -> bool | None:
         """True: all KV arrived; False: failed or expired; None: keep waiting."""
@@ -352,6 +401,7 @@ class RecvTracker:
         self._failed_now.discard(recv.req_id)
         self._tid_to_req.pop(recv.transfer_id, None)
         self._signals.pop(recv.transfer_id, None)
+        self._early.pop(recv.transfer_id, None)
         self._retired[recv.transfer_id] = None
         while len(self._retired) > self._retired_max:
             self._retired.popitem(last=False)
