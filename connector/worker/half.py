@@ -15,7 +15,7 @@ from connector.config import ConnectorSettings
 from connector.device import Device, make_device
 from connector.errors import ConfigError
 from connector.metadata import ABANDONED, Abandoned, PdgateMetadata, SendChunk
-from connector.seal import channel_of
+from connector.seal import OVERHEAD, channel_of
 from connector.stats import StatsCollector
 from connector.tracing import ConnectorTracer, Value, build_tracer, sampled
 from connector.transport import Transport, make_transport
@@ -165,6 +165,7 @@ class ConnectorWorker:
             self.transport.session,
         )
         if self.role in ("kv_consumer", "kv_both"):
+            self._check_welcome_fits()
             if self.device.name != "npu":  # check whatever digests P ranks send
                 memory, checksums = self.memory, self.device.checksums
                 self.tracker.verify = lambda sig: digest.check(memory, sig.digests, checksums)
@@ -176,6 +177,7 @@ class ConnectorWorker:
                 self.tracker.on_signal if self._loads is None else self._on_signal,
                 self.tracker.on_alive,
                 self.channel,
+                self.tracker.on_digests,
             )
         if self.role in ("kv_producer", "kv_both"):
             self.sender = self._make_sender(self.memory, verify)
@@ -248,6 +250,17 @@ class ConnectorWorker:
                 s.mooncake_protocol,
             )
         return s.verify_kv or not lands
+
+    def _check_welcome_fits(self) -> None:
+        """D's handshake answer describes every layer: refuse to start rather than serve an
+        answer no P would read (``wire.MAX_FRAME_BYTES``)."""
+        size = len(wire.encode(self._welcome(wire.Hello(self.engine_id, self.protocol)))) + OVERHEAD
+        if size > wire.MAX_FRAME_BYTES:
+            raise ConfigError(
+                f"this engine's side-channel Welcome (its KV memory map: "
+                f"{len(self.memory.layer_names) if self.memory else 0} layers) takes {size} "
+                f"bytes, more than the {wire.MAX_FRAME_BYTES} a side-channel frame may"
+            )
 
     def _welcome(self, hello: wire.Hello) -> wire.Welcome | wire.Refused:
         if self.memory is None:

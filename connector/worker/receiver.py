@@ -13,7 +13,9 @@ when the scheduler says P never took the binding (``release``).
 With digests in the signals (``verify_kv``, or always over a transport whose writes finish
 before they land, like Mooncake tcp), a mismatch first means "not landed yet": the request keeps
 waiting and is re-checked every poll for up to ``landing_wait_s`` (never past its deadline);
-only then is the load failed as corrupt.
+only then is the load failed as corrupt. Digests that did not fit in a signal arrive ahead of
+it (``Digests``); a sender whose digests did not all arrive fails the load (``unverified``).
+Early entries hold ``MAX_EARLY_DIGESTS`` digests at most, all together.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import msgspec
 
 from connector import wire
 from connector.stats import StatsCollector
@@ -40,6 +44,8 @@ UNKNOWN_PREFILL = "unknown"  # a P whose signals do not name its instance
 MAX_EARLY = 4096
 # Done signals one transfer may have: one per P rank writing into this D rank at most
 MAX_SENDERS = MAX_TP_SIZE
+# Digests held for early entries, all together (about 180 bytes each in Python: ~190 MB)
+MAX_EARLY_DIGESTS = 1 << 20
 
 
 class Source(NamedTuple):
@@ -68,6 +74,11 @@ class _Signals:
     settle_until: float = 0.0  # a P rank's failed write may land until then: hold the blocks
     alive_at: float | None = None  # P's last keep-alive for this transfer
     last_wall: float = 0.0  # wall clock of the latest done signal (``RecvTracker.take_ready``)
+    # per sender, the digests that went ahead of its signal (``Digests``)
+    parts: dict[str, list[wire.Digest]] = field(default_factory=dict)
+    overflow: set[str] = field(default_factory=set)  # senders that sent too many digests
+    unverifiable: dict[str, str] = field(default_factory=dict)  # sender: why (its signal in)
+    digests: int = 0  # held here, signals' and parts' (``MAX_EARLY_DIGESTS``)
 
 
 class RecvTracker:
@@ -81,6 +92,7 @@ class RecvTracker:
         stats: StatsCollector | None = None,
         wall: Callable[[], float] = time.time,
         early_max: int = MAX_EARLY,
+        early_digests_max: int = MAX_EARLY_DIGESTS,
     ) -> None:
         self.stats = stats or StatsCollector()
         self._wall = wall
@@ -95,6 +107,8 @@ class RecvTracker:
         # the early ones (no request expects them yet), oldest first: their expiry order
         self._early: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._early_max = early_max
+        self._early_digests_max = early_digests_max
+        self._early_digests = 0  # held by early entries
         self.early_dropped = 0
         self._retired: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._retired_max = retired_max
@@ -105,6 +119,7 @@ class RecvTracker:
         self.verified = 0  # transfers whose digests all matched
         self.late_landings = 0  # of those: matched only after their done signals
         self.silent = 0  # loads failed because P stopped sending keep-alives
+        self.unverified = 0  # loads failed because their digests did not all arrive
         self._quarantine: set[str] = set()  # failed while P may still write: see ``take_silent``
         self._ready: dict[str, float] = {}  # see ``take_ready``
         self._sources: dict[str, Source] = {}  # see ``take_sources``
@@ -119,7 +134,8 @@ class RecvTracker:
                 return
             self._recvs[req_id] = _Recv(req_id, transfer_id, self._clock() + self._timeout)
             self._tid_to_req[transfer_id] = req_id
-            self._early.pop(transfer_id, None)  # its early signals are expected now
+            if self._early.pop(transfer_id, 0) is None:  # its early signals are expected now
+                self._early_digests -= self._signals[transfer_id].digests
 
     def fail(self, req_id: str) -> None:
         """The binding was rejected: P cannot have it, so fail without waiting."""
@@ -150,11 +166,13 @@ class RecvTracker:
             if sig.transfer_id in self._retired:
                 self.ignored_signals += 1
                 return
-            entry = self._entry(sig.transfer_id, self._clock())
+            entry = self._entry(sig.transfer_id, self._clock(), len(sig.digests))
+            if entry is None:
+                return  # dropped at once: more early digests than held in all
             if sig.sender in entry.by_sender or len(entry.by_sender) >= MAX_SENDERS:
                 self.ignored_signals += 1  # a duplicate, or more senders than P has ranks
                 return
-            entry.by_sender[sig.sender] = sig
+            entry.by_sender[sig.sender] = self._whole(entry, sig)
             entry.last_wall = self._wall()
             if sig.settle_s > 0:
                 entry.settle_until = max(entry.settle_until, self._clock() + sig.settle_s)
@@ -165,22 +183,61 @@ class RecvTracker:
             for tid in alive.transfer_ids:
                 if tid in self._retired:
                     continue
-                self._entry(tid, now).alive_at = now
+                entry = self._entry(tid, now)
+                if entry is not None:
+                    entry.alive_at = now
 
-    def _entry(self, tid: str, now: float) -> _Signals:
-        """The signals of ``tid``; a new entry for a transfer no request expects yet is early
-        (``MAX_EARLY`` of them at most: the oldest makes room). Under the lock."""
+    def on_digests(self, part: wire.Digests) -> None:
+        """Digests of a transfer's pieces that went ahead of its sender's done signal."""
+        with self._lock:
+            if part.transfer_id in self._retired:
+                return
+            entry = self._entry(part.transfer_id, self._clock(), len(part.digests))
+            if entry is None or part.sender in entry.by_sender:
+                return  # dropped (early, too many), or after its signal: not P's
+            held = entry.parts.setdefault(part.sender, [])
+            if len(held) + len(part.digests) > wire.MAX_DIGESTS_PER_SENDER:
+                entry.overflow.add(part.sender)
+                held.clear()
+            elif part.sender not in entry.overflow and len(entry.parts) <= MAX_SENDERS:
+                held.extend(part.digests)
+
+    @staticmethod
+    def _whole(entry: _Signals, sig: wire.Signal) -> wire.Signal:
+        """``sig`` with the digests that went ahead of it; a sender whose digests did not all
+        arrive is noted as unverifiable. Under the lock."""
+        ahead = entry.parts.pop(sig.sender, [])
+        got = len(ahead) + len(sig.digests)
+        want = sig.digest_count if sig.digest_count or ahead else got
+        if sig.sender in entry.overflow:
+            entry.unverifiable[sig.sender] = f"more than {wire.MAX_DIGESTS_PER_SENDER} digests"
+        elif got != want:
+            entry.unverifiable[sig.sender] = f"{got} of its {want} digests arrived"
+        if not ahead:
+            return sig
+        ahead.extend(sig.digests)
+        return msgspec.structs.replace(sig, digests=ahead)
+
+    def _entry(self, tid: str, now: float, digests: int = 0) -> _Signals | None:
+        """The signals of ``tid``, which ``digests`` more digests are about to join; a new
+        entry for a transfer no request expects yet is early: ``MAX_EARLY`` of them and
+        ``MAX_EARLY_DIGESTS`` digests at most, the oldest making room (``None``: this one
+        went too). Under the lock."""
         entry = self._signals.get(tid)
-        if entry is not None:
-            return entry
-        entry = self._signals[tid] = _Signals(now)
-        if tid not in self._tid_to_req:
-            self._early[tid] = None
-            if len(self._early) > self._early_max:
+        if entry is None:
+            entry = self._signals[tid] = _Signals(now)
+            if tid not in self._tid_to_req:
+                self._early[tid] = None
+        entry.digests += digests
+        if tid in self._early:
+            self._early_digests += digests
+            while len(self._early) > self._early_max or (
+                self._early_digests > self._early_digests_max
+            ):
                 oldest, _ = self._early.popitem(last=False)
-                del self._signals[oldest]
+                self._early_digests -= self._signals.pop(oldest).digests
                 self._dropped_early()
-        return entry
+        return self._signals.get(tid)
 
     def _dropped_early(self) -> None:
         self.early_dropped += 1
@@ -265,7 +322,9 @@ class RecvTracker:
             if entry is not None and now - entry.first_at <= self._timeout:
                 return
             del self._early[tid]
-            self._signals.pop(tid, None)
+            if entry is not None:
+                del self._signals[tid]
+                self._early_digests -= entry.digests
 
     def _verdict(self, recv: _Recv, now: float) -> bool | None:
         """True: all KV arrived; False: failed or expired; None: keep waiting."""
@@ -303,7 +362,7 @@ class RecvTracker:
                 )
                 return False
             if len(entry.by_sender) >= max(s.expected for s in sigs):
-                return self._intact(recv, sigs, now)
+                return self._intact(recv, entry, now)
         alive_at = entry.alive_at if entry is not None else None
         # (an aborted request has no answer to hurry: it keeps waiting for P or the deadline)
         silent = alive_at is not None and now - alive_at >= self._silence
@@ -341,13 +400,24 @@ class RecvTracker:
             return False
         return None
 
-    def _intact(self, recv: _Recv, sigs: Iterable[wire.Signal], now: float) -> bool | None:
+    def _intact(self, recv: _Recv, entry: _Signals, now: float) -> bool | None:
         """With ``verify``: whether what landed matches every P rank's digests (None: not yet,
         keep waiting — bytes may still be on their way)."""
         if self.verify is None:
             return True
+        for sender, why in entry.unverifiable.items():
+            self.unverified += 1
+            recv.cause = "unverified"
+            log.error(
+                "transfer %s (%s): the KV from %s cannot be checked: %s; failing the load",
+                recv.transfer_id,
+                recv.req_id,
+                sender,
+                why,
+            )
+            return False
         checked = False
-        for sig in sigs:
+        for sig in entry.by_sender.values():
             if not sig.digests:
                 continue  # that P rank runs without digests
             checked = True
