@@ -21,11 +21,24 @@ from typing import Annotated, Any
 import msgspec
 
 from connector.layout import LayerLayout
+from pdwire.ids import ID_BODY
+from pdwire.models import MAX_TP_SIZE
 from pdwire.version import UNVERSIONED
+
+# Bounds of what a peer may say (D logs P's strings, quoted and cut: ``connector/untrusted.py``)
+MAX_NAME_CHARS = 300  # an engine id, and "/<rank>" after it
+MAX_ERROR_CHARS = 1024  # why a push failed (P sends the start of a longer reason)
+MAX_ALIVE_IDS = 4096  # transfers one keep-alive names (P sends several when it has more)
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+Error = Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CHARS)]
+# a whole transfer id (``\Z``: ``$`` would let a trailing newline through)
+TransferId = Annotated[str, msgspec.Meta(pattern=rf"^{ID_BODY}\Z")]
+# signals D waits for: one per P rank writing into a D rank, at most P's TP size
+Expected = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
-    p_engine_id: str
+    p_engine_id: Name
     protocol: int = UNVERSIONED
 
 
@@ -64,11 +77,11 @@ MAX_SETTLE_S = 2 * 600 + 2.0
 
 
 class Refused(msgspec.Struct, tag="refused", frozen=True):
-    reason: str
+    reason: Error
     protocol: int = UNVERSIONED
 
 
-INSTANCE_LABEL = r"^[A-Za-z0-9._:-]*$"  # what a metric label of D may carry
+INSTANCE_LABEL = r"^[A-Za-z0-9._:-]*\Z"  # what a metric label of D may carry
 
 
 U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
@@ -78,11 +91,11 @@ DigestList = Annotated[list[Digest], msgspec.Meta(max_length=MAX_DIGESTS_PER_MES
 
 
 class Signal(msgspec.Struct, tag="signal", frozen=True):
-    transfer_id: str
-    sender: str  # "<p engine id>/<p rank>"
+    transfer_id: TransferId
+    sender: Name  # "<p engine id>/<p rank>"
     ok: bool
-    expected: int
-    error: str = ""
+    expected: Expected
+    error: Error = ""
     # with digests: (D layer index, D address, length, crc32) of pieces written: the last of
     # them (the rest went ahead in ``Digests`` messages)
     digests: DigestList = []
@@ -100,8 +113,8 @@ class Digests(msgspec.Struct, tag="digests", frozen=True):
     """Digests of a transfer's pieces that did not fit in its ``Signal``: sent just ahead of it
     on the same connection (ZeroMQ keeps their order)."""
 
-    transfer_id: str
-    sender: str  # "<p engine id>/<p rank>"
+    transfer_id: TransferId
+    sender: Name  # "<p engine id>/<p rank>"
     digests: DigestList
 
 
@@ -116,8 +129,8 @@ class Alive(msgspec.Struct, tag="alive", frozen=True):
     """P's sender is alive and these transfers to this D rank are still open: sent every
     ``keepalive_s`` while a push is open. D fails a load whose P went silent (``silence_s``)."""
 
-    sender: str  # "<p engine id>/<p rank>"
-    transfer_ids: list[str]
+    sender: Name  # "<p engine id>/<p rank>"
+    transfer_ids: Annotated[list[TransferId], msgspec.Meta(max_length=MAX_ALIVE_IDS)]
 
 
 Message = Hello | Welcome | Refused | Signal | Digests | Alive

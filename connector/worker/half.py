@@ -19,6 +19,7 @@ from connector.seal import OVERHEAD, channel_of
 from connector.stats import StatsCollector
 from connector.tracing import ConnectorTracer, Value, build_tracer, sampled
 from connector.transport import Transport, make_transport
+from connector.untrusted import shown
 from connector.worker import digest
 from connector.worker.memory import KVMemory
 from connector.worker.receiver import RecvTracker
@@ -265,7 +266,7 @@ class ConnectorWorker:
     def _welcome(self, hello: wire.Hello) -> wire.Welcome | wire.Refused:
         if self.memory is None:
             return wire.Refused("KV caches not registered yet", self.protocol)
-        why = mismatch(hello.protocol, f"P engine {hello.p_engine_id}", self.protocol)
+        why = mismatch(hello.protocol, f"P engine {shown(hello.p_engine_id)}", self.protocol)
         if why is not None:
             log.warning("rank %d refuses a handshake: %s", self.rank, why)
             return wire.Refused(why, self.protocol)

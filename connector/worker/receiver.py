@@ -32,6 +32,7 @@ import msgspec
 
 from connector import wire
 from connector.stats import StatsCollector
+from connector.untrusted import shown
 from pdwire.models import MAX_TP_SIZE
 
 log = logging.getLogger("pdgate.connector.receiver")
@@ -160,7 +161,11 @@ class RecvTracker:
 
     def on_signal(self, sig: wire.Signal) -> None:
         log.debug(
-            "signal %s from %s ok=%s expected=%d", sig.transfer_id, sig.sender, sig.ok, sig.expected
+            "signal %s from %s ok=%s expected=%d",
+            sig.transfer_id,
+            shown(sig.sender),
+            sig.ok,
+            sig.expected,
         )
         with self._lock:
             if sig.transfer_id in self._retired:
@@ -358,7 +363,10 @@ class RecvTracker:
                     "transfer %s (%s): P reported its push failed (%s); failing the load",
                     recv.transfer_id,
                     recv.req_id,
-                    "; ".join(f"{s.sender}: {s.error or 'no reason given'}" for s in failed),
+                    "; ".join(
+                        f"{shown(s.sender)}: {shown(s.error) if s.error else 'no reason given'}"
+                        for s in failed[:4]
+                    ),
                 )
                 return False
             if len(entry.by_sender) >= max(s.expected for s in sigs):
@@ -412,7 +420,7 @@ class RecvTracker:
                 "transfer %s (%s): the KV from %s cannot be checked: %s; failing the load",
                 recv.transfer_id,
                 recv.req_id,
-                sender,
+                shown(sender),
                 why,
             )
             return False
@@ -435,7 +443,7 @@ class RecvTracker:
                 "signal: %s; failing the load",
                 recv.transfer_id,
                 recv.req_id,
-                sig.sender,
+                shown(sig.sender),
                 now - recv.signalled_at,
                 problem,
             )

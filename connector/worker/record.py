@@ -25,6 +25,11 @@ from connector.worker.transfer import EndTask, Outcome, Span, Transfer
 log = logging.getLogger("pdgate.connector.sender")
 
 
+def signal_error(error: str) -> str:
+    """What D reads of a failed push's reason: its start (``wire.MAX_ERROR_CHARS``)."""
+    return error[: wire.MAX_ERROR_CHARS]
+
+
 class Recorder:
     def __init__(
         self,
@@ -114,7 +119,7 @@ class Recorder:
             self._me,
             not error,
             tr.route.expected,
-            error,
+            signal_error(error),
             last,
             min(tr.settle_s, wire.MAX_SETTLE_S),
             self._instance,

@@ -19,6 +19,7 @@ from typing import Any
 from connector import wire
 from connector.errors import HandshakeError
 from connector.seal import OPEN, Channel, Unsealed
+from connector.untrusted import shown
 from pdwire.version import mismatch
 
 log = logging.getLogger("pdgate.connector.side_channel")
@@ -98,7 +99,7 @@ class SideChannelServer:
                 try:
                     reply: wire.Message = self._welcome(msg)
                 except Exception as exc:
-                    reply = wire.Refused(str(exc))
+                    reply = wire.Refused(str(exc)[: wire.MAX_ERROR_CHARS])
                 sealed, _ = self._channel.seal(wire.encode(reply), reply_to=opened.nonce)
                 self._sock.send_multipart([ident, sealed])
             elif isinstance(msg, wire.Signal):
@@ -168,7 +169,7 @@ def handshake(
         raise HandshakeError(why)  # checked first: another release's Welcome may not decode
     msg = wire.decode(raw)
     if isinstance(msg, wire.Refused):
-        raise HandshakeError(f"{host}:{port} refused the handshake: {msg.reason}")
+        raise HandshakeError(f"{host}:{port} refused the handshake: {shown(msg.reason)}")
     if not isinstance(msg, wire.Welcome):
         raise HandshakeError(f"{host}:{port} answered the handshake with {type(msg).__name__}")
     return msg
@@ -209,7 +210,13 @@ class SignalClient:
             sock.send(self._channel.seal(wire.encode(signal))[0], zmq.NOBLOCK)
             return True
         except zmq.Again:
-            log.warning("signal queue to %s:%d full; dropped %s", host, port, signal)
+            what = (
+                f"{len(signal.transfer_ids)} transfers"
+                if isinstance(signal, wire.Alive)
+                else signal.transfer_id
+            )
+            kind = type(signal).__name__
+            log.warning("signal queue to %s:%d full; dropped a %s (%s)", host, port, kind, what)
             return False
 
     def close(self) -> None:
