@@ -107,6 +107,8 @@ class Signal(msgspec.Struct, tag="signal", frozen=True):
     instance: Annotated[str, msgspec.Meta(max_length=128, pattern=INSTANCE_LABEL)] = ""
     # all of this sender's digests for the transfer: the ``Digests`` ahead of it and these
     digest_count: Annotated[int, msgspec.Meta(ge=0, le=MAX_DIGESTS_PER_SENDER)] = 0
+    # this sender signs its pieces (its digests, none when it wrote none, are all there is)
+    signed: bool = False
 
 
 class Digests(msgspec.Struct, tag="digests", frozen=True):

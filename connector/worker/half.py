@@ -170,6 +170,7 @@ class ConnectorWorker:
             if self.device.name != "npu":  # check whatever digests P ranks send
                 memory, checksums = self.memory, self.device.checksums
                 self.tracker.verify = lambda sig: digest.check(memory, sig.digests, checksums)
+                self.tracker.require_digests = self.settings.verify_kv
             port = self.settings.side_channel_port + self.rank
             self.server = SideChannelServer(
                 self.settings.side_channel_host or "0.0.0.0",

@@ -14,7 +14,9 @@ With digests in the signals (``verify_kv``, or always over a transport whose wri
 before they land, like Mooncake tcp), a mismatch first means "not landed yet": the request keeps
 waiting and is re-checked every poll for up to ``landing_wait_s`` (never past its deadline);
 only then is the load failed as corrupt. Digests that did not fit in a signal arrive ahead of
-it (``Digests``); a sender whose digests did not all arrive fails the load (``unverified``).
+it (``Digests``); a sender whose digests did not all arrive fails the load (``unverified``), and
+so does a signal without digests for a transfer whose other signals have them, or any unsigned
+one when D checks every load (``require_digests``: D's ``verify_kv``).
 Early entries hold ``MAX_EARLY_DIGESTS`` digests at most, all together.
 """
 
@@ -126,6 +128,8 @@ class RecvTracker:
         self._sources: dict[str, Source] = {}  # see ``take_sources``
         # ``verify_kv``: checks a complete transfer's digests ("" = the KV landed intact)
         self.verify: Callable[[wire.Signal], str] | None = None
+        # every load must come signed (D's ``verify_kv``), not only those P chose to sign
+        self.require_digests = False
         # a load completed intact (counts its bytes); runs under the tracker's lock
         self.on_landed: Callable[[str], None] | None = None
 
@@ -424,10 +428,24 @@ class RecvTracker:
                 why,
             )
             return False
+        unsigned = self._unsigned(entry)
+        if unsigned is not None:
+            self.unverified += 1
+            recv.cause = "unverified"
+            log.error(
+                "transfer %s (%s): the done signal of %s carries no digests, %s; failing the load",
+                recv.transfer_id,
+                recv.req_id,
+                shown(unsigned),
+                "while D checks every load (verify_kv)"
+                if self.require_digests
+                else "while the transfer's other signals do",
+            )
+            return False
         checked = False
         for sig in entry.by_sender.values():
             if not sig.digests:
-                continue  # that P rank runs without digests
+                continue  # signed, but nothing written
             checked = True
             problem = self.verify(sig)
             if not problem:
@@ -459,6 +477,16 @@ class RecvTracker:
             )
         self.verified += checked
         return True
+
+    def _unsigned(self, entry: _Signals) -> str | None:
+        """The sender of a signal that skips the check of a transfer that has one: a
+        transfer is checked whole once any of its signals is signed, or always (``require_
+        digests``)."""
+        sigs = entry.by_sender.values()
+        signed = [s.signed or bool(s.digests) for s in sigs]
+        if not (self.require_digests or any(signed)):
+            return None
+        return next((s.sender for s, ok in zip(sigs, signed, strict=True) if not ok), None)
 
     def _prefill_of(self, recv: _Recv) -> str:
         """The P instance a load came from: as its done signals name it; ``unknown`` when they

@@ -124,6 +124,7 @@ class Recorder:
             min(tr.settle_s, wire.MAX_SETTLE_S),
             self._instance,
             len(digests),
+            self._signer is not None,
         )
         if not self._signals.send(tr.dest.host, tr.d_port, sig):
             tr.error = tr.error or "signal not sent"
