@@ -16,6 +16,7 @@ from pydantic_settings import SettingsConfigDict
 
 from connector.errors import ConfigError
 from connector.seal import load_keys
+from pdwire.client.token import FileToken, Token
 from pdwire.settings import LayeredSettings
 
 TOKEN_ENV = "PDGATE_METASERVER_TOKEN"
@@ -28,7 +29,14 @@ class ConnectorSettings(LayeredSettings):
     metaserver_url: str = Field(
         "", pattern=r"^(https?://[^\s]+)?$", description="metaserver base URL ('' = none)"
     )
-    metaserver_token: SecretStr | None = Field(None, description=f"bearer token; else ${TOKEN_ENV}")
+    metaserver_token: SecretStr | None = Field(
+        None, description=f"bearer token; else metaserver_token_file, else ${TOKEN_ENV}"
+    )
+    metaserver_token_file: str = Field(
+        "",
+        description="file holding the bearer token (e.g. a projected Kubernetes ServiceAccount "
+        "token), read again whenever it changes; used when metaserver_token is not set",
+    )
     instance_id: str = Field("", pattern=r"^[A-Za-z0-9._:-]{0,128}$")
     http_url: str = Field(
         "", description="this vLLM server's own URL, registered in the metaserver"
@@ -139,6 +147,13 @@ class ConnectorSettings(LayeredSettings):
             raise ValueError("must start with http:// or https://")
         return v.rstrip("/")
 
+    @field_validator("metaserver_token_file")
+    @classmethod
+    def _readable_token(cls, v: str) -> str:
+        if v:
+            FileToken(v)  # a clear error at start, not at the first call
+        return v
+
     @field_validator("side_channel_secret_file")
     @classmethod
     def _readable_secret(cls, v: str) -> str:
@@ -167,9 +182,14 @@ class ConnectorSettings(LayeredSettings):
         return self
 
     @property
-    def token(self) -> str | None:
+    def token(self) -> Token:
+        """What the metaserver clients send: ``metaserver_token``, else the file's token (read
+        again when the file changes: each call gives a new reader), else ``$PDGATE_METASERVER_
+        TOKEN``."""
         if self.metaserver_token is not None:
             return self.metaserver_token.get_secret_value()
+        if self.metaserver_token_file:
+            return FileToken(self.metaserver_token_file)
         return os.environ.get(TOKEN_ENV) or None
 
     def resolved_host(self) -> str:
