@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import secrets
@@ -116,6 +117,9 @@ class LaunchOptions:
     # them into its index (0: off); ``kv_routing`` also has the proxy route on it (kv policy)
     kv_events_base_port: int = 0
     kv_routing: bool = False
+    # engines serve only callers with this key (vLLM's VLLM_API_KEY; the proxy's
+    # PD_PROXY_ENGINE_API_KEY): '' = engines answer anyone
+    engine_api_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -228,15 +232,32 @@ def kv_transfer_config(
     )
 
 
-def kv_events_config(port: int) -> str:
-    """vLLM's ``--kv-events-config``: a publisher bound on every interface at ``port``, its
-    replay socket at ``port + 1`` (what the connector registers, ``connector.kv_events``)."""
+def kv_events_config(port: int, host: str = "0.0.0.0") -> str:
+    """vLLM's ``--kv-events-config``: a publisher bound on ``host`` at ``port``, its replay
+    socket at ``port + 1`` (what the connector registers, ``connector.kv_events``). The events
+    carry prompt token ids: bound to the launch host, not every interface. vLLM binds its
+    publisher only for an endpoint with ``*`` or ``::`` in it (it connects to any other), so an
+    IPv4 host is named as its IPv4-mapped IPv6 address, which ZeroMQ binds as that IPv4
+    address alone; ``0.0.0.0`` is every interface (``*``)."""
+    if host in ("0.0.0.0", "*"):
+        publisher, replay = f"tcp://*:{port}", f"tcp://*:{port + 1}"
+    else:
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            ip = None
+        if not isinstance(ip, ipaddress.IPv4Address):
+            raise ValueError(
+                f"KV events are bound to the launch host, which must be an IPv4 address or "
+                f"0.0.0.0 for that, not {host!r}"
+            )
+        publisher, replay = f"tcp://[::ffff:{ip}]:{port}", f"tcp://{ip}:{port + 1}"
     return json.dumps(
         {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{port}",
-            "replay_endpoint": f"tcp://*:{port + 1}",
+            "endpoint": publisher,
+            "replay_endpoint": replay,
             "topic": "kv",
         },
         separators=(",", ":"),
@@ -274,7 +295,7 @@ def engine_child(
     if o.block_size:
         argv += ["--block-size", str(o.block_size)]
     if events_port:
-        argv += ["--kv-events-config", kv_events_config(events_port)]
+        argv += ["--kv-events-config", kv_events_config(events_port, o.host)]
     argv += list(o.extra_engine_args)
     env = dict(_DEVICE[o.device].env)
     if o.device == "cpu" and tp <= 1:
@@ -287,6 +308,8 @@ def engine_child(
         }
     if o.token and o.connector == "pdgate":
         env["PDGATE_METASERVER_TOKEN"] = o.token
+    if o.engine_api_key:  # vLLM's --api-key, never on a command line
+        env["VLLM_API_KEY"] = o.engine_api_key
     return Child(name, argv, url + "/health", env, kind="engine")
 
 
@@ -445,6 +468,8 @@ def build_plan(o: LaunchOptions) -> LaunchPlan:
         proxy_argv += ["--prefill-policy", "kv", "--decode-policy", "kv", "--tokenizer", o.model]
     proxy_argv += ["--flow-header", *o.extra_proxy_args]
     proxy_env = {"PD_PROXY_METASERVER_TOKEN": o.token} if o.token else {}
+    if o.engine_api_key:
+        proxy_env["PD_PROXY_ENGINE_API_KEY"] = o.engine_api_key
     children.append(Child("proxy", proxy_argv, proxy_url + "/health", proxy_env, kind="gate"))
     if o.credentials_dir:
         give_credentials(Path(o.credentials_dir), children)

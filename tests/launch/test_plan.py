@@ -281,10 +281,11 @@ def test_plan_kv_routing(tmp_path: Path) -> None:
         cfg = json.loads(by[name][by[name].index("--kv-events-config") + 1])
         assert cfg["enable_kv_cache_events"] is True and cfg["publisher"] == "zmq"
         endpoints.append((cfg["endpoint"], cfg["replay_endpoint"]))
+    # bound to the launch host (127.0.0.1) only: see test_launch_defaults.py
     assert endpoints == [
-        ("tcp://*:5700", "tcp://*:5701"),
-        ("tcp://*:5702", "tcp://*:5703"),
-        ("tcp://*:5704", "tcp://*:5705"),
+        ("tcp://[::ffff:127.0.0.1]:5700", "tcp://127.0.0.1:5701"),
+        ("tcp://[::ffff:127.0.0.1]:5702", "tcp://127.0.0.1:5703"),
+        ("tcp://[::ffff:127.0.0.1]:5704", "tcp://127.0.0.1:5705"),
     ]
     proxy = by["proxy"]
     assert proxy[proxy.index("--prefill-policy") + 1] == "kv"
