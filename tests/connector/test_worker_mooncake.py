@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow  # two processes that import vLLM per test: not in
 PEER = [sys.executable, "-m", "tests.connector.mooncake_peer"]
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _one_key() -> None:
     key_file()  # made before the peers start: both read it (its path is in the environment)
 
