@@ -204,12 +204,20 @@ class RecvTracker:
             entry = self._entry(part.transfer_id, self._clock(), len(part.digests))
             if entry is None or part.sender in entry.by_sender:
                 return  # dropped (early, too many), or after its signal: not P's
+            if part.sender not in entry.parts and len(entry.parts) >= MAX_SENDERS:
+                return  # more senders than P has ranks
             held = entry.parts.setdefault(part.sender, [])
             if len(held) + len(part.digests) > wire.MAX_DIGESTS_PER_SENDER:
                 entry.overflow.add(part.sender)
                 held.clear()
-            elif part.sender not in entry.overflow and len(entry.parts) <= MAX_SENDERS:
+            elif part.sender not in entry.overflow:
                 held.extend(part.digests)
+
+    def digest_senders(self, tid: str) -> int:
+        """Senders whose digests of ``tid`` arrived ahead of their signal."""
+        with self._lock:
+            entry = self._signals.get(tid)
+            return 0 if entry is None else len(entry.parts)
 
     @staticmethod
     def _whole(entry: _Signals, sig: wire.Signal) -> wire.Signal:

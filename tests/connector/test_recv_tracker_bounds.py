@@ -105,3 +105,11 @@ def test_poll_work_does_not_grow_with_the_early_entries_held() -> None:
     assert many.early_held() == 0
     clock.now += 1.0
     assert _lines_run(many.poll) <= _lines_run(few.poll)
+
+
+def test_digests_ahead_of_signals_are_kept_for_so_many_senders_only() -> None:
+    tracker = RecvTracker(120.0, Clock())
+    tracker.expect("req", "mine")
+    for i in range(3 * receiver.MAX_SENDERS):
+        tracker.on_digests(wire.Digests("mine", f"evil/{i}", [(0, 4096, 64, 7)]))
+    assert tracker.digest_senders("mine") == receiver.MAX_SENDERS
