@@ -16,6 +16,7 @@ from pydantic_settings import SettingsConfigDict
 
 from connector.errors import ConfigError
 from connector.seal import load_keys
+from pdwire.client.token import FileToken, Token
 from pdwire.settings import LayeredSettings
 
 TOKEN_ENV = "PDGATE_METASERVER_TOKEN"
@@ -28,7 +29,14 @@ class ConnectorSettings(LayeredSettings):
     metaserver_url: str = Field(
         "", pattern=r"^(https?://[^\s]+)?$", description="metaserver base URL ('' = none)"
     )
-    metaserver_token: SecretStr | None = Field(None, description=f"bearer token; else ${TOKEN_ENV}")
+    metaserver_token: SecretStr | None = Field(
+        None, description=f"bearer token; else metaserver_token_file, else ${TOKEN_ENV}"
+    )
+    metaserver_token_file: str = Field(
+        "",
+        description="file holding the bearer token (e.g. a projected Kubernetes ServiceAccount "
+        "token), read again whenever it changes; used when metaserver_token is not set",
+    )
     instance_id: str = Field("", pattern=r"^[A-Za-z0-9._:-]{0,128}$")
     http_url: str = Field(
         "", description="this vLLM server's own URL, registered in the metaserver"
@@ -92,7 +100,13 @@ class ConnectorSettings(LayeredSettings):
         "",
         description="file holding the side channel's key(s), one per line: the first seals "
         "every P <-> D message, any of them opens one (rotation); every P and D of a "
-        "deployment reads the same file. '' = the side channel is unauthenticated",
+        "deployment reads the same file; required unless insecure_side_channel",
+    )
+    insecure_side_channel: bool = Field(
+        False,
+        description="run the side channel unauthenticated when no side_channel_secret_file is "
+        "set: anyone who reaches a D rank's side-channel port can then forge done signals and "
+        "read D's KV memory map (a trusted network only; logged as a WARNING at every start)",
     )
     side_channel_max_skew_s: float = Field(
         60.0,
@@ -133,12 +147,30 @@ class ConnectorSettings(LayeredSettings):
             raise ValueError("must start with http:// or https://")
         return v.rstrip("/")
 
+    @field_validator("metaserver_token_file")
+    @classmethod
+    def _readable_token(cls, v: str) -> str:
+        if v:
+            FileToken(v)  # a clear error at start, not at the first call
+        return v
+
     @field_validator("side_channel_secret_file")
     @classmethod
     def _readable_secret(cls, v: str) -> str:
         if v:
             load_keys(v)  # a clear error at start, not at the first handshake
         return v
+
+    @model_validator(mode="after")
+    def _sealed(self) -> ConnectorSettings:
+        if not self.side_channel_secret_file and not self.insecure_side_channel:
+            raise ValueError(
+                "the P <-> D side channel needs side_channel_secret_file (a file of keys every "
+                "P and D of the deployment reads; make one with: umask 077; head -c 32 "
+                "/dev/urandom | base64 > FILE); an unauthenticated side channel, on a trusted "
+                "network only, takes insecure_side_channel: true"
+            )
+        return self
 
     @model_validator(mode="after")
     def _test_hooks(self) -> ConnectorSettings:
@@ -150,9 +182,14 @@ class ConnectorSettings(LayeredSettings):
         return self
 
     @property
-    def token(self) -> str | None:
+    def token(self) -> Token:
+        """What the metaserver clients send: ``metaserver_token``, else the file's token (read
+        again when the file changes: each call gives a new reader), else ``$PDGATE_METASERVER_
+        TOKEN``."""
         if self.metaserver_token is not None:
             return self.metaserver_token.get_secret_value()
+        if self.metaserver_token_file:
+            return FileToken(self.metaserver_token_file)
         return os.environ.get(TOKEN_ENV) or None
 
     def resolved_host(self) -> str:

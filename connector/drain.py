@@ -11,7 +11,8 @@
    connector deregisters the instance on shutdown.
 
 Python rather than a shell script: the engine images have Python and pdgate, not curl. The
-instance id defaults to ``$POD_NAME`` (the chart's ``instance_id``), the token to
+instance id defaults to ``$POD_NAME`` (the chart's ``instance_id``); the token is read from
+``--token-file`` (a projected ServiceAccount token: read again if it changes meanwhile), else
 ``$PDGATE_METASERVER_TOKEN``.
 """
 
@@ -29,6 +30,7 @@ import httpx
 
 from connector.config import TOKEN_ENV
 from pdwire.client import MetaserverClient, MetaserverClientError, NotFoundError, RetryPolicy
+from pdwire.client.token import FileToken, Token
 
 log = logging.getLogger("pdgate.connector.drain")
 BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
@@ -101,14 +103,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--settle", type=float, default=10.0, help="seconds before idle counts")
     p.add_argument("--timeout", type=float, default=300.0, help="longest wait in all")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between metric reads")
+    p.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help=f"the metaserver token, read from this file (default: ${TOKEN_ENV})",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     if not args.instance_id:
         p.error("--instance-id (or $POD_NAME) is required")
+    token: Token = os.environ.get(TOKEN_ENV) or None
+    if args.token_file:
+        try:
+            token = FileToken(args.token_file)
+        except ValueError as exc:
+            p.error(f"--token-file: {exc}")
     try:
-        client = MetaserverClient(
-            args.metaserver, token=os.environ.get(TOKEN_ENV) or None, retry=RetryPolicy(retries=2)
-        )
+        client = MetaserverClient(args.metaserver, token=token, retry=RetryPolicy(retries=2))
     except ValueError as exc:  # not an http(s) URL
         p.error(f"--metaserver: {exc}")
     with client:

@@ -1,7 +1,9 @@
 """What an engine tells the registry about its KV cache events (``InstanceSpec.kv_events``).
 
-vLLM binds its publisher when the endpoint is a wildcard (``tcp://*:5557``) and connects
-elsewhere (to a relay); only a bound publisher can be followed, on the instance's own host.
+vLLM binds its publisher when the endpoint has ``*`` or ``::`` in it (``tcp://*:5557``, or an
+IPv6 address: pd-launch names an IPv4 host as ``tcp://[::ffff:127.0.0.1]:5557`` so that vLLM
+binds it and ZeroMQ listens there alone) and connects elsewhere (to a relay); only a bound
+publisher can be followed, on the instance's own host.
 Data-parallel ranks publish on ``port + rank``.
 """
 
@@ -17,8 +19,11 @@ log = logging.getLogger("pdgate.connector")
 
 
 def _bound_port(endpoint: str | None, rank: int, *, wildcard: bool = True) -> int | None:
-    """The port of a tcp endpoint vLLM binds (``wildcard``: the PUB socket binds only then)."""
-    if not endpoint or not endpoint.startswith("tcp://") or (wildcard and "*" not in endpoint):
+    """The port of a tcp endpoint vLLM binds (``wildcard``: the PUB socket binds only for
+    ``*`` or ``::``, as vLLM's ``ZmqEventPublisher._is_bind_endpoint`` decides)."""
+    if not endpoint or not endpoint.startswith("tcp://"):
+        return None
+    if wildcard and "*" not in endpoint and "::" not in endpoint:
         return None
     port = int(endpoint.rsplit(":", 1)[1])
     return port + rank if port else None
@@ -36,7 +41,7 @@ def kv_events_of(vllm_config: VllmConfig) -> KVEvents | None:
     if port is None:
         log.warning(
             "KV events at %s are not followed: the metaserver follows a publisher bound on the "
-            "engine's host ('tcp://*:PORT', port not 0)", cfg.endpoint,
+            "engine's host ('tcp://*:PORT' or an IPv6 address, port not 0)", cfg.endpoint,
         )  # fmt: skip
         return None
     return KVEvents(

@@ -63,7 +63,14 @@ class Series:
         return (self.name,)
 
 
-FAILURE_CAUSES = ("timeout", "prefill_silent", "prefill_failed", "corrupt", "binding_rejected")
+FAILURE_CAUSES = (
+    "timeout",
+    "prefill_silent",
+    "prefill_failed",
+    "corrupt",
+    "unverified",
+    "binding_rejected",
+)
 
 SERIES: tuple[Series, ...] = (
     Series("push_bytes", Kind.COUNTER, "Bytes P wrote into D's KV blocks.", side="P worker"),
@@ -148,6 +155,7 @@ SERIES: tuple[Series, ...] = (
         "Remote KV loads that failed, by cause: timeout (no done signal by kv_load_timeout_s), "
         "prefill_silent (P's keep-alives stopped for silence_s: killed or frozen), "
         "prefill_failed (P signalled failure), corrupt (digests did not match), "
+        "unverified (digests missing or incomplete, so the KV could not be checked), "
         "binding_rejected (the metaserver refused D's binding, or D's write queue was full).",
         label="cause",
         values=FAILURE_CAUSES,

@@ -8,6 +8,7 @@ pd-launch --model /models/Qwen3-8B --device cuda --prefill 2 --decode 2 --redis 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import secrets
 import shutil
@@ -112,13 +113,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     access = p.add_mutually_exclusive_group()
     access.add_argument(
-        "--token", help="the metaserver's single token (every part holds it; see --roles)"
+        "--token",
+        help="single-token mode: the metaserver's one token, which every part holds (default: "
+        "roles mode, fresh credentials per launch)",
     )
     access.add_argument(
         "--roles",
         action="store_true",
-        help="metaserver roles: each engine gets a token that acts only as itself, the proxy "
-        "its own; an admin token is written to a private file (printed). Removed at exit",
+        help="roles mode (the default; kept for old command lines): each engine gets a token "
+        "that acts only as itself, the proxy its own; an admin token is written to a private "
+        "file (printed). Removed at exit",
+    )
+    access.add_argument(
+        "--insecure-open",
+        action="store_true",
+        help="run the metaserver without credentials: anyone who reaches it may do anything. "
+        "Only with a loopback --host",
     )
     p.add_argument(
         "--side-channel-secret-file",
@@ -207,6 +217,34 @@ def options_from(
     )
 
 
+def launch_options(
+    args: argparse.Namespace, redis_url: str | None, secret_dir: Path
+) -> LaunchOptions:
+    """The options pd-launch runs with; every secret of this launch goes into ``secret_dir``
+    (private, removed at exit): the side channel's key (pdgate connector, unless given), the
+    metaserver's credentials (roles mode, the default) and the engines' API key."""
+    if args.insecure_open and not _loopback(args.host):
+        raise SystemExit(
+            f"pd-launch: --insecure-open runs the metaserver open: only on a loopback --host, "
+            f"not {args.host}"
+        )
+    sealed = args.connector == "pdgate" and not args.side_channel_secret_file
+    secret = new_secret_file(secret_dir) if sealed else ""
+    opts = options_from(args, redis_url, secret)
+    if not args.token and not args.insecure_open:
+        opts = replace(opts, credentials_dir=str(secret_dir))
+    return replace(opts, engine_api_key=new_engine_api_key(secret_dir))
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def print_endpoints(plan: LaunchPlan, out: Printer) -> None:
     name = (
         Path(plan.options.model).name if Path(plan.options.model).exists() else plan.options.model
@@ -222,6 +260,9 @@ def print_endpoints(plan: LaunchPlan, out: Printer) -> None:
     if plan.options.credentials_dir:
         admin = Path(plan.options.credentials_dir) / ADMIN_TOKEN
         out(f"  metaserver roles    admin token in {admin} (removed at exit)")
+    if plan.options.engine_api_key and plan.options.credentials_dir:
+        key = Path(plan.options.credentials_dir) / ENGINE_API_KEY
+        out(f"  engines' API key    in {key} (only the proxy calls them; removed at exit)")
     out("")
     out(f"  curl -s {plan.proxy_url}/v1/chat/completions -H 'content-type: application/json' \\")
     body = {"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
@@ -246,20 +287,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     redis_url = args.redis
     if args.local_redis:
         redis_sup, redis_url = start_local_redis(log_dir, out)
-    secret_dir = None
-    sealed = args.connector == "pdgate" and not args.side_channel_secret_file
-    if sealed or args.roles:
-        secret_dir = tempfile.TemporaryDirectory(prefix="pd-launch-secret-")  # mode 0700
+    secret_dir = tempfile.TemporaryDirectory(prefix="pd-launch-secret-")  # mode 0700
     try:
-        secret = new_secret_file(Path(secret_dir.name)) if secret_dir and sealed else ""
-        opts = options_from(args, redis_url, secret)
-        if args.roles:
-            assert secret_dir is not None
-            opts = replace(opts, credentials_dir=secret_dir.name)
-        plan = build_plan(opts)
-    except ValueError as exc:  # e.g. --connector nixl with a push flow
+        plan = build_plan(launch_options(args, redis_url, Path(secret_dir.name)))
+    except (ValueError, SystemExit) as exc:  # e.g. --connector nixl with a push flow
         if redis_sup is not None:
             redis_sup.stop()
+        secret_dir.cleanup()
+        if isinstance(exc, SystemExit):
+            raise
         raise SystemExit(f"pd-launch: {exc}") from None
     sup = Supervisor(plan.children, log_dir, out)
 
@@ -287,8 +323,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sup.stop()
         if redis_sup is not None:
             redis_sup.stop()
-        if secret_dir is not None:
-            secret_dir.cleanup()
+        secret_dir.cleanup()
         out(f"all processes stopped (logs in {log_dir})")
     sys.exit(code)
 
@@ -311,6 +346,17 @@ def serve(sup: Supervisor, out: Printer, *, restart: bool, backoff_cap_s: float 
             return 0
         sup.restart(dead)
     return 0
+
+
+ENGINE_API_KEY = "engine-api.key"
+
+
+def new_engine_api_key(directory: Path) -> str:
+    """A fresh key for the engines' API (written to a file only this user can read, for whoever
+    needs to call an engine by hand)."""
+    key = secrets.token_urlsafe(32)
+    write_private(directory / ENGINE_API_KEY, key + "\n", new=True)
+    return key
 
 
 def new_secret_file(directory: Path) -> str:

@@ -8,7 +8,17 @@ from pathlib import Path
 
 import httpx
 
-from launch.plan import LaunchPlan
+from launch.plan import ADMIN_TOKEN, LaunchPlan
+
+
+def metaserver_auth(plan: LaunchPlan) -> dict[str, str]:
+    """What lets the demo read the metaserver (reads need a credential): the launch's admin
+    token in roles mode, the single token with ``--token``, nothing when it runs open."""
+    o = plan.options
+    token = o.token
+    if not token and o.credentials_dir:
+        token = (Path(o.credentials_dir) / ADMIN_TOKEN).read_text().strip()
+    return {"authorization": f"Bearer {token}"} if token else {}
 
 
 def run_demo(plan: LaunchPlan, out: Callable[[str], None]) -> None:
@@ -34,7 +44,12 @@ def run_demo(plan: LaunchPlan, out: Callable[[str], None]) -> None:
         f"    (usage: {reply.usage.prompt_tokens if reply.usage else '?'} prompt tokens"
         f"{note if tiny else ''})"
     )
-    listed = httpx.get(plan.metaserver_url + "/v1/bindings", params={"limit": 1}, timeout=10)
+    listed = httpx.get(
+        plan.metaserver_url + "/v1/bindings",
+        params={"limit": 1},
+        headers=metaserver_auth(plan),
+        timeout=10,
+    )
     bindings = listed.json()["bindings"]
     if not bindings:
         out("\nthe metaserver has no binding: this request was not disaggregated")

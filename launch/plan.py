@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import secrets
@@ -95,7 +96,8 @@ class LaunchOptions:
     # roles mode instead: a private directory where the plan writes the metaserver's
     # credentials file (one engine credential per instance, a proxy's, an admin's)
     credentials_dir: str = ""
-    # pdgate connector: the side channel's key file ('' = unauthenticated side channel)
+    # pdgate connector: the side channel's key file (required, unless extra_connector_config
+    # asks for ``insecure_side_channel``)
     side_channel_secret_file: str = ""
     flow: str = "decode-first"
     max_model_len: int = 2048
@@ -115,6 +117,9 @@ class LaunchOptions:
     # them into its index (0: off); ``kv_routing`` also has the proxy route on it (kv policy)
     kv_events_base_port: int = 0
     kv_routing: bool = False
+    # engines serve only callers with this key (vLLM's VLLM_API_KEY; the proxy's
+    # PD_PROXY_ENGINE_API_KEY): '' = engines answer anyone
+    engine_api_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -227,15 +232,32 @@ def kv_transfer_config(
     )
 
 
-def kv_events_config(port: int) -> str:
-    """vLLM's ``--kv-events-config``: a publisher bound on every interface at ``port``, its
-    replay socket at ``port + 1`` (what the connector registers, ``connector.kv_events``)."""
+def kv_events_config(port: int, host: str = "0.0.0.0") -> str:
+    """vLLM's ``--kv-events-config``: a publisher bound on ``host`` at ``port``, its replay
+    socket at ``port + 1`` (what the connector registers, ``connector.kv_events``). The events
+    carry prompt token ids: bound to the launch host, not every interface. vLLM binds its
+    publisher only for an endpoint with ``*`` or ``::`` in it (it connects to any other), so an
+    IPv4 host is named as its IPv4-mapped IPv6 address, which ZeroMQ binds as that IPv4
+    address alone; ``0.0.0.0`` is every interface (``*``)."""
+    if host in ("0.0.0.0", "*"):
+        publisher, replay = f"tcp://*:{port}", f"tcp://*:{port + 1}"
+    else:
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            ip = None
+        if not isinstance(ip, ipaddress.IPv4Address):
+            raise ValueError(
+                f"KV events are bound to the launch host, which must be an IPv4 address or "
+                f"0.0.0.0 for that, not {host!r}"
+            )
+        publisher, replay = f"tcp://[::ffff:{ip}]:{port}", f"tcp://{ip}:{port + 1}"
     return json.dumps(
         {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{port}",
-            "replay_endpoint": f"tcp://*:{port + 1}",
+            "endpoint": publisher,
+            "replay_endpoint": replay,
             "topic": "kv",
         },
         separators=(",", ":"),
@@ -273,7 +295,7 @@ def engine_child(
     if o.block_size:
         argv += ["--block-size", str(o.block_size)]
     if events_port:
-        argv += ["--kv-events-config", kv_events_config(events_port)]
+        argv += ["--kv-events-config", kv_events_config(events_port, o.host)]
     argv += list(o.extra_engine_args)
     env = dict(_DEVICE[o.device].env)
     if o.device == "cpu" and tp <= 1:
@@ -286,6 +308,8 @@ def engine_child(
         }
     if o.token and o.connector == "pdgate":
         env["PDGATE_METASERVER_TOKEN"] = o.token
+    if o.engine_api_key:  # vLLM's --api-key, never on a command line
+        env["VLLM_API_KEY"] = o.engine_api_key
     return Child(name, argv, url + "/health", env, kind="engine")
 
 
@@ -350,6 +374,17 @@ def write_private(path: Path, text: str, *, new: bool = False) -> None:
         f.write(text)
 
 
+def check_sealing(o: LaunchOptions) -> None:
+    """pdgate's connector refuses an unauthenticated side channel unless it is asked for by
+    name (``insecure_side_channel``): say so before anything starts."""
+    insecure = o.extra_connector_config.get("insecure_side_channel") is True
+    if o.connector == "pdgate" and not o.side_channel_secret_file and not insecure:
+        raise ValueError(
+            "the pdgate connector needs a side-channel key file (--side-channel-secret-file; "
+            "pd-launch makes a fresh one when it is not given)"
+        )
+
+
 def check_kv_events(o: LaunchOptions) -> None:
     if o.kv_routing and not o.kv_events_base_port:
         raise ValueError("--kv-routing needs the engines' KV events (--kv-events-base-port)")
@@ -361,6 +396,7 @@ def check_kv_events(o: LaunchOptions) -> None:
 
 def build_plan(o: LaunchOptions) -> LaunchPlan:
     check_connector(o)
+    check_sealing(o)
     check_pairing(o)
     check_kv_events(o)
     bin_dir = Path(sys.executable).parent
@@ -432,6 +468,8 @@ def build_plan(o: LaunchOptions) -> LaunchPlan:
         proxy_argv += ["--prefill-policy", "kv", "--decode-policy", "kv", "--tokenizer", o.model]
     proxy_argv += ["--flow-header", *o.extra_proxy_args]
     proxy_env = {"PD_PROXY_METASERVER_TOKEN": o.token} if o.token else {}
+    if o.engine_api_key:
+        proxy_env["PD_PROXY_ENGINE_API_KEY"] = o.engine_api_key
     children.append(Child("proxy", proxy_argv, proxy_url + "/health", proxy_env, kind="gate"))
     if o.credentials_dir:
         give_credentials(Path(o.credentials_dir), children)

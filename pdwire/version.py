@@ -11,11 +11,13 @@ state ``load_deadline`` and ``protocol``.
 3 — the binding is the lease: P claims a transfer (``bound → prefill_started``, compare-and-set)
 before it writes anything, and D frees the blocks of an aborted request at once when its own
 ``bound → aborted`` wins; P's sender keeps each open push alive with ``progress`` signals.
+4 — side-channel frames are at most 4 MiB: digests that do not fit in a done signal go ahead of
+it in ``Digests`` messages, and the signal counts them all (``digest_count``).
 """
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 UNVERSIONED = 1  # what a message without a version field speaks
 
 

@@ -113,9 +113,13 @@ class Lookups:
                 record = await self._http().post_event(
                     transfer_id, BindingState.PREFILL_STARTED, actor
                 )
-                result = Claim(True, record=record)
+                result = _held(record, actor)
             except ConflictError as exc:
-                result = Claim(False, f"the binding ended before P took it ({exc.detail})")
+                result = Claim(
+                    False,
+                    f"the binding ended before P took it, or another prefill instance holds "
+                    f"its lease ({exc.detail})",
+                )
             except NotFoundError:
                 result = Claim(False, "the binding is gone (expired or deleted) before P took it")
             except Exception as exc:  # unreachable metaserver: without the lease, no push
@@ -209,6 +213,18 @@ class Lookups:
         self._thread.join(2.0)
         if not self._thread.is_alive() and not self._loop.is_closed():
             self._loop.close()
+
+
+def _held(record: Binding, actor: str) -> Claim:
+    """The claim a 200 answer gives: won only if the lease in the record is ``actor``'s (the
+    first ``prefill_started`` wins; a metaserver before the exclusive lease answered a second
+    one with 200 too)."""
+    holder = next((e.actor for e in record.events if e.state is BindingState.PREFILL_STARTED), None)
+    if holder == actor:
+        return Claim(True, record=record)
+    if holder is None:
+        return Claim(False, "the binding's record shows no lease after P took it")
+    return Claim(False, f"another prefill instance ({holder[:128]!r}) holds the lease")
 
 
 def _vouches(inst: Instance | None, b: Binding) -> bool:

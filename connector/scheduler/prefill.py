@@ -246,7 +246,8 @@ class PrefillSide:
 
     def _refuse(self, state: _Request, tid: str, binding: Binding) -> bool:
         """Whether P must not take this transfer (checked before the lease, so that a refusal
-        leaves the binding unclaimed and D free to drop its blocks at once)."""
+        leaves the binding unclaimed and D free to drop its blocks at once: the proxy, told by
+        P's answer, ends it)."""
         deadline = Destination.of(binding, self._window).deadline
         if deadline and self._wall() >= deadline:
             self.expired += 1
@@ -270,11 +271,9 @@ class PrefillSide:
             )
         else:
             log.debug("transfer %s: %s; no push", tid, problem)
+        # P's answer says why (push: none); nothing is posted on the binding, which P has not
+        # taken (the metaserver answers 403 to a failed event from anyone but the lease's holder)
         state.no_push = problem
-        if self._events is not None:
-            self._events.post_event(
-                tid, BindingState.FAILED, self._actor, EventDetail(error=problem)
-            )
         return True
 
     def _pairing(self, binding: Binding) -> tuple[str, str | None]:

@@ -15,10 +15,11 @@ from connector.config import ConnectorSettings
 from connector.device import Device, make_device
 from connector.errors import ConfigError
 from connector.metadata import ABANDONED, Abandoned, PdgateMetadata, SendChunk
-from connector.seal import channel_of
+from connector.seal import OVERHEAD, channel_of
 from connector.stats import StatsCollector
 from connector.tracing import ConnectorTracer, Value, build_tracer, sampled
 from connector.transport import Transport, make_transport
+from connector.untrusted import shown
 from connector.worker import digest
 from connector.worker.memory import KVMemory
 from connector.worker.receiver import RecvTracker
@@ -92,6 +93,14 @@ class ConnectorWorker:
         self.channel = channel_of(
             settings.side_channel_secret_file, settings.side_channel_max_skew_s
         )
+        if not self.channel.authenticated:  # insecure_side_channel: said at every start
+            log.warning(
+                "rank %d: the P <-> D side channel is not authenticated (insecure_side_channel, "
+                "no side_channel_secret_file): whoever reaches port %d can forge done signals "
+                "and read this engine's KV memory map",
+                rank,
+                settings.side_channel_port + rank,
+            )
         self._transport = transport
         self._clock = clock
         self._events = events
@@ -157,9 +166,11 @@ class ConnectorWorker:
             self.transport.session,
         )
         if self.role in ("kv_consumer", "kv_both"):
+            self._check_welcome_fits()
             if self.device.name != "npu":  # check whatever digests P ranks send
                 memory, checksums = self.memory, self.device.checksums
                 self.tracker.verify = lambda sig: digest.check(memory, sig.digests, checksums)
+                self.tracker.require_digests = self.settings.verify_kv
             port = self.settings.side_channel_port + self.rank
             self.server = SideChannelServer(
                 self.settings.side_channel_host or "0.0.0.0",
@@ -168,6 +179,7 @@ class ConnectorWorker:
                 self.tracker.on_signal if self._loads is None else self._on_signal,
                 self.tracker.on_alive,
                 self.channel,
+                self.tracker.on_digests,
             )
         if self.role in ("kv_producer", "kv_both"):
             self.sender = self._make_sender(self.memory, verify)
@@ -241,10 +253,21 @@ class ConnectorWorker:
             )
         return s.verify_kv or not lands
 
+    def _check_welcome_fits(self) -> None:
+        """D's handshake answer describes every layer: refuse to start rather than serve an
+        answer no P would read (``wire.MAX_FRAME_BYTES``)."""
+        size = len(wire.encode(self._welcome(wire.Hello(self.engine_id, self.protocol)))) + OVERHEAD
+        if size > wire.MAX_FRAME_BYTES:
+            raise ConfigError(
+                f"this engine's side-channel Welcome (its KV memory map: "
+                f"{len(self.memory.layer_names) if self.memory else 0} layers) takes {size} "
+                f"bytes, more than the {wire.MAX_FRAME_BYTES} a side-channel frame may"
+            )
+
     def _welcome(self, hello: wire.Hello) -> wire.Welcome | wire.Refused:
         if self.memory is None:
             return wire.Refused("KV caches not registered yet", self.protocol)
-        why = mismatch(hello.protocol, f"P engine {hello.p_engine_id}", self.protocol)
+        why = mismatch(hello.protocol, f"P engine {shown(hello.p_engine_id)}", self.protocol)
         if why is not None:
             log.warning("rank %d refuses a handshake: %s", self.rank, why)
             return wire.Refused(why, self.protocol)

@@ -71,9 +71,11 @@ class KeepAlive:
         by_rank: dict[tuple[str, int], list[str]] = {}
         for tr in self._ledger.open_transfers():
             by_rank.setdefault((tr.dest.host, tr.d_port), []).append(tr.transfer_id)
+        n = wire.MAX_ALIVE_IDS
         for (host, port), tids in by_rank.items():
-            if client.send(host, port, wire.Alive(self._me, tids)):
-                self.sent += 1
+            for start in range(0, len(tids), n):  # as many as D reads in one
+                if client.send(host, port, wire.Alive(self._me, tids[start : start + n])):
+                    self.sent += 1
 
     def stop(self) -> None:
         self._ledger.on_open = None

@@ -25,6 +25,11 @@ from connector.worker.transfer import EndTask, Outcome, Span, Transfer
 log = logging.getLogger("pdgate.connector.sender")
 
 
+def signal_error(error: str) -> str:
+    """What D reads of a failed push's reason: its start (``wire.MAX_ERROR_CHARS``)."""
+    return error[: wire.MAX_ERROR_CHARS]
+
+
 class Recorder:
     def __init__(
         self,
@@ -103,15 +108,23 @@ class Recorder:
         if tr.trace is not None:
             tr.trace.error = error
         digests = self._signer.digests(tr) if self._signer is not None and not error else []
+        ahead, last = wire.split_digests(digests)
+        for part in ahead:  # on this socket, so D has them before the signal
+            if not self._signals.send(tr.dest.host, tr.d_port, self._digests(tr, part)):
+                error = tr.error = "digests not sent (side-channel queue full)"
+                digests, last = [], []
+                break
         sig = wire.Signal(
             tr.transfer_id,
             self._me,
             not error,
             tr.route.expected,
-            error,
-            digests,
+            signal_error(error),
+            last,
             min(tr.settle_s, wire.MAX_SETTLE_S),
             self._instance,
+            len(digests),
+            self._signer is not None,
         )
         if not self._signals.send(tr.dest.host, tr.d_port, sig):
             tr.error = tr.error or "signal not sent"
@@ -122,6 +135,9 @@ class Recorder:
             log.warning("transfer %s (%s) failed: %s", tr.transfer_id, tr.req_id, error)
         self._ledger.done(end)
         self._notify(self._on_end, tr)
+
+    def _digests(self, tr: Transfer, part: list[wire.Digest]) -> wire.Digests:
+        return wire.Digests(tr.transfer_id, self._me, part)
 
     def _first_write(self, tr: Transfer) -> None:
         """The transfer's first write landed. With keep-alives on, an ``Alive`` for it leaves

@@ -4,6 +4,7 @@ D rank r binds a ROUTER socket on ``side_channel_port + r``. P asks for the hand
 pool thread (own socket, timeout) and sends signals from its sender thread through one DEALER
 per D rank (fire-and-forget; ZeroMQ queues while connecting). With a side-channel secret every
 frame is sealed and checked (``connector/seal.py``); D drops what does not open, by reason.
+Every socket, on either side, reads no frame over ``wire.MAX_FRAME_BYTES``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from connector import wire
 from connector.errors import HandshakeError
 from connector.seal import OPEN, Channel, Unsealed
+from connector.untrusted import shown
 from pdwire.version import mismatch
 
 log = logging.getLogger("pdgate.connector.side_channel")
@@ -29,12 +31,20 @@ def _zmq() -> Any:
     return zmq
 
 
+def _socket(ctx: Any, kind: int) -> Any:
+    """A socket that reads no frame over the cap (ZeroMQ drops a peer that sends one)."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(_zmq().MAXMSGSIZE, wire.MAX_FRAME_BYTES)
+    return sock
+
+
 def _host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 class SideChannelServer:
-    """D rank's ROUTER socket: answers ``Hello`` with ``make_welcome()``, hands ``Signal`` on."""
+    """D rank's ROUTER socket: answers ``Hello`` with ``make_welcome()``, hands ``Signal``,
+    ``Digests`` and ``Alive`` on."""
 
     def __init__(
         self,
@@ -44,18 +54,19 @@ class SideChannelServer:
         on_signal: Callable[[wire.Signal], None],
         on_alive: Callable[[wire.Alive], None] | None = None,
         channel: Channel = OPEN,
+        on_digests: Callable[[wire.Digests], None] | None = None,
     ) -> None:
         zmq = _zmq()
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock = _socket(self._ctx, zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
         bind_host = "*" if host in ("0.0.0.0", "") else _host(host)
         self._sock.bind(f"tcp://{bind_host}:{port}")
         self.port = port
         self._welcome = make_welcome
         self._on_signal = on_signal
         self._on_alive = on_alive
+        self._on_digests = on_digests
         self._channel = channel
         self._stop = threading.Event()
         self.bad_messages = 0
@@ -88,7 +99,7 @@ class SideChannelServer:
                 try:
                     reply: wire.Message = self._welcome(msg)
                 except Exception as exc:
-                    reply = wire.Refused(str(exc))
+                    reply = wire.Refused(str(exc)[: wire.MAX_ERROR_CHARS])
                 sealed, _ = self._channel.seal(wire.encode(reply), reply_to=opened.nonce)
                 self._sock.send_multipart([ident, sealed])
             elif isinstance(msg, wire.Signal):
@@ -96,6 +107,9 @@ class SideChannelServer:
                     self._on_signal(msg)
                 except Exception:
                     log.exception("signal handler failed")
+            elif isinstance(msg, wire.Digests):
+                if self._on_digests is not None:
+                    self._on_digests(msg)
             elif isinstance(msg, wire.Alive):
                 if self._on_alive is not None:
                     self._on_alive(msg)
@@ -133,7 +147,7 @@ def handshake(
     left_s = max(0.0, timeout_s - (time.monotonic() - started))
     zmq = _zmq()
     ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
+    sock = _socket(ctx, zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(f"tcp://{_host(host)}:{port}")
@@ -155,7 +169,7 @@ def handshake(
         raise HandshakeError(why)  # checked first: another release's Welcome may not decode
     msg = wire.decode(raw)
     if isinstance(msg, wire.Refused):
-        raise HandshakeError(f"{host}:{port} refused the handshake: {msg.reason}")
+        raise HandshakeError(f"{host}:{port} refused the handshake: {shown(msg.reason)}")
     if not isinstance(msg, wire.Welcome):
         raise HandshakeError(f"{host}:{port} answered the handshake with {type(msg).__name__}")
     return msg
@@ -184,11 +198,11 @@ class SignalClient:
         self._socks: dict[tuple[str, int], Any] = {}
         self._channel = channel
 
-    def send(self, host: str, port: int, signal: wire.Signal | wire.Alive) -> bool:
+    def send(self, host: str, port: int, signal: wire.Signal | wire.Digests | wire.Alive) -> bool:
         zmq = _zmq()
         sock = self._socks.get((host, port))
         if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
+            sock = _socket(self._ctx, zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 1000)
             sock.connect(f"tcp://{_host(host)}:{port}")
             self._socks[(host, port)] = sock
@@ -196,7 +210,13 @@ class SignalClient:
             sock.send(self._channel.seal(wire.encode(signal))[0], zmq.NOBLOCK)
             return True
         except zmq.Again:
-            log.warning("signal queue to %s:%d full; dropped %s", host, port, signal)
+            what = (
+                f"{len(signal.transfer_ids)} transfers"
+                if isinstance(signal, wire.Alive)
+                else signal.transfer_id
+            )
+            kind = type(signal).__name__
+            log.warning("signal queue to %s:%d full; dropped a %s (%s)", host, port, kind, what)
             return False
 
     def close(self) -> None:

@@ -9,10 +9,15 @@ miss blocks, but never names one the engine evicted. A batch numbered below the 
 one but published after the last one applied comes from a restarted engine (its count starts
 again at 0, its cache is empty): the same rebuild. On start the follower replays from 0, so a
 metaserver that starts after its engines learns what they already hold.
+
+A frame over ``MAX_EVENT_BYTES`` is not read: ZeroMQ drops the connection, and does not
+reconnect a socket it dropped for that, so the follower starts over (a new socket, a rebuild)
+whenever its connection drops, at most every ``RECONNECT_S``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 
@@ -35,6 +40,11 @@ from pdwire.kv_events import (
 
 log = logging.getLogger("pdgate.metaserver.kvindex")
 REPLAY_TIMEOUT_S = 5.0
+# The largest frame read from an engine (ZeroMQ drops a peer that sends more, before buffering
+# it whole): vLLM publishes one batch per engine step, about 16 bytes per token whose block it
+# stores (block hash, parent hash, token ids), so this is a step of a million tokens
+MAX_EVENT_BYTES = 16 << 20
+RECONNECT_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +64,7 @@ class FollowerStats:
     rebuilds: int = 0  # events lost: entries dropped and rebuilt
     bad: int = 0  # payloads that were not event batches
     last_seq: int = -1
+    reconnects: int = 0  # connections dropped (an engine restart, or a frame over the cap)
 
 
 def changes_of(batch: EventBatch) -> list[Change]:
@@ -83,20 +94,46 @@ class Follower:
     _last_ts: float = 0.0  # publication time of the newest batch applied
 
     async def run(self) -> None:
+        log.info("following KV events of %s at %s", self.instance_id, self.source.endpoint)
+        first = True
+        while True:
+            await self._follow(first)
+            first = False
+            self.stats.reconnects += 1
+            log.warning(
+                "KV events of %s: the connection to %s dropped (the engine restarted, or sent "
+                "a frame over %d bytes); reconnecting and rebuilding its entries",
+                self.instance_id, self.source.endpoint, MAX_EVENT_BYTES,
+            )  # fmt: skip
+            await asyncio.sleep(RECONNECT_S)
+
+    async def _follow(self, first: bool) -> None:
+        """Follow on one connection, until it drops."""
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sub.connect(self.source.endpoint)
-        log.info("following KV events of %s at %s", self.instance_id, self.source.endpoint)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
-            await self._rebuild(first=True)
+            await self._rebuild(first=first)
             while True:
-                frames = await sub.recv_multipart()
-                if len(frames) != 3:
-                    self.stats.bad += 1
-                    continue
-                await self._on_batch(seq_of(frames[1]), frames[2])
+                ready = dict(await poller.poll())
+                if sub in ready:
+                    frames = await sub.recv_multipart()
+                    if len(frames) != 3:
+                        self.stats.bad += 1
+                        continue
+                    await self._on_batch(seq_of(frames[1]), frames[2])
+                elif monitor in ready:
+                    await monitor.recv_multipart()  # disconnected
+                    return
         finally:
+            sub.disable_monitor()
+            monitor.close(0)
             sub.close(0)
 
     async def _on_batch(self, seq: int, payload: bytes) -> None:
@@ -163,6 +200,7 @@ class Follower:
         self.stats.replays += 1
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_BYTES)
         sock.connect(self.source.replay_endpoint)
         out: list[tuple[int, bytes]] = []
         try:

@@ -16,6 +16,7 @@ import aiohttp
 from pdwire.client import _protocol as P
 from pdwire.client.errors import MetaserverUnavailable, NotFoundError, error_for_status
 from pdwire.client.retry import RetryPolicy
+from pdwire.client.token import Token
 from pdwire.models import (
     Binding,
     BindingSpec,
@@ -37,7 +38,7 @@ class AsyncMetaserverClient:
         self,
         base_url: str,
         *,
-        token: str | None = None,
+        token: Token = None,
         timeout_s: float = 5.0,
         retry: RetryPolicy | None = None,
         session: aiohttp.ClientSession | None = None,
@@ -46,7 +47,8 @@ class AsyncMetaserverClient:
         self.base_url = base_url.rstrip("/")
         self._timeout = timeout_s
         self._retry = retry or RetryPolicy()
-        self._headers = P.headers(token)
+        self._token = token if callable(token) else None  # asked before each call
+        self._headers = P.headers(None if callable(token) else token)
         self._own_session = session is None
         self._session = session
         self._max_connections = max_connections
@@ -56,6 +58,10 @@ class AsyncMetaserverClient:
             connector = aiohttp.TCPConnector(limit=self._max_connections, ttl_dns_cache=300)
             self._session = aiohttp.ClientSession(connector=connector)
         return self._session
+
+    def _fresh_headers(self) -> dict[str, str]:
+        assert self._token is not None
+        return P.headers(self._token())
 
     async def close(self) -> None:
         if self._own_session and self._session is not None:
@@ -84,7 +90,7 @@ class AsyncMetaserverClient:
                     url,
                     params=call.params,
                     data=call.body,
-                    headers=self._headers,
+                    headers=self._headers if self._token is None else self._fresh_headers(),
                     timeout=timeout,
                 ) as resp:
                     body = await resp.read()

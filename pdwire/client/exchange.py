@@ -19,10 +19,20 @@ from __future__ import annotations
 import http.client
 import ssl
 import threading
+from collections.abc import Callable
 from typing import Protocol
 from urllib.parse import urlencode, urlsplit
 
 import httpx
+
+Headers = dict[str, str] | Callable[[], dict[str, str]]  # a callable: asked for each request
+
+
+def headers_of(headers: Headers) -> Callable[[], dict[str, str]]:
+    if callable(headers):
+        return headers
+    fixed = dict(headers)
+    return lambda: fixed
 
 
 class ExchangeError(Exception):
@@ -45,7 +55,7 @@ class Exchange(Protocol):
 
 
 class PlainExchange:
-    def __init__(self, base_url: str, headers: dict[str, str]) -> None:
+    def __init__(self, base_url: str, headers: Headers) -> None:
         url = urlsplit(base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"metaserver URL must be http(s)://host[:port], not {base_url!r}")
@@ -53,7 +63,7 @@ class PlainExchange:
         self._host = url.hostname
         self._port = url.port or (443 if self._https else 80)
         self._prefix = url.path.rstrip("/")
-        self._headers = dict(headers)
+        self._headers = headers_of(headers)
         self._ssl = ssl.create_default_context() if self._https else None
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -92,10 +102,11 @@ class PlainExchange:
         timeout: float,
     ) -> tuple[int, bytes]:
         target = self._prefix + path + (f"?{urlencode(params)}" if params else "")
+        headers = self._headers()
         for attempt in (1, 2):
             conn, reused = self._connection(timeout)
             try:
-                conn.request(method, target, body=body, headers=self._headers)
+                conn.request(method, target, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
             except (OSError, http.client.HTTPException) as exc:
@@ -119,10 +130,9 @@ class PlainExchange:
 
 
 class HttpxExchange:
-    def __init__(
-        self, base_url: str, headers: dict[str, str], transport: httpx.BaseTransport
-    ) -> None:
-        self._http = httpx.Client(base_url=base_url, headers=headers, transport=transport)
+    def __init__(self, base_url: str, headers: Headers, transport: httpx.BaseTransport) -> None:
+        self._http = httpx.Client(base_url=base_url, transport=transport)
+        self._headers = headers_of(headers)
 
     def request(
         self,
@@ -133,7 +143,9 @@ class HttpxExchange:
         timeout: float,
     ) -> tuple[int, bytes]:
         try:
-            resp = self._http.request(method, path, params=params, content=body, timeout=timeout)
+            resp = self._http.request(
+                method, path, params=params, content=body, headers=self._headers(), timeout=timeout
+            )
         except httpx.TransportError as exc:
             raise ExchangeError(f"{method} {path}: {exc!r}") from exc
         return resp.status_code, resp.content

@@ -14,8 +14,9 @@ from pdwire.client.errors import (
     NotFoundError,
     error_for_status,
 )
-from pdwire.client.exchange import Exchange, ExchangeError, HttpxExchange, PlainExchange
+from pdwire.client.exchange import Exchange, ExchangeError, Headers, HttpxExchange, PlainExchange
 from pdwire.client.retry import RetryPolicy
+from pdwire.client.token import Token, token_of
 from pdwire.models import (
     Binding,
     BindingSpec,
@@ -33,17 +34,20 @@ class MetaserverClient:
         self,
         base_url: str,
         *,
-        token: str | None = None,
+        token: Token = None,
         timeout_s: float = 5.0,
         retry: RetryPolicy | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        """``transport``: serve the calls through httpx with it (tests); by default they go
-        through ``PlainExchange`` (pdwire/client/exchange.py: why)."""
+        """``token``: a string, or a callable asked before each call (``FileToken``: a file
+        re-read when it changes). ``transport``: serve the calls through httpx with it (tests);
+        by default they go through ``PlainExchange`` (pdwire/client/exchange.py: why)."""
         self.base_url = base_url.rstrip("/")
         self._timeout = timeout_s
         self._retry = retry or RetryPolicy()
-        headers = P.headers(token)
+        headers: Headers = (
+            (lambda: P.headers(token_of(token))) if callable(token) else P.headers(token)
+        )
         self._exchange: Exchange = (
             PlainExchange(self.base_url, headers)
             if transport is None

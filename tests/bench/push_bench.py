@@ -38,6 +38,7 @@ from connector.worker import ConnectorWorker  # noqa: E402
 from connector.worker.side_channel import handshake  # noqa: E402
 from tests.connector.mooncake_peer import allocate, worker  # noqa: E402
 from tests.support.procs import Process, free_port  # noqa: E402
+from tests.support.sealing import key_file  # noqa: E402
 
 D_SCRIPT = """
 import sys, time
@@ -72,6 +73,7 @@ def push_bench(a: argparse.Namespace) -> list[tuple[str, float, float, float, fl
         head=a.head,
         layers=layers,
     )
+    key_file()  # D's process reads the same side-channel key (its path is in the environment)
     d = Process([sys.executable, "-c", script], log=log)
     try:
         _wait_ready(d)
@@ -82,7 +84,7 @@ def push_bench(a: argparse.Namespace) -> list[tuple[str, float, float, float, fl
             t.normal_()
         p.register_kv_caches(caches)
         assert p.memory is not None and p.sender is not None
-        hs = handshake("127.0.0.1", port, wire.Hello("bench"), 10.0)
+        hs = handshake("127.0.0.1", port, wire.Hello("bench"), 10.0, channel=p.channel)
         dest = Destination("dec", "d-engine", "127.0.0.1", port, 1, a.heads, False, 16)
         results: list[tuple[str, float, float, float, float]] = []
         for label, pairs in _patterns(blocks, a.run):

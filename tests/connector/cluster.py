@@ -20,6 +20,7 @@ from connector.tp import heads_of
 from connector.tracing import ConnectorTracer
 from connector.transport import InProcessTransport, Transport
 from connector.worker import ConnectorWorker
+from tests.support.sealing import key_file
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 
@@ -88,6 +89,7 @@ def make_instance(
         kv_load_timeout_s=timeout_s,
         handshake_timeout_s=2.0,
         device=device,
+        side_channel_secret_file=key_file(),
     )
     for rank in range(tp):
         _, n = inst.local(rank)

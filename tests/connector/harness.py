@@ -28,6 +28,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from connector.connector import PdgateConnector
 from connector.metadata import PdgateMetadata, PdgateWorkerMetadata
+from tests.support.sealing import sealed
 
 BLOCK = 16
 EOS = 2
@@ -60,7 +61,7 @@ def vllm_config(
             kv_connector="PdgateConnector",
             kv_connector_module_path="connector",
             kv_role=role,  # type: ignore[arg-type]
-            kv_connector_extra_config=extra,
+            kv_connector_extra_config=sealed(extra),  # the connector refuses an unsealed one
             kv_load_failure_policy=policy,  # type: ignore[arg-type]
         ),
         device_config=DeviceConfig("cpu"),

@@ -27,6 +27,7 @@ from tests.connector import peer_start
 from tests.connector.vllm_kv import LAYOUTS as LAYOUTS
 from tests.connector.vllm_kv import planned
 from tests.support import kv_views
+from tests.support.sealing import key_file
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 HEADS, HEAD, BS = 2, 32, 16
@@ -56,6 +57,7 @@ def _worker(
         mooncake_protocol="tcp",
         kv_load_timeout_s=60,
         handshake_timeout_s=5.0,
+        side_channel_secret_file=key_file(),  # shared with the other peer (environment)
     )
     return ConnectorWorker(
         None,

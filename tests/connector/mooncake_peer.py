@@ -20,6 +20,7 @@ from connector.config import ConnectorSettings
 from connector.metadata import Destination, PdgateMetadata, RecvEntry, SendChunk
 from connector.worker import ConnectorWorker
 from tests.connector import peer_start
+from tests.support.sealing import key_file
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 
@@ -70,6 +71,7 @@ def worker(role: str, port: int, engine: str, timeout: float) -> ConnectorWorker
         mooncake_protocol="tcp",
         kv_load_timeout_s=timeout,
         handshake_timeout_s=5.0,
+        side_channel_secret_file=key_file(),  # shared with the other peer (environment)
     )
     return ConnectorWorker(
         None, settings, rank=0, tp_size=1, engine_id=engine, total_kv_heads=2, role=role

@@ -23,6 +23,7 @@ import httpx
 
 from launch.tiny_model import make_tiny_model
 from tests.support.procs import Process, free_port, wait_http
+from tests.support.sealing import key_file
 from tests.support.services import MetaserverProcess
 
 TOKEN = "smoke-token"
@@ -47,6 +48,7 @@ def serve(
             "side_channel_host": "127.0.0.1",
             "side_channel_port": side_port,
             "kv_load_timeout_s": 30,
+            "side_channel_secret_file": key_file(),  # P's and D's: the same file
         },
     }
     argv = [

@@ -16,6 +16,8 @@ from tests.connector.harness import BLOCK, vllm_config
     [
         ("tcp://*:5557", "tcp://*:5558", (5557, 5558)),
         ("tcp://*:5557", None, (5557, None)),
+        # pd-launch on 127.0.0.1: vLLM binds it (``::``), ZeroMQ on 127.0.0.1 alone
+        ("tcp://[::ffff:127.0.0.1]:5557", "tcp://127.0.0.1:5558", (5557, 5558)),
         ("tcp://relay:5557", None, None),  # vLLM connects to a relay: nothing to follow here
         ("tcp://*:0", None, None),  # a port the registry cannot know
         ("ipc:///tmp/kv", None, None),

@@ -460,8 +460,9 @@ def test_prefill_pushes_to_a_decoder_with_more_tp_ranks(
 def test_prefill_refuses_a_tp_pairing_that_cannot_map_heads_before_computing(
     metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
 ) -> None:
-    """D tp=3 cannot hold D's 2 KV heads evenly: no push is planned, the binding says why, and
-    the request is still served (its KV just never leaves P)."""
+    """D tp=3 cannot hold D's 2 KV heads evenly: no push is planned, P's answer says why (P
+    posts nothing on the binding: it never took it), and the request is still served (its KV
+    just never leaves P)."""
     _register_decoder(metaserver.url)
     s = make_prefiller(metaserver.url, batched=64)
     b = _bind(metaserver.url, "tid-tp", 40, tp_size=3)
@@ -471,14 +472,14 @@ def test_prefill_refuses_a_tp_pairing_that_cannot_map_heads_before_computing(
     assert meta.sends == []
     half = H.connector_of(s).scheduler
     assert half is not None and half.prefill is not None and half.prefill.refused == 1
-    deadline = time.monotonic() + 10
-    while True:
-        events = httpx.get(f"{metaserver.url}/v1/bindings/tid-tp", headers=AUTH).json()["events"]
-        failed = [e for e in events if e["state"] == "failed"]
-        if failed or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert failed and "tp 3 is not a multiple of 2 KV heads" in failed[0]["detail"]["error"]
+    for _ in range(3):
+        H.step(s)
+    report = H.FINISHED_PARAMS[req.request_id]
+    assert report is not None and report["push"] == "none"
+    assert "tp 3 is not a multiple of 2 KV heads" in report["reason"]
+    time.sleep(0.3)  # the background writer would have posted by now
+    events = httpx.get(f"{metaserver.url}/v1/bindings/tid-tp", headers=AUTH).json()["events"]
+    assert [e["state"] for e in events] == ["bound"]
 
 
 def test_prefill_takes_the_lease_before_its_first_push(

@@ -180,7 +180,10 @@ def test_receiver_names_the_p_rank_and_reason_of_a_failed_push(
     with caplog.at_level(logging.WARNING, logger="pdgate.connector"):
         assert t.poll() == ({"r1"}, {"r1"})
     said = [r.getMessage() for r in caplog.records if "failing the load" in r.getMessage()]
-    assert said == ["transfer t1 (r1): P reported its push failed (p/1: boom); failing the load"]
+    # P's words quoted (review 2, N14: no forged log lines)
+    assert said == [
+        "transfer t1 (r1): P reported its push failed ('p/1': 'boom'); failing the load"
+    ]
 
 
 def test_receiver_keepalive_before_the_request_is_known_counts() -> None:
@@ -511,7 +514,7 @@ def test_worker_waits_for_handshake_in_background_and_redoes_it_after_restart() 
 
         def slow(host: str, port_: int, hello: wire.Hello, timeout: float) -> wire.Welcome:
             gate.wait(10)
-            return handshake(host, port_, hello, timeout)
+            return handshake(host, port_, hello, timeout, channel=p.workers[0].channel)
 
         sender.handshakes._ask = slow
         C.expect(d, "dreq", "tslow", [4])
@@ -628,8 +631,8 @@ def test_worker_peers_of_another_protocol_refuse_each_other_at_the_handshake(
         else:
             on_d = [m for m in lines if m.startswith("rank 0 refuses a handshake")]
             newer = PROTOCOL_VERSION + 1
-            expected = f"p-eng speaks pdgate protocol {newer}, this side {PROTOCOL_VERSION}"
-            assert on_d and f"P engine {expected}" in on_d[0]
+            expected = f"'p-eng' speaks pdgate protocol {newer}, this side {PROTOCOL_VERSION}"
+            assert on_d and f"P engine {expected}" in on_d[0]  # P's engine id quoted (N14)
     finally:
         C.close(p, d)
 

@@ -15,12 +15,18 @@ import torch
 from tests.connector.cluster import free_port_range
 from tests.connector.mooncake_peer import LAYERS, expected
 from tests.support.procs import Process, free_port
+from tests.support.sealing import key_file
 
 pytest.importorskip("mooncake.engine")
 
 pytestmark = pytest.mark.slow  # two processes that import vLLM per test: not in `make test-fast`
 
 PEER = [sys.executable, "-m", "tests.connector.mooncake_peer"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_key() -> None:
+    key_file()  # made before the peers start: both read it (its path is in the environment)
 
 
 def _wait_line(proc: Process, text: str, timeout: float = 60.0) -> str:

@@ -23,6 +23,7 @@ from connector.worker.tamper import PATTERN, TamperingTransport
 from connector.worker.transfer import LayerTask, Transfer
 from connector.worker.writer import IN_FLIGHT
 from tests.connector import cluster as C
+from tests.support.sealing import key_file, sealed
 
 _tid = itertools.count()
 PAIRS = [(0, 9), (1, 10), (2, 11), (5, 3)]  # P block -> D block; 0,1 -> 9,10 coalesce
@@ -92,14 +93,16 @@ def _assert_only_first_block_of_layer_0_is_garbage(
 def test_tamper_hook_is_refused_without_the_allow_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PDGATE_ALLOW_TEST_HOOKS", raising=False)
     with pytest.raises(ConfigError, match="PDGATE_ALLOW_TEST_HOOKS=1"):
-        load_settings({"test_corrupt_push": True})
+        load_settings(sealed({"test_corrupt_push": True}))
     monkeypatch.setenv("PDGATE_ALLOW_TEST_HOOKS", "yes")  # only "1" counts
     with pytest.raises(ConfigError, match="test-only"):
-        load_settings({"test_corrupt_push": True})
-    assert load_settings({}).test_corrupt_push is False
+        load_settings(sealed({"test_corrupt_push": True}))
+    assert load_settings(sealed({})).test_corrupt_push is False
     monkeypatch.setenv("PDGATE_ALLOW_TEST_HOOKS", "1")
-    assert load_settings({"test_corrupt_push": True}).test_corrupt_push is True
-    assert ConnectorSettings().test_corrupt_push is False  # off by default, even when allowed
+    assert load_settings(sealed({"test_corrupt_push": True})).test_corrupt_push is True
+    assert (
+        ConnectorSettings(side_channel_secret_file=key_file()).test_corrupt_push is False
+    )  # off by default, even when allowed
 
 
 def test_tamper_apply_replaces_at_most_one_block_of_the_first_piece() -> None:

@@ -14,6 +14,7 @@ from connector.device import host_checksums
 from connector.transport import InProcessTransport
 from connector.worker import digest
 from tests.connector import cluster as C
+from tests.support.sealing import key_file
 
 _tid = itertools.count()
 PAIRS = [(0, 9), (1, 10), (2, 11), (5, 3)]
@@ -170,7 +171,9 @@ def test_verify_kv_on_npu_memory_is_refused_at_start() -> None:
 
     w = ConnectorWorker(
         None,
-        ConnectorSettings(transport="inprocess", verify_kv=True),
+        ConnectorSettings(
+            transport="inprocess", verify_kv=True, side_channel_secret_file=key_file()
+        ),
         rank=0,
         tp_size=1,
         engine_id="p-eng",
