@@ -102,6 +102,8 @@ def create_app(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            assert context.access is not None
+            await context.access.close()
             await store.close()
 
     app = _MetaserverApp(

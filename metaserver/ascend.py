@@ -163,7 +163,7 @@ class Grant:
 _warned: list[bool] = []
 
 
-def authorize(c: Context, header: bytes | None, query: bytes) -> Grant:
+async def authorize(c: Context, header: bytes | None, query: bytes) -> Grant:
     """``?rid=&cap=`` (D's connector cannot send a header), else an admin's Authorization."""
     assert c.access is not None
     if c.access.open:
@@ -185,7 +185,8 @@ def authorize(c: Context, header: bytes | None, query: bytes) -> Grant:
                 "a per-request capability); this form goes in the next release"
             )
         return Grant()
-    c.authorize(header, write=True).may_administer("post vllm-ascend blocks without a capability")
+    who = await c.authorize(header, write=True)
+    who.may_administer("post vllm-ascend blocks without a capability")
     return Grant()
 
 

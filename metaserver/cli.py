@@ -38,6 +38,10 @@ def build_parser() -> SettingsParser[MetaserverSettings]:
         help="INSECURE: anyone may read bindings, instances, load and the KV index",
     )
     p.switch("--insecure-open", "insecure_open")
+    p.option("--kube-api", "kube_api_url", metavar="URL")
+    p.option("--kube-audience", "kube_audience")
+    p.option("--kube-ca-file", "kube_ca_file", metavar="FILE")
+    p.option("--kube-token-file", "kube_token_file", metavar="FILE")
     p.option("--ttl", "binding_ttl_s", float)
     p.option("--retain", "retain_s", float)
     p.option("--instance-ttl", "instance_ttl_s", float)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from pdwire.settings import LayeredSettings, redact_url
 from pdwire.tls import TlsListener
+
+if TYPE_CHECKING:
+    from metaserver.access.kube import KubeReviewer
 
 
 class MetaserverSettings(LayeredSettings, TlsListener):
@@ -30,6 +33,22 @@ class MetaserverSettings(LayeredSettings, TlsListener):
         None,
         description="roles mode: a YAML file of bearer tokens with roles (admin, proxy, engine "
         "bound to instance ids, reader); see docs/security.md",
+    )
+    kube_api_url: str = Field(
+        "",
+        description="the Kubernetes API that reviews engine pods' tokens (kubernetes: "
+        "credentials); '' = in-cluster (KUBERNETES_SERVICE_HOST)",
+    )
+    kube_audience: str = Field(
+        "pdgate-metaserver", min_length=1, description="the audience pods' projected tokens carry"
+    )
+    kube_ca_file: Path | None = Field(
+        None, description="CA of the Kubernetes API (default: the in-cluster one)"
+    )
+    kube_token_file: Path | None = Field(
+        None,
+        description="the metaserver's own token for the Kubernetes API (default: the "
+        "in-cluster one; re-read at each call, as the kubelet rotates it)",
     )
     protect_reads: bool = Field(
         True,
@@ -123,6 +142,20 @@ class MetaserverSettings(LayeredSettings, TlsListener):
         for entry in value:
             PoolEntry.parse(entry)
         return value
+
+    def kube_reviewer(self) -> KubeReviewer:
+        """The reviewer of pods' tokens these settings name (in-cluster defaults)."""
+        from metaserver.access.kube import IN_CLUSTER, KubeReviewer, in_cluster_url
+
+        url = self.kube_api_url or in_cluster_url()
+        if not url:
+            raise ValueError(
+                "kubernetes credentials need the Kubernetes API: run in a cluster or give "
+                "--kube-api"
+            )
+        ca = self.kube_ca_file or (IN_CLUSTER / "ca.crt" if not self.kube_api_url else None)
+        token = self.kube_token_file or (IN_CLUSTER / "token" if not self.kube_api_url else None)
+        return KubeReviewer(url, audience=self.kube_audience, ca_file=ca, token_file=token)
 
     def __repr_args__(self) -> Any:
         for key, value in super().__repr_args__():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from metaserver.access import Access, Principal
 from metaserver.config import MetaserverSettings
@@ -35,15 +35,28 @@ class Context:
         if self.access is None:
             s = self.settings
             token = None if s.token is None else s.token.get_secret_value()
-            self.access = Access.load(token, s.credentials_file, s.protect_reads)
+            self.access = Access.load(token, s.credentials_file, s.protect_reads, s.kube_reviewer)
 
-    def authorize(self, header: str | bytes | None, *, write: bool) -> Principal:
+    async def authorize(self, header: str | bytes | None, *, write: bool) -> Principal:
         """The caller (``metaserver.access``) from the request's Authorization header: 401
         without a known token where one is needed, 403 for a reader's write."""
         assert self.access is not None
-        return self.access.who(header, write=write)
+        return await self.access.resolve(header, write=write)
 
 
 def ctx(request: Request) -> Context:
     context: Context = request.app.state.ctx
     return context
+
+
+async def _reading(request: Request) -> Principal:
+    return await ctx(request).authorize(request.headers.get("authorization"), write=False)
+
+
+async def _writing(request: Request) -> Principal:
+    return await ctx(request).authorize(request.headers.get("authorization"), write=True)
+
+
+# the caller of a route, as a FastAPI dependency: 401 / 403 before the route runs
+Reader = Annotated[Principal, Depends(_reading)]
+Writer = Annotated[Principal, Depends(_writing)]

@@ -7,7 +7,9 @@ MetaserverError
 ├── Unauthorized          401
 ├── Forbidden             403  (a known credential whose role does not allow the call)
 ├── PayloadTooLarge       413
-└── StoreUnavailable      503  (Redis down or too slow; retry later)
+└── Unavailable           503  (retry later)
+    ├── StoreUnavailable       (Redis down or too slow)
+    └── IdentityUnavailable    (the Kubernetes API cannot review a token now)
 """
 
 from __future__ import annotations
@@ -45,5 +47,13 @@ class PayloadTooLarge(MetaserverError):
     status_code = 413
 
 
-class StoreUnavailable(MetaserverError):
+class Unavailable(MetaserverError):
     status_code = 503
+
+
+class StoreUnavailable(Unavailable):
+    pass
+
+
+class IdentityUnavailable(Unavailable):
+    pass

@@ -153,11 +153,11 @@ class FastPath:
                 elif name == b"content-length":
                     declared = int(value) if value.isdigit() else -1
             if handler is None:  # the vllm-ascend compat call
-                grant = ascend.authorize(self.ctx, auth, scope["query_string"])
+                grant = await ascend.authorize(self.ctx, auth, scope["query_string"])
                 body = await self._body(receive, declared)
                 reply = await ascend.post_binding(self.ctx, grant, body)
             else:
-                who = self.ctx.authorize(auth, write=method != "GET")
+                who = await self.ctx.authorize(auth, write=method != "GET")
                 body = b"" if method == "GET" else await self._body(receive, declared)
                 reply = await handler(self.ctx, who, transfer_id, body)
             status, payload = reply.status, reply.body

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
-from metaserver.errors import MetaserverError, StoreUnavailable
+from metaserver.errors import MetaserverError, StoreUnavailable, Unavailable
 from metaserver.metrics import Metrics
 from metaserver.validation import BodyInvalid
 
@@ -19,8 +19,9 @@ def render_problem(
     if isinstance(exc, BodyInvalid):
         return 422, json.dumps({"detail": exc.errors}).encode(), []
     headers: list[tuple[bytes, bytes]] = []
-    if isinstance(exc, StoreUnavailable):
-        metrics.store_errors.inc()
-        log.warning("store unavailable: %s", exc.message)
+    if isinstance(exc, Unavailable):
+        if isinstance(exc, StoreUnavailable):
+            metrics.store_errors.inc()
+        log.warning("unavailable: %s", exc.message)
         headers.append((b"retry-after", b"1"))
     return exc.status_code, json.dumps({"detail": exc.message}).encode(), headers

@@ -41,7 +41,7 @@ router = APIRouter(tags=["vllm-ascend"])
 )
 async def post_ascend_binding(request: Request) -> Response:
     c = ctx(request)
-    grant = ascend.authorize(c, request.headers.get("authorization", "").encode() or None,
-                             request.scope.get("query_string", b""))  # fmt: skip
+    grant = await ascend.authorize(c, request.headers.get("authorization", "").encode() or None,
+                                   request.scope.get("query_string", b""))  # fmt: skip
     reply = await ascend.post_binding(c, grant, await request.body())
     return json_bytes(reply.body, reply.status)

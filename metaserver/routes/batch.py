@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from metaserver import batch
-from metaserver.context import ctx
+from metaserver.context import Writer, ctx
 from metaserver.responses import json_bytes
 from metaserver.routes._openapi import json_body
 from pdwire.models import BATCH_PATH, BatchIn, BatchOut
@@ -19,8 +19,7 @@ router = APIRouter(tags=["bindings"])
     openapi_extra=json_body(BatchIn),
     summary="Several binding writes in one request, each answered as if sent alone",
 )
-async def post_batch(request: Request) -> Response:
+async def post_batch(request: Request, who: Writer) -> Response:
     c = ctx(request)
-    who = c.authorize(request.headers.get("authorization"), write=True)
     reply = await batch.run(c, who, await request.body())
     return json_bytes(reply.body, reply.status)

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Request, Response
 
 from metaserver import service
-from metaserver.context import ctx
+from metaserver.context import Reader, Writer, ctx
 from metaserver.errors import NotFound
 from metaserver.responses import json_bytes, json_list
 from metaserver.routes._openapi import WRITE, json_body
@@ -36,9 +36,8 @@ TransferId = Annotated[str, Path(pattern=TRANSFER_ID_PATTERN)]
     openapi_extra=json_body(BindingSpec),
     summary="Record where a transfer's KV must go (idempotent)",
 )
-async def put_binding(request: Request, transfer_id: TransferId) -> Response:
+async def put_binding(request: Request, who: Writer, transfer_id: TransferId) -> Response:
     c = ctx(request)
-    who = c.authorize(request.headers.get("authorization"), write=True)
     return _send(await service.put_binding(c, who, transfer_id, await request.body()))
 
 
@@ -54,6 +53,7 @@ def _send(reply: service.Reply) -> Response:
 )
 async def get_binding(
     request: Request,
+    _who: Reader,
     transfer_id: TransferId,
     wait: Annotated[float | None, Query(gt=0, le=3600, description="seconds to wait")] = None,
     state: Annotated[
@@ -62,14 +62,13 @@ async def get_binding(
     ] = None,
 ) -> Response:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=False)
     return _send(await service.get_binding(c, transfer_id, wait, state))
 
 
 @router.delete("/{transfer_id}", status_code=204, responses={404: {}}, openapi_extra=WRITE)
-async def delete_binding(request: Request, transfer_id: TransferId) -> Response:
+async def delete_binding(request: Request, who: Writer, transfer_id: TransferId) -> Response:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=True).may_administer("delete bindings")
+    who.may_administer("delete bindings")
     if not await c.store.delete_binding(transfer_id):
         raise NotFound(f"binding {transfer_id} not found")
     return Response(status_code=204)
@@ -78,25 +77,29 @@ async def delete_binding(request: Request, transfer_id: TransferId) -> Response:
 @router.get("", summary="List bindings, newest first")
 async def list_bindings(
     request: Request,
+    _who: Reader,
     state: BindingState | None = None,
     instance: Annotated[str | None, Query(max_length=128, description="decode instance")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> Response:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=False)
     records = await c.store.list_bindings(state=state, instance_id=instance, limit=limit)
     return json_list("bindings", (r.to_json() for r in records))
 
 
 @router.post(
     "/{transfer_id}/events",
-    responses={200: {"model": Binding}, 404: {}, 409: {}},
+    responses={
+        200: {"model": Binding},
+        403: {"description": "not the actor's step (docs/protocol.md: whose step is which)"},
+        404: {},
+        409: {"description": "an illegal change, or the lease another prefill holds"},
+    },
     openapi_extra=json_body(EventIn),
     summary="Append a state change (bound → prefill_started → pushing → done|failed|aborted)",
 )
-async def post_event(request: Request, transfer_id: TransferId) -> Response:
+async def post_event(request: Request, who: Writer, transfer_id: TransferId) -> Response:
     c = ctx(request)
-    who = c.authorize(request.headers.get("authorization"), write=True)
     return _send(await service.post_event(c, who, transfer_id, await request.body()))
 
 
@@ -107,8 +110,7 @@ async def post_event(request: Request, transfer_id: TransferId) -> Response:
     openapi_extra=json_body(MarkIn),
     summary="Record a moment that is not a state (first_token, end); once per kind",
 )
-async def post_mark(request: Request, transfer_id: TransferId) -> Response:
+async def post_mark(request: Request, who: Writer, transfer_id: TransferId) -> Response:
     c = ctx(request)
-    who = c.authorize(request.headers.get("authorization"), write=True)
     await service.post_mark(c, who, transfer_id, await request.body())
     return Response(status_code=204)

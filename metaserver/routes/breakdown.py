@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 
 from metaserver.advisor import advise
-from metaserver.context import ctx
+from metaserver.context import Reader, ctx
 
 router = APIRouter(tags=["operations"])
 
@@ -18,6 +18,7 @@ router = APIRouter(tags=["operations"])
 )
 async def breakdown(
     request: Request,
+    _who: Reader,
     window: Annotated[float | None, Query(gt=0, le=86_400, description="seconds back")] = None,
     ttft_p90: Annotated[
         float | None, Query(gt=0, le=3600, description="p90 TTFT target in seconds")
@@ -28,7 +29,6 @@ async def breakdown(
     ] = None,
 ) -> dict[str, Any]:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=False)
     s = c.settings
     target = ttft_p90 if ttft_p90 is not None else s.ttft_target_p90_s
     itl = itl_p90 if itl_p90 is not None else s.itl_target_p90_s

@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from metaserver.context import ctx
+from metaserver.context import Reader, ctx
 from metaserver.errors import Unprocessable
 from pdwire.feed import DEFAULT_KEEPALIVE_S, FEED_PATH, MAX_PREFIXES, MEDIA_TYPE, PREFIX_PATTERN
 
@@ -27,6 +27,7 @@ router = APIRouter(tags=["bindings"])
 )
 async def binding_feed(
     request: Request,
+    _who: Reader,
     prefix: Annotated[
         list[str],
         Query(description=f"transfer id prefix ({PREFIX_PATTERN}); 1 to {MAX_PREFIXES} of them"),
@@ -36,7 +37,6 @@ async def binding_feed(
     ] = DEFAULT_KEEPALIVE_S,
 ) -> StreamingResponse:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=False)
     prefixes = tuple(dict.fromkeys(prefix))  # in order, once each
     if not 1 <= len(prefixes) <= MAX_PREFIXES:
         raise Unprocessable(f"prefix: give 1 to {MAX_PREFIXES}, not {len(prefixes)}")

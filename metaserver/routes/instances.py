@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Request, Response
 
-from metaserver.context import ctx
+from metaserver.context import Reader, Writer, ctx
 from metaserver.errors import NotFound, Unprocessable
 from metaserver.responses import json_bytes, json_list
 from metaserver.routes._openapi import WRITE, json_body
@@ -25,13 +25,14 @@ InstanceId = Annotated[str, Path(pattern=INSTANCE_ID_PATTERN)]
     responses={
         200: {"model": Instance, "description": "heartbeat of a known instance"},
         201: {"model": Instance},
+        403: {"description": "the credential may not register this (its id, role, hosts, cap)"},
+        409: {"description": "another live instance has this url or kv_endpoint"},
     },
     openapi_extra=json_body(InstanceSpec),
     summary="Register an instance, or heartbeat it (same call); expires after its TTL",
 )
-async def put_instance(request: Request, instance_id: InstanceId) -> Response:
+async def put_instance(request: Request, who: Writer, instance_id: InstanceId) -> Response:
     c = ctx(request)
-    who = c.authorize(request.headers.get("authorization"), write=True)
     spec = parse_body(InstanceSpec, await request.body())
     who.may_register(instance_id, spec)
     ttl = spec.ttl_s if spec.ttl_s is not None else c.settings.instance_ttl_s
@@ -49,9 +50,8 @@ async def put_instance(request: Request, instance_id: InstanceId) -> Response:
 
 
 @router.get("/{instance_id}", responses={200: {"model": Instance}, 404: {}})
-async def get_instance(request: Request, instance_id: InstanceId) -> Response:
+async def get_instance(request: Request, _who: Reader, instance_id: InstanceId) -> Response:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=False)
     record = await c.store.get_instance(instance_id)
     if record is None:
         raise NotFound(f"instance {instance_id} not registered")
@@ -59,9 +59,10 @@ async def get_instance(request: Request, instance_id: InstanceId) -> Response:
 
 
 @router.get("", summary="Live instances (TTL not lapsed)")
-async def list_instances(request: Request, role: InstanceRole | None = None) -> Response:
+async def list_instances(
+    request: Request, _who: Reader, role: InstanceRole | None = None
+) -> Response:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=False)
     records = await c.store.list_instances(None if role is None else role.value)
     return json_list("instances", (r.to_json() for r in records))
 
@@ -72,17 +73,19 @@ async def list_instances(request: Request, role: InstanceRole | None = None) -> 
     responses={404: {}},
     openapi_extra=WRITE,
 )
-async def delete_instance(request: Request, instance_id: InstanceId) -> Response:
+async def delete_instance(request: Request, who: Writer, instance_id: InstanceId) -> Response:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=True).may_manage(instance_id)
+    who.may_manage(instance_id)
     if not await c.store.delete_instance(instance_id):
         raise NotFound(f"instance {instance_id} not registered")
     return Response(status_code=204)
 
 
-async def _set_draining(request: Request, instance_id: str, draining: bool) -> Response:
+async def _set_draining(
+    request: Request, who: Writer, instance_id: str, draining: bool
+) -> Response:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=True).may_drain(instance_id)
+    who.may_drain(instance_id)
     record = await c.store.set_draining(instance_id, draining)
     if record is None:
         raise NotFound(f"instance {instance_id} not registered")
@@ -96,8 +99,8 @@ async def _set_draining(request: Request, instance_id: str, draining: bool) -> R
     summary="Drain a registered instance: proxies send it no new requests (kept across "
     "heartbeats, forgotten with the registration)",
 )
-async def drain_instance(request: Request, instance_id: InstanceId) -> Response:
-    return await _set_draining(request, instance_id, True)
+async def drain_instance(request: Request, who: Writer, instance_id: InstanceId) -> Response:
+    return await _set_draining(request, who, instance_id, True)
 
 
 @router.delete(
@@ -106,5 +109,5 @@ async def drain_instance(request: Request, instance_id: InstanceId) -> Response:
     openapi_extra=WRITE,
     summary="Undrain an instance: proxies select it again",
 )
-async def undrain_instance(request: Request, instance_id: InstanceId) -> Response:
-    return await _set_draining(request, instance_id, False)
+async def undrain_instance(request: Request, who: Writer, instance_id: InstanceId) -> Response:
+    return await _set_draining(request, who, instance_id, False)

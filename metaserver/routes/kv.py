@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from metaserver.context import ctx
+from metaserver.context import Reader, Writer, ctx
 from metaserver.kvindex import Placement
 from metaserver.routes._openapi import json_body
 from metaserver.validation import parse_body
@@ -22,9 +22,8 @@ router = APIRouter(tags=["kv index"])
     openapi_extra=json_body(KVMatchIn, write=False),
     summary="Per instance: how many of a prompt's first blocks its prefix cache holds",
 )
-async def match(request: Request) -> dict[str, Any]:
+async def match(request: Request, _who: Reader) -> dict[str, Any]:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=False)
     body = parse_body(KVMatchIn, await request.body())
     index = c.store.kv_index()
     return {"matched": await index.match(body.keys, body.instances, placed=body.placed)}
@@ -37,18 +36,17 @@ async def match(request: Request) -> dict[str, Any]:
     openapi_extra=json_body(KVPlacedIn),
     summary="Prompts a proxy just sent: their blocks count as held there for a few seconds",
 )
-async def placed(request: Request) -> Response:
+async def placed(request: Request, who: Writer) -> Response:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=True).may_share_load()
+    who.may_share_load()
     body = parse_body(KVPlacedIn, await request.body())
     await c.store.kv_index().place([Placement(p.instance, p.keys) for p in body.placed])
     return Response(status_code=204)
 
 
 @router.get("/v1/kv", summary="The KV-event index: blocks per instance, each stream's state")
-async def state(request: Request) -> dict[str, Any]:
+async def state(request: Request, _who: Reader) -> dict[str, Any]:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=False)
     index = c.store.kv_index()
     sizes = await index.sizes()
     manager = c.kv_events

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Request
 
-from metaserver.context import ctx
+from metaserver.context import Reader, Writer, ctx
 from metaserver.routes._openapi import json_body
 from metaserver.validation import parse_body
 from pdwire.ids import INSTANCE_ID_PATTERN
@@ -25,9 +25,9 @@ Replica = Annotated[str, Path(pattern=INSTANCE_ID_PATTERN, max_length=128)]
     openapi_extra=json_body(LoadReport),
     summary="Report one proxy replica's in-flight load; answer the other replicas' (summed)",
 )
-async def report(request: Request, replica: Replica) -> LoadView:
+async def report(request: Request, who: Writer, replica: Replica) -> LoadView:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=True).may_share_load()
+    who.may_share_load()
     body = parse_body(LoadReport, await request.body())
     return await c.store.load_board().report(replica, body)
 
@@ -38,7 +38,6 @@ async def report(request: Request, replica: Replica) -> LoadView:
     responses={401: {}, 422: {}},
     summary="The load of every proxy replica but this one (summed), reporting nothing",
 )
-async def view(request: Request, replica: Replica) -> LoadView:
+async def view(request: Request, _who: Reader, replica: Replica) -> LoadView:
     c = ctx(request)
-    c.authorize(request.headers.get("authorization"), write=False)
     return await c.store.load_board().view(replica)

@@ -13,6 +13,7 @@ from tests.bench import corecpu
 from tests.bench.ttft_bench import MONO, pin_plan, pinned, table
 from tests.bench.ttft_client import Cell, Sample
 from tests.e2e.stack import monolithic_child
+from tests.support.sealing import key_file
 
 
 def test_ttft_pinned_monolithic_engine_runs_alone_on_core_0() -> None:
@@ -22,7 +23,7 @@ def test_ttft_pinned_monolithic_engine_runs_alone_on_core_0() -> None:
 
 
 def test_ttft_pinned_plan_puts_p_on_core_0_and_the_rest_on_core_1() -> None:
-    plan = build_plan(LaunchOptions(model="/m"))
+    plan = build_plan(LaunchOptions(model="/m", side_channel_secret_file=key_file()))
     placed = {c.name: c for c in pin_plan(plan.children)}
     cores = {name: c.argv[2] for name, c in placed.items()}
     assert cores.pop("prefill-0") == "0"

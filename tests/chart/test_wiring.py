@@ -33,6 +33,7 @@ from tests.chart.wiring import (
     service_for,
     svc_port,
 )
+from tests.support.access import resolved
 
 # --- proxy ----------------------------------------------------------------------------------
 
@@ -147,13 +148,13 @@ def _check_pool_credentials(
         w = r.get("StatefulSet", f"{FULLNAME}-{role}")
         pod = f"{FULLNAME}-{role}-0"
         env = resolve_env(container(w), secrets=secrets, fields=fields(pod))
-        who = access.who(f"Bearer {env['PDGATE_METASERVER_TOKEN']}", write=True)
+        who = resolved(access, f"Bearer {env['PDGATE_METASERVER_TOKEN']}")
         assert who.role is Role.ENGINE and who.engine_role is not None
         assert who.engine_role.value == role
         assert who.covers(pod) and not who.covers(f"{FULLNAME}-{other}-0")
     proxy = container(r.get("Deployment", f"{FULLNAME}-proxy"))
     env = resolve_env(proxy, secrets=secrets, fields=fields("proxy-0"))
-    assert access.who(f"Bearer {env['PD_PROXY_METASERVER_TOKEN']}", write=True).role is Role.PROXY
+    assert resolved(access, f"Bearer {env['PD_PROXY_METASERVER_TOKEN']}").role is Role.PROXY
 
 
 # --- labels, ports, secrets -----------------------------------------------------------------

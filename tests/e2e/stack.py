@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -59,8 +60,10 @@ def base_options(model: Path, **over: object) -> LaunchOptions:
         extra_engine_args=ENGINE_ARGS,
         extra_proxy_args=PROXY_ARGS,
         side_channel_secret_file=side_channel_secret(),
-        # metaserver roles: each engine acts only as itself (what pd-launch --roles does)
+        # metaserver roles: each engine acts only as itself (what pd-launch does by default)
         credentials_dir=tempfile.mkdtemp(prefix="pdgate-e2e-roles-"),
+        # engines answer only the proxy (vLLM's VLLM_API_KEY), as pd-launch has them
+        engine_api_key=secrets.token_urlsafe(24),
     )
     return replace(opts, **over)  # type: ignore[arg-type]
 

@@ -11,6 +11,7 @@ import pytest
 from launch.plan import ADMIN_TOKEN, LaunchOptions, build_plan
 from metaserver.access import Access, Role
 from tests.launch.options import KEY_FILE, options
+from tests.support.access import resolved
 
 
 def kv_config(argv: list[str]) -> dict[str, object]:
@@ -66,7 +67,7 @@ def test_plan_roles_give_each_part_its_own_credential(tmp_path: Path) -> None:
         token = child.env.get("PDGATE_METASERVER_TOKEN") or child.env["PD_PROXY_METASERVER_TOKEN"]
         tokens.add(token)
         assert token not in " ".join(c for ch in plan.children for c in ch.argv)
-        who = access.who(f"Bearer {token}", write=True)
+        who = resolved(access, f"Bearer {token}")
         if child.kind == "engine":
             assert who.role is Role.ENGINE and who.covers(child.name)
             assert not any(who.covers(o.name) for o in plan.children if o is not child)
@@ -74,7 +75,7 @@ def test_plan_roles_give_each_part_its_own_credential(tmp_path: Path) -> None:
             assert who.role is Role.PROXY
     assert len(tokens) == 4
     admin = (tmp_path / ADMIN_TOKEN).read_text().strip()
-    assert access.who(f"Bearer {admin}", write=True).role is Role.ADMIN
+    assert resolved(access, f"Bearer {admin}").role is Role.ADMIN
 
 
 def test_plan_device_presets() -> None:

@@ -334,7 +334,7 @@ async def test_timeline_page_shows_the_ttft_breakdown_and_the_pd_advice(
 @pytest.fixture
 def bare() -> Iterator[InThreadMetaserver]:
     """A metaserver of its own (memory store, open reads): no transfers until a test writes."""
-    ms = InThreadMetaserver(token=TOKEN)
+    ms = InThreadMetaserver(token=TOKEN, protect_reads=False)
     try:
         yield ms
     finally:

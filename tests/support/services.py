@@ -161,7 +161,9 @@ class InThreadMetaserver:
     ``pd-metaserver`` process's 3-4 s of start-up (importing FastAPI) per test. For tests that
     only talk to it; a test that kills or restarts the metaserver uses ``MetaserverProcess``."""
 
-    def __init__(self, token: str = "", ready_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, token: str = "", ready_timeout_s: float = 30.0, *, protect_reads: bool = True
+    ) -> None:
         import socket
         import threading
 
@@ -170,7 +172,9 @@ class InThreadMetaserver:
         from metaserver.app import create_app
         from metaserver.config import MetaserverSettings
 
-        app = create_app(MetaserverSettings(store="memory", token=token))
+        app = create_app(
+            MetaserverSettings(store="memory", token=token, protect_reads=protect_reads)
+        )
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
         self.port = int(self._sock.getsockname()[1])

@@ -1,7 +1,7 @@
 """The hosts an engine credential may register: its URL's host and its KV endpoint's host must
 be one of them. Addresses and networks (``10.0.3.0/24``) match any address inside; DNS names
 match themselves, case-insensitively (a name is not resolved: list the name the engine
-registers). On Kubernetes the pod's own addresses, from the API (``metaserver.kube``)."""
+registers). On Kubernetes the pod's own addresses, from the API (``metaserver.access.kube``)."""
 
 from __future__ import annotations
 
