@@ -104,8 +104,10 @@ def test_render_components_per_value_set(renders: dict[str, Rendered]) -> None:
     for ext in ("external-redis-url", "external-redis-secret", "cpu-1p1d-memory"):
         assert not renders[ext].has("StatefulSet", f"{FULLNAME}-redis"), ext
         assert not renders[ext].has("Service", f"{FULLNAME}-redis"), ext
-    # Nothing left to put in the chart's Secret: none is created.
-    assert not renders["cpu-1p1d-memory"].of_kind("Secret")
+    # No token and no Redis password: the chart's Secret holds only the side channel's
+    # generated key (issue 46; before, no Secret was created at all).
+    (secret,) = renders["cpu-1p1d-memory"].of_kind("Secret")
+    assert set(secret["data"]) == {"side-channel-key"}
     assert not renders["auth-existing-secret"].has("Secret", "pd-token")
 
     obs = renders["observability"]

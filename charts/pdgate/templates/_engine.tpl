@@ -48,8 +48,12 @@ discovery, and a StatefulSet. Call with (dict "root" $ "role" "prefill"|"decode"
   "concurrent" (and (eq .role "prefill") (eq $v.proxy.flow "concurrent"))
   "revision" (include "pdgate.revision" $root)
 -}}
-{{- with $v.connector.sideChannelSecret.existingSecret }}
-{{- $_ := set $extra "side_channel_secret_file" (printf "%s/%s" (include "pdgate.engine.sideChannelDir" $root) $v.connector.sideChannelSecret.existingSecretKey) -}}
+{{- if include "pdgate.sideChannel.key" $root }}
+{{- $secret := include "pdgate.sideChannel.secret" $root | fromJson -}}
+{{- $_ := set $extra "side_channel_secret_file" (printf "%s/%s" (include "pdgate.engine.sideChannelDir" $root) $secret.key) -}}
+{{- else }}
+{{- /* connector.insecureSideChannel: the connector refuses to start unsealed without it */ -}}
+{{- $_ := set $extra "insecure_side_channel" true -}}
 {{- end }}
 {{- $extra = mergeOverwrite $extra (deepCopy $v.connector.extraConfig) -}}
 {{- $cfg := dict
@@ -294,7 +298,7 @@ spec:
             {{- end }}
             - name: model-cache
               mountPath: {{ $v.model.cache.mountPath }}
-            {{- if and (ne $v.connector.kind "vllm-ascend") $v.connector.sideChannelSecret.existingSecret }}
+            {{- if include "pdgate.sideChannel.key" $root }}
             - name: side-channel-secret
               mountPath: {{ include "pdgate.engine.sideChannelDir" $root }}
               readOnly: true
@@ -305,13 +309,14 @@ spec:
               readOnly: true
             {{- end }}
       volumes:
-        {{- if and (ne $v.connector.kind "vllm-ascend") $v.connector.sideChannelSecret.existingSecret }}
+        {{- if include "pdgate.sideChannel.key" $root }}
+        {{- $secret := include "pdgate.sideChannel.secret" $root | fromJson }}
         - name: side-channel-secret
           secret:
-            secretName: {{ $v.connector.sideChannelSecret.existingSecret }}
+            secretName: {{ $secret.name }}
             items:
-              - key: {{ $v.connector.sideChannelSecret.existingSecretKey }}
-                path: {{ $v.connector.sideChannelSecret.existingSecretKey }}
+              - key: {{ $secret.key }}
+                path: {{ $secret.key }}
             defaultMode: 0440
         {{- end }}
         {{- if $v.engine.shm.enabled }}

@@ -116,7 +116,27 @@ existingSecretKey) is then the admin credential, which only the metaserver holds
 
 {{/* Does the chart's own Secret need to exist? */}}
 {{- define "pdgate.secret.needed" -}}
-{{- if or (and .Values.auth.enabled (not .Values.auth.existingSecret)) (and .Values.redis.enabled .Values.redis.auth.enabled) -}}true{{- end -}}
+{{- if or (and .Values.auth.enabled (not .Values.auth.existingSecret)) (and .Values.redis.enabled .Values.redis.auth.enabled) (eq (include "pdgate.sideChannel.key" .) "generated") -}}true{{- end -}}
+{{- end -}}
+
+{{/* Where the engines' side-channel key comes from: "generated" (key side-channel-key of the
+release Secret), "existing" (connector.sideChannelSecret.existingSecret), or "" when there is
+none: vllm-ascend's own connector, or connector.insecureSideChannel. */}}
+{{- define "pdgate.sideChannel.key" -}}
+{{- $c := .Values.connector -}}
+{{- if and (ne $c.kind "vllm-ascend") (not $c.insecureSideChannel) -}}
+{{- ternary "existing" "generated" (ne $c.sideChannelSecret.existingSecret "") -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Secret and key holding the side channel's key file (pdgate.sideChannel.key not ""). */}}
+{{- define "pdgate.sideChannel.secret" -}}
+{{- $s := .Values.connector.sideChannelSecret -}}
+{{- if eq (include "pdgate.sideChannel.key" .) "existing" -}}
+{{- toJson (dict "name" $s.existingSecret "key" $s.existingSecretKey) -}}
+{{- else -}}
+{{- toJson (dict "name" (include "pdgate.secret.name" .) "key" "side-channel-key") -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Reject value combinations the schema cannot express. */}}
@@ -136,6 +156,9 @@ existingSecretKey) is then the admin credential, which only the metaserver holds
 {{- end -}}
 {{- if and .Values.engine.drain.enabled (lt (int .Values.engine.terminationGracePeriodSeconds) (add (int .Values.engine.drain.timeoutS) 30)) -}}
 {{- fail (printf "engine.terminationGracePeriodSeconds (%d) must be at least engine.drain.timeoutS + 30 (%d): the preStop drain runs inside the grace period, and vLLM needs time to stop after it" (int .Values.engine.terminationGracePeriodSeconds) (add (int .Values.engine.drain.timeoutS) 30)) -}}
+{{- end -}}
+{{- if and .Values.connector.insecureSideChannel .Values.connector.sideChannelSecret.existingSecret -}}
+{{- fail "connector.insecureSideChannel and connector.sideChannelSecret.existingSecret contradict each other: leave insecureSideChannel false to seal the side channel with that Secret" -}}
 {{- end -}}
 {{- if not (hasKey .Values.presets .Values.accelerator) -}}
 {{- fail (printf "accelerator %q has no entry in presets" .Values.accelerator) -}}

@@ -1,0 +1,152 @@
+"""Issue 46 (security review 2): what the chart seals, protects and narrows by default, and
+that each opt-out is explicit. Every check reads the rendered manifests; where a project parser
+decides what a value means (the connector's key file), it is asked too."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import pytest
+
+from connector.seal import load_keys
+from tests.chart.fake_kube_api import FakeKubeAPI, serve
+from tests.chart.rendering import (
+    FULLNAME,
+    NAMESPACE,
+    RELEASE,
+    SCENARIOS,
+    Rendered,
+    arg_after,
+    container,
+    parse,
+    pod_spec,
+    render,
+)
+from tests.chart.wiring import fake_secrets, mount_engine_files
+
+ROLES = ("prefill", "decode")
+SECRET = f"{FULLNAME}-auth"
+ASCEND_KIND: dict[str, Any] = {
+    **copy.deepcopy(SCENARIOS["ascend-2p1d-tp"]),
+    "connector": {"kind": "vllm-ascend", "sideChannelPort": 36000},
+}
+
+
+def _engine(r: Rendered, role: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    sts = r.get("StatefulSet", f"{FULLNAME}-{role}")
+    return pod_spec(sts), container(sts)
+
+
+def _extra(c: dict[str, Any]) -> dict[str, Any]:
+    extra: dict[str, Any] = json.loads(arg_after(c["args"], "--kv-transfer-config"))[
+        "kv_connector_extra_config"
+    ]
+    return extra
+
+
+def _upgrade(api: FakeKubeAPI, chart: helm.Chart, values: dict[str, Any]) -> Rendered:
+    with serve(api) as url:
+        config = helm.Config(kube_apiserver=url, kube_token="test", namespace=NAMESPACE)
+        try:
+            files = config.render(chart, values, name=RELEASE, namespace=NAMESPACE, is_upgrade=True)
+        finally:
+            config.close()
+    return parse(files)
+
+
+# --- side channel (SR2 "sealed by default in the chart?", N1) -------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_side_channel_key_is_generated_and_mounted_into_every_engine(
+    renders: dict[str, Rendered], name: str, tmp_path: Path
+) -> None:
+    """Every pdgate-connector engine, in every value set, names a key file in
+    side_channel_secret_file; the file is the release Secret's generated side-channel-key,
+    mounted read-only, and the connector's own loader accepts it."""
+    r = renders[name]
+    key = r.secret_data(SECRET)["side-channel-key"]
+    assert re.fullmatch(r"[A-Za-z0-9]{64}", key)
+    secrets = fake_secrets(r)
+    for role in ROLES:
+        pod, c = _engine(r, role)
+        path = _extra(c)["side_channel_secret_file"]
+        assert "insecure_side_channel" not in _extra(c)
+        (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+        assert mount["readOnly"] is True
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        assert volume["secret"]["secretName"] == SECRET
+        assert volume["secret"]["items"] == [
+            {"key": "side-channel-key", "path": "side-channel-key"}
+        ]
+        assert volume["secret"]["defaultMode"] == 0o440
+        here = mount_engine_files(pod, c, secrets, tmp_path / role)
+        local = path.replace(mount["mountPath"], here[mount["mountPath"]])
+        assert load_keys(local) == [key.encode()]
+
+
+def test_side_channel_key_is_random_and_kept_across_upgrades(chart: helm.Chart) -> None:
+    first = render(chart=chart)
+    assert (
+        first.secret_data(SECRET)["side-channel-key"]
+        != render(chart=chart).secret_data(SECRET)["side-channel-key"]
+    )
+    api = FakeKubeAPI()
+    api.put_secret(first.get("Secret", SECRET))
+    upgraded = _upgrade(api, chart, {"decode": {"replicas": 2}})
+    assert (
+        upgraded.secret_data(SECRET)["side-channel-key"]
+        == first.secret_data(SECRET)["side-channel-key"]
+    )
+
+
+def test_side_channel_generated_key_yields_to_an_existing_secret_and_skips_vllm_ascend() -> None:
+    """The generated key is the default; connector.sideChannelSecret.existingSecret replaces it
+    (nothing generated), and vllm-ascend's own connector gets neither key nor mount."""
+    assert "side-channel-key" in render().secret_data(SECRET)
+    r = render(
+        {
+            "connector": {
+                "sideChannelSecret": {"existingSecret": "pd-side", "existingSecretKey": "k"}
+            }
+        }
+    )
+    assert "side-channel-key" not in r.secret_data(SECRET)
+    for role in ROLES:
+        pod, c = _engine(r, role)
+        assert _extra(c)["side_channel_secret_file"] == "/etc/pdgate/side-channel/k"
+        secret_volumes = [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v]
+        assert "pd-side" in secret_volumes and SECRET not in secret_volumes
+    ascend = render(ASCEND_KIND)
+    assert "side-channel-key" not in ascend.secret_data(SECRET)
+    for role in ROLES:
+        _, c = _engine(ascend, role)
+        assert "side_channel" not in arg_after(c["args"], "--kv-transfer-config")
+        assert not any(m["mountPath"].startswith("/etc/pdgate/") for m in c["volumeMounts"])
+
+
+def test_side_channel_insecure_opt_out_is_explicit_and_announced() -> None:
+    """connector.insecureSideChannel: no key, nothing mounted, and the connector is told so
+    (insecure_side_channel: it refuses to start unsealed otherwise); NOTES.txt says INSECURE."""
+    r = render({"connector": {"insecureSideChannel": True}})
+    assert "side-channel-key" not in r.secret_data(SECRET)
+    for role in ROLES:
+        _, c = _engine(r, role)
+        extra = _extra(c)
+        assert extra["insecure_side_channel"] is True
+        assert "side_channel_secret_file" not in extra
+    assert "INSECURE" in r.notes and "connector.insecureSideChannel" in r.notes
+    with pytest.raises(helm.HelmError, match="insecureSideChannel"):
+        render(
+            {
+                "connector": {
+                    "insecureSideChannel": True,
+                    "sideChannelSecret": {"existingSecret": "pd-side"},
+                }
+            }
+        )
