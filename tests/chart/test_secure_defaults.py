@@ -150,3 +150,53 @@ def test_side_channel_insecure_opt_out_is_explicit_and_announced() -> None:
                 }
             }
         )
+
+
+# --- metaserver reads (SR2 "reads protected by default?", M6, N2, N6, N7) -------------------
+
+AUTH_SCENARIOS = sorted(n for n, v in SCENARIOS.items() if v.get("auth", {}).get("enabled", True))
+
+
+def _engine_credential(c: dict[str, Any]) -> str:
+    """Where an engine container's connector takes its metaserver credential from."""
+    env = {e["name"]: e for e in c.get("env", [])}
+    extra = _extra(c)
+    if "metaserver_token_file" in extra:
+        return f"file {extra['metaserver_token_file']}"
+    assert "secretKeyRef" in env["PDGATE_METASERVER_TOKEN"]["valueFrom"]
+    return "env PDGATE_METASERVER_TOKEN"
+
+
+def _drain_credential(c: dict[str, Any]) -> str:
+    command = c["lifecycle"]["preStop"]["exec"]["command"]
+    files = [a.split("=", 1)[1] for a in command if a.startswith("--token-file=")]
+    if files:
+        return f"file {files[0]}"
+    env = {e["name"]: e for e in c.get("env", [])}
+    assert "secretKeyRef" in env["PDGATE_METASERVER_TOKEN"]["valueFrom"]
+    return "env PDGATE_METASERVER_TOKEN"
+
+
+@pytest.mark.parametrize("name", AUTH_SCENARIOS)
+def test_reads_are_protected_by_default_and_every_reader_holds_a_credential(
+    renders: dict[str, Rendered], name: str
+) -> None:
+    """The metaserver runs --protect-reads; the proxy, each engine's connector and its preStop
+    drain (all of them read the metaserver) hold a credential; NOTES' curl lines send one."""
+    r = renders[name]
+    ms = container(r.get("Deployment", f"{FULLNAME}-metaserver"))
+    assert "--protect-reads" in ms["args"] and "--open-reads" not in ms["args"]
+    proxy = {e["name"]: e for e in container(r.get("Deployment", f"{FULLNAME}-proxy"))["env"]}
+    assert "secretKeyRef" in proxy["PD_PROXY_METASERVER_TOKEN"]["valueFrom"]
+    for role in ROLES:
+        _, c = _engine(r, role)
+        assert _engine_credential(c) and _drain_credential(c)
+    reads = [line for line in r.notes.splitlines() if "curl -s" in line and "$META/v1/" in line]
+    assert reads and all('-H "Authorization: Bearer $TOKEN"' in line for line in reads)
+
+
+def test_open_reads_is_an_explicit_insecure_opt_out() -> None:
+    r = render({"metaserver": {"protectReads": False}})
+    args = container(r.get("Deployment", f"{FULLNAME}-metaserver"))["args"]
+    assert "--open-reads" in args and "--protect-reads" not in args
+    assert "INSECURE" in r.notes and "metaserver.protectReads=false" in r.notes

@@ -131,7 +131,8 @@ def test_wiring_metaserver_settings_accept_the_rendered_flags(
         assert store == "memory"
     auth = values.get("auth", {})
     assert (settings.token is not None) == auth.get("enabled", True)
-    assert settings.protect_reads == values.get("metaserver", {}).get("protectReads", False)
+    if auth.get("enabled", True):  # reads are protected by default (issue 46)
+        assert settings.protect_reads == values.get("metaserver", {}).get("protectReads", True)
     roles = auth.get("enabled", True) and auth.get("mode", "roles") == "roles"
     assert (settings.credentials_file is not None) == roles
     if roles:
