@@ -200,3 +200,22 @@ def test_open_reads_is_an_explicit_insecure_opt_out() -> None:
     args = container(r.get("Deployment", f"{FULLNAME}-metaserver"))["args"]
     assert "--open-reads" in args and "--protect-reads" not in args
     assert "INSECURE" in r.notes and "metaserver.protectReads=false" in r.notes
+
+
+# --- an open metaserver is asked for by name (SR2 N9) ---------------------------------------
+
+
+def test_auth_disabled_runs_the_metaserver_open_only_by_name(renders: dict[str, Rendered]) -> None:
+    """pd-metaserver refuses to listen on a pod IP without credentials (sec-design.md): with
+    auth.enabled=false the chart says PD_METASERVER_INSECURE_OPEN=true, and NOTES.txt calls it
+    INSECURE; with auth on, it never does."""
+    open_ = renders["cpu-1p1d-memory"]  # the example has auth.enabled=false
+    env = {
+        e["name"]: e for e in container(open_.get("Deployment", f"{FULLNAME}-metaserver"))["env"]
+    }
+    assert env["PD_METASERVER_INSECURE_OPEN"]["value"] == "true"
+    assert "INSECURE" in open_.notes and "auth.enabled=false" in open_.notes
+    for name in AUTH_SCENARIOS:
+        ms = container(renders[name].get("Deployment", f"{FULLNAME}-metaserver"))
+        assert all(e["name"] != "PD_METASERVER_INSECURE_OPEN" for e in ms["env"]), name
+        assert "INSECURE" not in renders[name].notes, name
