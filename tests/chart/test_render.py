@@ -104,10 +104,10 @@ def test_render_components_per_value_set(renders: dict[str, Rendered]) -> None:
     for ext in ("external-redis-url", "external-redis-secret", "cpu-1p1d-memory"):
         assert not renders[ext].has("StatefulSet", f"{FULLNAME}-redis"), ext
         assert not renders[ext].has("Service", f"{FULLNAME}-redis"), ext
-    # No token and no Redis password: the chart's Secret holds only the side channel's
-    # generated key (issue 46; before, no Secret was created at all).
+    # No token and no Redis password: the chart's Secret holds only the side channel's and the
+    # engines' generated keys (issue 46; before, no Secret was created at all).
     (secret,) = renders["cpu-1p1d-memory"].of_kind("Secret")
-    assert set(secret["data"]) == {"side-channel-key"}
+    assert set(secret["data"]) == {"side-channel-key", "engine-api-key"}
     assert not renders["auth-existing-secret"].has("Secret", "pd-token")
 
     obs = renders["observability"]

@@ -219,3 +219,98 @@ def test_auth_disabled_runs_the_metaserver_open_only_by_name(renders: dict[str, 
         ms = container(renders[name].get("Deployment", f"{FULLNAME}-metaserver"))
         assert all(e["name"] != "PD_METASERVER_INSECURE_OPEN" for e in ms["env"]), name
         assert "INSECURE" not in renders[name].notes, name
+
+
+# --- engine API key (SR2 H4: direct engine HTTP) --------------------------------------------
+
+
+def _vllm_app(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> Any:
+    """A FastAPI app with vLLM's own middleware set up the way `vllm serve` does it, from the
+    engine container's environment (VLLM_API_KEY), and stand-ins for three of its routes."""
+    from argparse import Namespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    app = FastAPI()
+    for path in ("/health", "/metrics", "/v1/models"):
+        app.add_api_route(path, lambda: {"ok": True})
+    args = Namespace(
+        allowed_origins=["*"],
+        allow_credentials=False,
+        allowed_methods=["*"],
+        allowed_headers=["*"],
+        api_key=None,
+        enable_request_id_headers=False,
+        middleware=[],
+    )
+    init_entrypoints_middleware(args, app, ())
+    return TestClient(app)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_engine_api_key_is_generated_and_only_the_proxy_holds_it(
+    renders: dict[str, Rendered], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """engine-api-key: the engines' VLLM_API_KEY (vLLM's --api-key) and the proxy's
+    PD_PROXY_ENGINE_API_KEY, both through secretKeyRef, never in an argv; with it vLLM's own
+    middleware refuses /v1 without the proxy's key, while the probes' /health and the drain's
+    /metrics stay open."""
+    from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX
+
+    from tests.chart.rendering import resolve_env
+    from tests.chart.wiring import fields
+
+    r = renders[name]
+    key = r.secret_data(SECRET)["engine-api-key"]
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", key)
+    ref = {"name": SECRET, "key": "engine-api-key"}
+    secrets = fake_secrets(r)
+    proxy = container(r.get("Deployment", f"{FULLNAME}-proxy"))
+    (item,) = [e for e in proxy["env"] if e["name"] == "PD_PROXY_ENGINE_API_KEY"]
+    assert item["valueFrom"]["secretKeyRef"] == ref
+    proxy_key = resolve_env(proxy, secrets=secrets, fields=fields("proxy-0"))[item["name"]]
+    for w in r.workloads():
+        for c in pod_spec(w)["containers"] + pod_spec(w).get("initContainers", []):
+            assert not any("api-key" in a for a in c.get("args", []) + c.get("command", []))
+    for role in ROLES:
+        _, c = _engine(r, role)
+        (item,) = [e for e in c["env"] if e["name"] == "VLLM_API_KEY"]
+        assert item["valueFrom"]["secretKeyRef"] == ref
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert not c[probe]["httpGet"]["path"].startswith(GUARDED_PREFIX), probe
+        engine = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert any(a.startswith("--engine=") for a in engine)  # reads vLLM's /metrics
+    env = resolve_env(c, secrets=secrets, fields=fields(f"{FULLNAME}-decode-0"))
+    client = _vllm_app(monkeypatch, {"VLLM_API_KEY": env["VLLM_API_KEY"]})
+    assert client.get("/health").status_code == 200
+    assert client.get("/metrics").status_code == 200
+    assert client.get("/v1/models").status_code == 401
+    wrong = client.get("/v1/models", headers={"Authorization": "Bearer not-the-key"})
+    assert wrong.status_code == 401
+    ok = client.get("/v1/models", headers={"Authorization": f"Bearer {proxy_key}"})
+    assert ok.status_code == 200
+
+
+def test_engine_api_key_existing_secret_and_the_insecure_opt_out() -> None:
+    theirs = render({"engine": {"apiKey": {"existingSecret": "eng-key", "existingSecretKey": "k"}}})
+    assert "engine-api-key" not in theirs.secret_data(SECRET)
+    proxy = container(theirs.get("Deployment", f"{FULLNAME}-proxy"))
+    refs = [e["valueFrom"]["secretKeyRef"] for e in proxy["env"] if e["name"].endswith("API_KEY")]
+    assert refs == [{"name": "eng-key", "key": "k"}]
+    off = render({"engine": {"apiKey": {"enabled": False}}})
+    assert "engine-api-key" not in off.secret_data(SECRET)
+    assert "API_KEY" not in off.text()
+    assert "INSECURE" in off.notes and "engine.apiKey.enabled=false" in off.notes
+
+
+def test_engine_api_key_is_random_and_kept_across_upgrades(chart: helm.Chart) -> None:
+    first = render(chart=chart)
+    key = first.secret_data(SECRET)["engine-api-key"]
+    assert key != render(chart=chart).secret_data(SECRET)["engine-api-key"]
+    api = FakeKubeAPI()
+    api.put_secret(first.get("Secret", SECRET))
+    assert _upgrade(api, chart, {}).secret_data(SECRET)["engine-api-key"] == key

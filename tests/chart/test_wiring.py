@@ -90,6 +90,11 @@ def test_wiring_proxy_cli_accepts_the_rendered_flags(
         assert settings.metaserver_token is not None
         if auth.get("existingSecret"):  # roles mode: the proxy's own credential
             assert settings.metaserver_token.get_secret_value() == "user-proxy-token"
+    # The engines' API key (issue 46; sec-design.md: the proxy's engine_api_key, env
+    # PD_PROXY_ENGINE_API_KEY): the proxy sends the key the engines' VLLM_API_KEY holds.
+    engine_key = r.secret_data(f"{FULLNAME}-auth")["engine-api-key"]
+    assert settings.engine_api_key is not None
+    assert settings.engine_api_key.get_secret_value() == engine_key
     if name == "auth-existing-secret":
         assert [k.get_secret_value() for k in settings.api_keys] == ["k1", "k2"]
         assert [k.get_secret_value() for k in settings.admin_keys] == ["a1"]

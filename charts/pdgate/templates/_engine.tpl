@@ -226,6 +226,9 @@ spec:
             {{- with include "pdgate.token.env" (dict "root" $root "name" "PDGATE_METASERVER_TOKEN" "part" .role) }}
             {{- . | nindent 12 }}
             {{- end }}
+            {{- with include "pdgate.engineApiKey.env" (dict "root" $root "name" "VLLM_API_KEY") }}
+            {{- . | nindent 12 }}
+            {{- end }}
             {{- with $v.model.hfTokenSecret.name }}
             - name: HF_TOKEN
               valueFrom:

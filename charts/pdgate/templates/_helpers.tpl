@@ -116,7 +116,20 @@ existingSecretKey) is then the admin credential, which only the metaserver holds
 
 {{/* Does the chart's own Secret need to exist? */}}
 {{- define "pdgate.secret.needed" -}}
-{{- if or (and .Values.auth.enabled (not .Values.auth.existingSecret)) (and .Values.redis.enabled .Values.redis.auth.enabled) (eq (include "pdgate.sideChannel.key" .) "generated") -}}true{{- end -}}
+{{- if or (and .Values.auth.enabled (not .Values.auth.existingSecret)) (and .Values.redis.enabled .Values.redis.auth.enabled) (eq (include "pdgate.sideChannel.key" .) "generated") (and .Values.engine.apiKey.enabled (not .Values.engine.apiKey.existingSecret)) -}}true{{- end -}}
+{{- end -}}
+
+{{/* An env entry with the engines' API key (engine.apiKey), or nothing; call with
+(dict "root" $ "name" "VLLM_API_KEY"|"PD_PROXY_ENGINE_API_KEY"). */}}
+{{- define "pdgate.engineApiKey.env" -}}
+{{- $k := .root.Values.engine.apiKey -}}
+{{- if $k.enabled -}}
+- name: {{ .name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ default (include "pdgate.secret.name" .root) $k.existingSecret }}
+      key: {{ ternary $k.existingSecretKey "engine-api-key" (ne $k.existingSecret "") }}
+{{- end -}}
 {{- end -}}
 
 {{/* Where the engines' side-channel key comes from: "generated" (key side-channel-key of the
