@@ -28,6 +28,7 @@ ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 PROTOCOLS = {"cpu": "tcp", "nvidia": "rdma", "ascend": "ascend"}
 DEVICES = {"cpu": "cpu", "nvidia": "cuda", "ascend": "npu"}
 RESOURCES = {"nvidia": "nvidia.com/gpu", "ascend": "huawei.com/Ascend910"}
+TOKEN_FILE = "/var/run/secrets/pdgate/metaserver-token/token"
 
 
 @pytest.mark.parametrize("role", sorted(ROLES))
@@ -69,10 +70,16 @@ def test_engine_kv_transfer_config(
     assert settings.instance_id == pod
     assert settings.http_url == f"http://10.1.2.3:{container_port(c, 'http')}"
     assert settings.side_channel_host == "10.1.2.3"
-    if values.get("auth", {}).get("enabled", True):
-        assert env["PDGATE_METASERVER_TOKEN"]
-    else:
+    auth = values.get("auth", {})
+    if not auth.get("enabled", True):
         assert "PDGATE_METASERVER_TOKEN" not in env
+    elif auth.get("mode", "roles") == "roles" and auth.get("engineIdentity") != "poolToken":
+        # per-pod identity (issue 46): the pod's projected ServiceAccount token, mounted
+        assert "PDGATE_METASERVER_TOKEN" not in env
+        assert settings.metaserver_token_file == rebase(TOKEN_FILE, mounted)
+        assert Path(settings.metaserver_token_file).read_text()
+    else:
+        assert env["PDGATE_METASERVER_TOKEN"]
 
     # One side-channel port per TP rank, declared on the container and the headless Service.
     tp = values.get(role, {}).get("tensorParallelSize", 1)

@@ -41,6 +41,9 @@ def stack(tmp_path: Path) -> Iterator[dict[str, Any]]:
             "metaserver": {"port": meta_port, "replicas": 2},
             "proxy": {"port": proxy_port},
             "engine": {"port": engine_port, "drain": {"settleS": 1, "timeoutS": 30}},
+            # Per-pool tokens: the default per-pod ServiceAccount tokens need a TokenReview
+            # API, which this stack has not (test_secure_defaults.py checks their wiring).
+            "auth": {"engineIdentity": "poolToken"},
         }
     )
     secrets = {f"{FULLNAME}-auth": r.secret_data(f"{FULLNAME}-auth")}

@@ -65,9 +65,16 @@ def test_render_validation_catches_an_unknown_field(renders: dict[str, Rendered]
         kubernetes_validate.validate(bad, KUBE_VERSION, strict=True)
 
 
+CLUSTER_SCOPED = {"ClusterRoleBinding"}  # the metaserver's TokenReview right (issue 46)
+
+
 def test_render_objects_live_in_the_release_namespace(scenario: tuple[str, Rendered]) -> None:
     _, r = scenario
     for doc in r.docs:
+        if doc["kind"] in CLUSTER_SCOPED:
+            assert "namespace" not in doc["metadata"], doc["metadata"]
+            assert NAMESPACE in doc["metadata"]["name"]  # one per release and namespace
+            continue
         assert doc["metadata"]["namespace"] == NAMESPACE, doc["metadata"]
 
 
@@ -99,7 +106,11 @@ def test_render_components_per_value_set(renders: dict[str, Rendered]) -> None:
     assert {d["metadata"]["name"] for d in base.of_kind("NetworkPolicy")} == {
         f"{FULLNAME}-{c}" for c in ("proxy", "metaserver", "redis", "prefill", "decode")
     }
-    assert not base.of_kind("Role") and not base.of_kind("ClusterRole")
+    # Per-pod engine identity (issue 46): the metaserver's Role (get pods) and its binding to
+    # the built-in system:auth-delegator; no ClusterRole of the chart's own. Before, no RBAC.
+    assert {d["metadata"]["name"] for d in base.of_kind("Role")} == {f"{FULLNAME}-metaserver"}
+    assert len(base.of_kind("ClusterRoleBinding")) == 1 and not base.of_kind("ClusterRole")
+    assert not renders["auth-pool-tokens"].of_kind("Role")
 
     for ext in ("external-redis-url", "external-redis-secret", "cpu-1p1d-memory"):
         assert not renders[ext].has("StatefulSet", f"{FULLNAME}-redis"), ext

@@ -314,3 +314,147 @@ def test_engine_api_key_is_random_and_kept_across_upgrades(chart: helm.Chart) ->
     api = FakeKubeAPI()
     api.put_secret(first.get("Secret", SECRET))
     assert _upgrade(api, chart, {}).secret_data(SECRET)["engine-api-key"] == key
+
+
+# --- per-pod engine identity (SR2 N4, N10; sec-design.md "kubernetes:" credentials) ----------
+
+TOKEN_DIR = "/var/run/secrets/pdgate/metaserver-token"
+TOKEN_FILE = f"{TOKEN_DIR}/token"
+PER_POD = sorted(
+    n
+    for n, v in SCENARIOS.items()
+    if v.get("auth", {}).get("enabled", True)
+    and v.get("auth", {}).get("mode", "roles") == "roles"
+    and v.get("auth", {}).get("engineIdentity", "serviceAccountToken") == "serviceAccountToken"
+)
+
+
+def _credentials(r: Rendered) -> list[dict[str, Any]]:
+    import yaml
+
+    text = r.get("ConfigMap", f"{FULLNAME}-access")["data"]["credentials.yaml"]
+    entries: list[dict[str, Any]] = yaml.safe_load(text)["credentials"]
+    return entries
+
+
+@pytest.mark.parametrize("name", PER_POD)
+def test_engines_prove_their_pod_with_a_projected_service_account_token(
+    renders: dict[str, Rendered], name: str
+) -> None:
+    """Each pool runs under a ServiceAccount of its own, with no API token mounted; the pod
+    gets a projected token for the metaserver's audience instead, which the connector
+    (metaserver_token_file) and the preStop drain (--token-file) present. No pool token is
+    generated or read any more."""
+    r = renders[name]
+    for role in ROLES:
+        pod, c = _engine(r, role)
+        sa = pod["serviceAccountName"]
+        assert sa == f"{FULLNAME}-{role}"
+        account = r.get("ServiceAccount", sa)
+        assert account["automountServiceAccountToken"] is False
+        assert pod["automountServiceAccountToken"] is False
+        (volume,) = [v for v in pod["volumes"] if "projected" in v]
+        assert volume["projected"]["sources"] == [
+            {
+                "serviceAccountToken": {
+                    "audience": "pdgate-metaserver",
+                    "expirationSeconds": 3600,
+                    "path": "token",
+                }
+            }
+        ]
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == volume["name"]]
+        assert mount == {"name": volume["name"], "mountPath": TOKEN_DIR, "readOnly": True}
+        if SCENARIOS[name].get("connector", {}).get("kind", "pdgate") == "pdgate":
+            assert _extra(c)["metaserver_token_file"] == TOKEN_FILE
+        assert f"--token-file={TOKEN_FILE}" in c["lifecycle"]["preStop"]["exec"]["command"]
+        assert all(e["name"] != "PDGATE_METASERVER_TOKEN" for e in c["env"])
+    if r.has("Secret", SECRET):
+        data = r.secret_data(SECRET)
+        assert "prefill-token" not in data and "decode-token" not in data
+
+
+@pytest.mark.parametrize("name", PER_POD)
+def test_metaserver_credentials_name_each_pools_service_account(
+    renders: dict[str, Rendered], name: str
+) -> None:
+    """credentials.yaml: the proxy keeps its token; each pool is a `kubernetes:` entry naming
+    the ServiceAccount its pods run under (role engine, engine_role of the pool), no token."""
+    r = renders[name]
+    entries = {e["name"]: e for e in _credentials(r)}
+    assert entries.pop("proxy") == {
+        "name": "proxy",
+        "role": "proxy",
+        "token_file": "/etc/pdgate/auth/proxy-token",
+    }
+    for role in ROLES:
+        pod, _ = _engine(r, role)
+        assert entries.pop(f"{role}-pods") == {
+            "name": f"{role}-pods",
+            "role": "engine",
+            "engine_role": role,
+            "kubernetes": {"service_account": f"{NAMESPACE}:{pod['serviceAccountName']}"},
+        }
+    assert entries == {}
+    ms = pod_spec(r.get("Deployment", f"{FULLNAME}-metaserver"))
+    (creds,) = [v for v in ms["volumes"] if v["name"] == "credentials"]
+    assert creds["secret"]["items"] == [{"key": "proxy-token", "path": "proxy-token"}]
+
+
+def test_metaserver_gets_rbac_for_token_reviews_and_pod_lookups(
+    renders: dict[str, Rendered],
+) -> None:
+    """The metaserver (its own ServiceAccount, API token mounted) may create TokenReviews
+    (system:auth-delegator) and get pods in the release namespace, nothing else; no other
+    pod runs under that account, and the engines' accounts are bound to nothing."""
+    r = renders["defaults"]
+    ms = pod_spec(r.get("Deployment", f"{FULLNAME}-metaserver"))
+    sa = ms["serviceAccountName"]
+    assert sa == f"{FULLNAME}-metaserver" and ms["automountServiceAccountToken"] is True
+    assert r.has("ServiceAccount", sa)
+    subject = [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
+    (crb,) = r.of_kind("ClusterRoleBinding")
+    assert crb["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "system:auth-delegator",
+    }
+    assert crb["subjects"] == subject and NAMESPACE in crb["metadata"]["name"]
+    (role,) = r.of_kind("Role")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]
+    (rb,) = r.of_kind("RoleBinding")
+    assert rb["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert rb["subjects"] == subject
+    assert not r.of_kind("ClusterRole")
+    others = [
+        pod_spec(w) for w in r.workloads() if w["metadata"]["name"] != f"{FULLNAME}-metaserver"
+    ]
+    assert all(p["serviceAccountName"] != sa for p in others)
+    assert all(p["automountServiceAccountToken"] is False for p in others)
+
+
+def test_pool_tokens_remain_as_the_named_alternative() -> None:
+    """auth.engineIdentity=poolToken: today's per-pool tokens, no RBAC, no projected token;
+    in single-token mode or without auth there is no per-pod identity either."""
+    r = render({"auth": {"engineIdentity": "poolToken"}})
+    assert {"prefill-token", "decode-token"} <= set(r.secret_data(SECRET))
+    assert not r.of_kind("ClusterRoleBinding") and not r.of_kind("Role")
+    for role in ROLES:
+        pod, c = _engine(r, role)
+        assert not any("projected" in v for v in pod["volumes"])
+        assert "metaserver_token_file" not in _extra(c)
+        env = {e["name"]: e for e in c["env"]}
+        assert env["PDGATE_METASERVER_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == f"{role}-token"
+    entries = {e["name"]: e for e in _credentials(r)}
+    assert entries["prefill-pool"]["token_file"] == "/etc/pdgate/auth/prefill-token"
+    assert "per-pool" in r.notes
+    for values in ({"auth": {"mode": "single"}}, {"auth": {"enabled": False}}):
+        other = render(values)
+        assert not other.of_kind("ClusterRoleBinding") and not other.of_kind("Role"), values
+        assert not any(
+            "projected" in v for w in other.workloads() for v in pod_spec(w).get("volumes", [])
+        )

@@ -55,6 +55,9 @@ discovery, and a StatefulSet. Call with (dict "root" $ "role" "prefill"|"decode"
 {{- /* connector.insecureSideChannel: the connector refuses to start unsealed without it */ -}}
 {{- $_ := set $extra "insecure_side_channel" true -}}
 {{- end }}
+{{- if include "pdgate.auth.perPod" $root }}
+{{- $_ := set $extra "metaserver_token_file" (printf "%s/token" (include "pdgate.auth.podTokenDir" $root)) -}}
+{{- end }}
 {{- $extra = mergeOverwrite $extra (deepCopy $v.connector.extraConfig) -}}
 {{- $cfg := dict
   "kv_connector" $v.connector.name
@@ -158,7 +161,7 @@ spec:
         {{- toYaml . | nindent 8 }}
       {{- end }}
     spec:
-      serviceAccountName: {{ include "pdgate.serviceAccountName" $root }}
+      serviceAccountName: {{ include "pdgate.partServiceAccountName" (dict "root" $root "part" $role) }}
       automountServiceAccountToken: false
       terminationGracePeriodSeconds: {{ $v.engine.terminationGracePeriodSeconds }}
       {{- with $v.engine.podSecurityContext }}
@@ -273,8 +276,9 @@ spec:
           # Graceful drain (docs/kubernetes.md): mark this instance draining in the metaserver
           # (every proxy stops sending it requests), wait for its in-flight requests, then let
           # SIGTERM stop vLLM; the connector deregisters on shutdown. Python, not curl: the
-          # engine images have Python and pdgate. POD_NAME (the instance id) and the token come
-          # from the container's environment.
+          # engine images have Python and pdgate. POD_NAME (the instance id) comes from the
+          # container's environment, the credential from the pod's projected token (or the
+          # environment's token).
           lifecycle:
             preStop:
               exec:
@@ -286,6 +290,9 @@ spec:
                   - --engine=http://127.0.0.1:{{ $port }}
                   - --settle={{ int $v.engine.drain.settleS }}
                   - --timeout={{ int $v.engine.drain.timeoutS }}
+                  {{- if include "pdgate.auth.perPod" $root }}
+                  - --token-file={{ include "pdgate.auth.podTokenDir" $root }}/token
+                  {{- end }}
           {{- end }}
           resources:
             {{- toYaml $resources | nindent 12 }}
@@ -301,6 +308,11 @@ spec:
             {{- end }}
             - name: model-cache
               mountPath: {{ $v.model.cache.mountPath }}
+            {{- if include "pdgate.auth.perPod" $root }}
+            - name: metaserver-token
+              mountPath: {{ include "pdgate.auth.podTokenDir" $root }}
+              readOnly: true
+            {{- end }}
             {{- if include "pdgate.sideChannel.key" $root }}
             - name: side-channel-secret
               mountPath: {{ include "pdgate.engine.sideChannelDir" $root }}
@@ -312,6 +324,17 @@ spec:
               readOnly: true
             {{- end }}
       volumes:
+        {{- if include "pdgate.auth.perPod" $root }}
+        # This pod's identity for the metaserver: a token of the pool's ServiceAccount for the
+        # metaserver's audience only, renewed by the kubelet (the connector re-reads it).
+        - name: metaserver-token
+          projected:
+            sources:
+              - serviceAccountToken:
+                  audience: {{ include "pdgate.auth.podTokenAudience" $root }}
+                  expirationSeconds: {{ int $v.auth.serviceAccountToken.expirationSeconds }}
+                  path: token
+        {{- end }}
         {{- if include "pdgate.sideChannel.key" $root }}
         {{- $secret := include "pdgate.sideChannel.secret" $root | fromJson }}
         - name: side-channel-secret

@@ -82,17 +82,41 @@ app.kubernetes.io/part-of: pdgate
 {{- if and .Values.auth.enabled (eq .Values.auth.mode "roles") -}}true{{- end -}}
 {{- end -}}
 
-{{/* The parts that hold a credential of their own in roles mode (Secret keys <part>-token). */}}
-{{- define "pdgate.auth.parts" -}}proxy prefill decode{{- end -}}
+{{/* True when engine pods prove their pod with a projected ServiceAccount token (roles mode,
+auth.engineIdentity serviceAccountToken) instead of holding a pool token. */}}
+{{- define "pdgate.auth.perPod" -}}
+{{- if and (include "pdgate.auth.roles" .) (eq .Values.auth.engineIdentity "serviceAccountToken") -}}true{{- end -}}
+{{- end -}}
+
+{{/* The parts that hold a token of their own in roles mode (Secret keys <part>-token): the
+engine pools only with auth.engineIdentity poolToken. */}}
+{{- define "pdgate.auth.parts" -}}
+{{- if include "pdgate.auth.perPod" . -}}proxy{{- else -}}proxy prefill decode{{- end -}}
+{{- end -}}
+
+{{/* The projected ServiceAccount token engines present to the metaserver (auth.perPod). */}}
+{{- define "pdgate.auth.podTokenDir" -}}/var/run/secrets/pdgate/metaserver-token{{- end -}}
+{{- define "pdgate.auth.podTokenAudience" -}}pdgate-metaserver{{- end -}}
+
+{{/* ServiceAccounts: one per engine pool and one for the metaserver with per-pod identity
+(call with (dict "root" $ "part" "metaserver"|"prefill"|"decode")), else the release's. */}}
+{{- define "pdgate.partServiceAccountName" -}}
+{{- if include "pdgate.auth.perPod" .root -}}
+{{- printf "%s-%s" (include "pdgate.fullname" .root) .part -}}
+{{- else -}}
+{{- include "pdgate.serviceAccountName" .root -}}
+{{- end -}}
+{{- end -}}
 
 {{/*
 An env entry reading a part's metaserver credential from the Secret; call with
 (dict "root" $ "name" "ENV" "part" "metaserver"|"proxy"|"prefill"|"decode"). In roles mode the
 proxy and each engine pool get their own (key <part>-token); the single token ("token", or
-existingSecretKey) is then the admin credential, which only the metaserver holds.
+existingSecretKey) is then the admin credential, which only the metaserver holds. Engines with
+per-pod identity get none: they present their projected ServiceAccount token.
 */}}
 {{- define "pdgate.token.env" -}}
-{{- if .root.Values.auth.enabled -}}
+{{- if and .root.Values.auth.enabled (not (and (include "pdgate.auth.perPod" .root) (has .part (list "prefill" "decode")))) -}}
 - name: {{ .name }}
   valueFrom:
     secretKeyRef:
