@@ -458,3 +458,62 @@ def test_pool_tokens_remain_as_the_named_alternative() -> None:
         assert not any(
             "projected" in v for w in other.workloads() for v in pod_spec(w).get("volumes", [])
         )
+
+
+# --- engine pods' securityContext (SR2 M6) --------------------------------------------------
+
+# The engine image each accelerator preset runs (docker/*.Dockerfile).
+PRESET_DOCKERFILES = {
+    "cpu": "engine-cpu.Dockerfile",
+    "nvidia": "engine-cuda.Dockerfile",
+    "ascend": "engine-ascend.Dockerfile",
+}
+
+
+def _image_user(accelerator: str) -> str | None:
+    from tests.chart.dockerfiles import DOCKER_DIR
+    from tests.chart.dockerfiles import parse as parse_dockerfile
+
+    user = parse_dockerfile(DOCKER_DIR / PRESET_DOCKERFILES[accelerator]).final.last("USER")
+    return None if user is None else str(user.value[0]).split(":")[0]
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_engine_pods_run_with_a_restrictive_security_context(
+    renders: dict[str, Rendered], name: str
+) -> None:
+    """Engines: RuntimeDefault seccomp, no privilege escalation, every capability dropped; added
+    back only IPC_LOCK for RDMA and, for the Ascend image (root: the driver's device nodes
+    belong to HwHiAiUser), DAC_OVERRIDE. runAsNonRoot exactly where the preset's image has a
+    numeric non-root USER (the kubelet can verify only that). The proxy, metaserver and Redis
+    pods hold the same line (and more: a fixed non-root uid, a read-only root)."""
+    r = renders[name]
+    values = SCENARIOS[name]
+    accel = values.get("accelerator", "cpu")
+    rdma = values.get("engine", {}).get("rdma", {}).get("enabled", False)
+    user = _image_user(accel)
+    for role in ROLES:
+        pod, c = _engine(r, role)
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        wanted = ({"IPC_LOCK"} if rdma else set()) | (
+            {"DAC_OVERRIDE"} if accel == "ascend" else set()
+        )
+        assert set(sc["capabilities"].get("add", [])) == wanted
+        assert "privileged" not in sc
+        if user is not None and user.isdigit() and user != "0":
+            assert pod["securityContext"]["runAsNonRoot"] is True
+        else:
+            assert accel == "ascend" and "runAsNonRoot" not in pod["securityContext"]
+    for w in r.workloads():
+        if w["kind"] == "StatefulSet" and w["metadata"]["name"].endswith(ROLES):
+            continue
+        spec = pod_spec(w)
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+            assert sc["capabilities"] == {"drop": ["ALL"]}

@@ -164,7 +164,11 @@ spec:
       serviceAccountName: {{ include "pdgate.partServiceAccountName" (dict "root" $root "part" $role) }}
       automountServiceAccountToken: false
       terminationGracePeriodSeconds: {{ $v.engine.terminationGracePeriodSeconds }}
-      {{- with $v.engine.podSecurityContext }}
+      {{- $podSecurity := deepCopy ($v.engine.podSecurityContext | default dict) }}
+      {{- if and $preset.runAsNonRoot (not (hasKey $podSecurity "runAsNonRoot")) }}
+      {{- $_ := set $podSecurity "runAsNonRoot" true }}
+      {{- end }}
+      {{- with $podSecurity }}
       securityContext:
         {{- toYaml . | nindent 8 }}
       {{- end }}
@@ -296,10 +300,19 @@ spec:
           {{- end }}
           resources:
             {{- toYaml $resources | nindent 12 }}
+          {{- $security := deepCopy ($v.engine.securityContext | default dict) }}
+          {{- $caps := get $security "capabilities" | default dict }}
+          {{- $add := concat (get $caps "add" | default list) ($preset.addCapabilities | default list) }}
           {{- if $v.engine.rdma.enabled }}
+          {{- $add = append $add "IPC_LOCK" }}
+          {{- end }}
+          {{- if $add }}
+          {{- $_ := set $caps "add" (uniq $add) }}
+          {{- $_ := set $security "capabilities" $caps }}
+          {{- end }}
+          {{- with $security }}
           securityContext:
-            capabilities:
-              add: [IPC_LOCK]
+            {{- toYaml . | nindent 12 }}
           {{- end }}
           volumeMounts:
             {{- if $v.engine.shm.enabled }}
