@@ -517,3 +517,59 @@ def test_engine_pods_run_with_a_restrictive_security_context(
             sc = c["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
             assert sc["capabilities"] == {"drop": ["ALL"]}
+
+
+# --- NetworkPolicy (SR2 H4, M6, N11) --------------------------------------------------------
+
+METRICS_NS = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+MOONCAKE_PORT = 12345  # Mooncake picks its transfer ports at run time
+
+
+@pytest.mark.parametrize("name", ["defaults", "kv-routing", "nvidia-4p2d-rdma", "observability"])
+@pytest.mark.parametrize("role", ROLES)
+def test_engine_network_policy_keeps_peers_to_kv_traffic(
+    renders: dict[str, Rendered], name: str, role: str
+) -> None:
+    """Peer engines reach each other's side-channel and Mooncake ports (any TCP port, and UDP,
+    as before) but neither vLLM's HTTP port (only the proxy calls it: a peer with a copied
+    binding could otherwise drive P) nor, with kvRouting, the KV-event ports (prompt token ids;
+    only the metaserver follows them)."""
+    from tests.chart.wiring import MONITORING, admits
+
+    r = renders[name]
+    policy = r.get("NetworkPolicy", f"{FULLNAME}-{role}")
+    _, c = _engine(r, role)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    http = ports["http"]
+    side = [p for n, p in ports.items() if n.startswith("side-")]
+    events = [ports[n] for n in ("kv-events", "kv-replay") if n in ports]
+    assert bool(events) == (name == "kv-routing")
+    for peer in ROLES:
+        for port in side + [MOONCAKE_PORT, 1, 65535]:
+            assert admits(r, policy, peer, port, "TCP"), (peer, port)
+        assert admits(r, policy, peer, MOONCAKE_PORT, "UDP")
+        for port in [http, *events]:
+            assert not admits(r, policy, peer, port, "TCP"), (peer, port)
+    assert admits(r, policy, "proxy", http, "TCP")
+    assert not any(admits(r, policy, "proxy", p, "TCP") for p in side + events)
+    for port in events:
+        assert admits(r, policy, "metaserver", port, "TCP")
+    assert not admits(r, policy, "metaserver", http, "TCP")
+    assert not any(admits(r, policy, "redis", p, "TCP") for p in [http, *side, *events])
+    # the monitoring namespace (observability sets it) scrapes vLLM's /metrics on http only
+    assert admits(r, policy, MONITORING, http, "TCP") == (name == "observability")
+    assert not any(admits(r, policy, MONITORING, p, "TCP") for p in side + events)
+
+
+def test_metrics_pod_selector_narrows_the_monitoring_namespace() -> None:
+    """networkPolicy.metricsPodSelector: only the scraper's pods of the monitoring namespace
+    (one peer with both selectors, so both must match), on the metaserver and the engines."""
+    prom = {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
+    r = render(
+        {"networkPolicy": {"metricsNamespaceSelector": METRICS_NS, "metricsPodSelector": prom}}
+    )
+    for name in ("metaserver", *ROLES):
+        policy = r.get("NetworkPolicy", f"{FULLNAME}-{name}")
+        peers = [p for rule in policy["spec"]["ingress"] for p in rule.get("from", [])]
+        (monitoring,) = [p for p in peers if "namespaceSelector" in p]
+        assert monitoring == {"namespaceSelector": METRICS_NS, "podSelector": prom}

@@ -118,3 +118,43 @@ def rebase(text: str, mapped: dict[str, str]) -> str:
     for inside, here in sorted(mapped.items(), key=lambda kv: -len(kv[0])):
         text = text.replace(inside + "/", here + "/")
     return text
+
+
+MONITORING = "monitoring-namespace"  # a pod the metrics namespace selector admits
+
+
+def admits(r: Rendered, policy: dict[str, Any], source: str, port: int, protocol: str) -> bool:
+    """Does the NetworkPolicy let a pod of component ``source`` (or ``MONITORING``) open
+    ``port``/``protocol`` on the pods it selects? Named ports resolve against those pods'
+    containers; a rule without ``from`` or ``ports`` admits every source or port."""
+    (target,) = pods_selected(r, policy["spec"]["podSelector"]["matchLabels"])
+    named = {
+        p["name"]: p["containerPort"]
+        for c in target["spec"]["template"]["spec"]["containers"]
+        for p in c.get("ports", [])
+    }
+
+    def from_source(peer: dict[str, Any]) -> bool:
+        if "namespaceSelector" in peer:
+            return source == MONITORING
+        return any(
+            w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == source
+            for w in pods_selected(r, peer["podSelector"]["matchLabels"])
+        )
+
+    def on_port(entry: dict[str, Any]) -> bool:
+        if entry.get("protocol", "TCP") != protocol:
+            return False
+        if "port" not in entry:
+            return True
+        first = entry["port"] if isinstance(entry["port"], int) else named.get(entry["port"])
+        if first is None:
+            return False
+        return first <= port <= entry.get("endPort", first)
+
+    for rule in policy["spec"].get("ingress", []):
+        if "from" in rule and not any(from_source(p) for p in rule["from"]):
+            continue
+        if "ports" not in rule or any(on_port(e) for e in rule["ports"]):
+            return True
+    return False
