@@ -141,6 +141,7 @@ def test_wiring_metaserver_settings_accept_the_rendered_flags(
     roles = auth.get("enabled", True) and auth.get("mode", "roles") == "roles"
     assert (settings.credentials_file is not None) == roles
     if roles:
+        assert settings.credentials_file is not None
         access = Access.load(None, settings.credentials_file, False)
         if auth.get("engineIdentity", "serviceAccountToken") == "serviceAccountToken":
             _check_pod_identities(r, secrets, access, settings.credentials_file)
