@@ -47,6 +47,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
     "auth-given-token": {"auth": {"token": "s3cr3t-given-token"}},
     "auth-single-token": {"auth": {"mode": "single"}},
+    # roles mode with today's per-pool engine tokens instead of per-pod ServiceAccount tokens
+    "auth-pool-tokens": {"auth": {"engineIdentity": "poolToken"}},
     "observability": {
         "metrics": {
             "serviceMonitor": {"enabled": True, "labels": {"release": "kps"}},

@@ -262,7 +262,8 @@ def test_entrypoint_and_healthcheck_against_a_running_metaserver(tmp_path: Path)
     entry = str(DOCKER_DIR / "entrypoint.sh")
     proc = Process(
         [entry, "metaserver", "--port", str(port), "--store", "memory"],
-        env=_entrypoint_env(),
+        # the entrypoint starts no metaserver without a credential (issue 46)
+        env={**_entrypoint_env(), "PD_METASERVER_TOKEN": "entrypoint-test-token"},
         log=tmp_path / "ms.log",
     )
     check = [sys.executable, str(DOCKER_DIR / "healthcheck.py"), "--pid", str(proc.pid)]
@@ -286,6 +287,100 @@ def test_entrypoint_and_healthcheck_against_a_running_metaserver(tmp_path: Path)
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def _stub_metaserver(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """A PATH whose ``pd-metaserver`` only records its arguments (and the environment it got),
+    so the entrypoint's decision is seen without starting a server."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    record = tmp_path / "exec.log"
+    stub = bindir / "pd-metaserver"
+    stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {record}\n')
+    stub.chmod(0o755)
+    return {"PATH": f"{bindir}:/usr/bin:/bin"}, record
+
+
+def test_entrypoint_is_the_image_entrypoint() -> None:
+    """The script these tests run is the one the pdgate image starts."""
+    final = parse(DOCKER_DIR / "pdgate.Dockerfile").final
+    copies = {c.value[-1]: c.value[0] for c in final.all("COPY") if not c.flags}
+    assert copies["/usr/local/bin/pdgate-entrypoint"] == "docker/entrypoint.sh"
+    entry = final.last("ENTRYPOINT")
+    assert entry is not None and list(entry.value) == ["pdgate-entrypoint"]
+
+
+@pytest.mark.parametrize(
+    ("env", "args"),
+    [
+        ({}, []),
+        ({"PD_METASERVER_TOKEN": ""}, []),  # set but empty: no credential
+        ({"PD_METASERVER_INSECURE_OPEN": "false"}, []),
+        ({}, ["--token="]),
+        ({"PDGATE_LISTEN_HOST": "0.0.0.0"}, ["--store", "memory"]),
+    ],
+    ids=["nothing", "empty-token", "open-false", "empty-token-flag", "store-only"],
+)
+def test_entrypoint_refuses_an_open_metaserver(
+    tmp_path: Path, env: dict[str, str], args: list[str]
+) -> None:
+    """Issue 46 (SR2 N9): without a credential the image's metaserver would listen on every
+    interface with everyone an admin; the entrypoint refuses, says how to fix it, and never
+    starts pd-metaserver."""
+    path, record = _stub_metaserver(tmp_path)
+    done = subprocess.run(
+        [str(DOCKER_DIR / "entrypoint.sh"), "metaserver", *args],
+        capture_output=True,
+        text=True,
+        env={**path, **env},
+        timeout=10,
+    )
+    assert done.returncode == 1, done.stderr
+    assert not record.exists(), "pd-metaserver was started"
+    for hint in ("refusing to start an open metaserver", "PD_METASERVER_TOKEN", "--token"):
+        assert hint in done.stderr
+    assert "PD_METASERVER_CREDENTIALS_FILE" in done.stderr
+    assert "PD_METASERVER_INSECURE_OPEN=true" in done.stderr and "INSECURE" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "args"),
+    [
+        ({"PD_METASERVER_TOKEN": "a-token-of-16-chars+"}, []),
+        ({"PD_METASERVER_CREDENTIALS_FILE": "/etc/pdgate/credentials.yaml"}, []),
+        ({"PD_METASERVER_CONFIG_FILE": "/etc/pdgate/metaserver.yaml"}, []),
+        ({}, ["--token", "a-token-of-16-chars+"]),
+        ({}, ["--token=a-token-of-16-chars+"]),
+        ({}, ["--credentials-file=/etc/pdgate/credentials.yaml"]),
+        ({"PD_METASERVER_INSECURE_OPEN": "true"}, []),
+        ({"PD_METASERVER_INSECURE_OPEN": "TRUE"}, []),
+        ({}, ["--insecure-open"]),
+    ],
+    ids=[
+        "token-env",
+        "credentials-env",
+        "config-file-env",
+        "token-flag",
+        "token-flag-eq",
+        "credentials-flag",
+        "insecure-open-env",
+        "insecure-open-env-upper",
+        "insecure-open-flag",
+    ],
+)
+def test_entrypoint_starts_the_metaserver_with_a_credential_or_open_on_request(
+    tmp_path: Path, env: dict[str, str], args: list[str]
+) -> None:
+    path, record = _stub_metaserver(tmp_path)
+    done = subprocess.run(
+        [str(DOCKER_DIR / "entrypoint.sh"), "metaserver", *args, "--port", "8300"],
+        capture_output=True,
+        text=True,
+        env={**path, **env},
+        timeout=10,
+    )
+    assert done.returncode == 0, done.stderr
+    assert record.read_text().split("\n")[:-1] == ["--host", "0.0.0.0", *args, "--port", "8300"]
 
 
 def test_entrypoint_without_a_role_is_a_usage_error() -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from vllm.config import KVTransferConfig
@@ -21,16 +22,19 @@ from tests.chart.rendering import (
     resolve_env,
     var_refs,
 )
-from tests.chart.wiring import container_port, fake_secrets, fields
+from tests.chart.wiring import container_port, fake_secrets, fields, mount_engine_files, rebase
 
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 PROTOCOLS = {"cpu": "tcp", "nvidia": "rdma", "ascend": "ascend"}
 DEVICES = {"cpu": "cpu", "nvidia": "cuda", "ascend": "npu"}
 RESOURCES = {"nvidia": "nvidia.com/gpu", "ascend": "huawei.com/Ascend910"}
+TOKEN_FILE = "/var/run/secrets/pdgate/metaserver-token/token"
 
 
 @pytest.mark.parametrize("role", sorted(ROLES))
-def test_engine_kv_transfer_config(scenario: tuple[str, Rendered], role: str) -> None:
+def test_engine_kv_transfer_config(
+    scenario: tuple[str, Rendered], role: str, tmp_path: Path
+) -> None:
     name, r = scenario
     values = SCENARIOS[name]
     accel = values.get("accelerator", "cpu")
@@ -52,19 +56,30 @@ def test_engine_kv_transfer_config(scenario: tuple[str, Rendered], role: str) ->
     assert extra["kv_load_timeout_s"] == connector.get("kvLoadTimeoutS", 120)
     KVTransferConfig(**cfg)  # vLLM's own validation of the flag's value
 
-    # What the connector sees once the kubelet has expanded $(POD_NAME) and $(POD_IP).
+    # What the connector sees once the kubelet has expanded $(POD_NAME) and $(POD_IP) and
+    # mounted the pod's Secret volumes (under tmp_path here: the key file is read at start).
     pod = f"{FULLNAME}-{role}-0"
-    env = resolve_env(c, secrets=fake_secrets(r), fields=fields(pod))
+    secrets = fake_secrets(r)
+    env = resolve_env(c, secrets=secrets, fields=fields(pod))
     for ref in var_refs(raw) | {v for a in c["args"] for v in var_refs(a)}:
         assert ref in env, f"$({ref}) in args but not in the container's env"
-    settings = load_connector_settings(json.loads(expand(raw, env))["kv_connector_extra_config"])
+    mounted = mount_engine_files(pod_spec(sts), c, secrets, tmp_path)
+    settings = load_connector_settings(
+        json.loads(rebase(expand(raw, env), mounted))["kv_connector_extra_config"]
+    )
     assert settings.instance_id == pod
     assert settings.http_url == f"http://10.1.2.3:{container_port(c, 'http')}"
     assert settings.side_channel_host == "10.1.2.3"
-    if values.get("auth", {}).get("enabled", True):
-        assert env["PDGATE_METASERVER_TOKEN"]
-    else:
+    auth = values.get("auth", {})
+    if not auth.get("enabled", True):
         assert "PDGATE_METASERVER_TOKEN" not in env
+    elif auth.get("mode", "roles") == "roles" and auth.get("engineIdentity") != "poolToken":
+        # per-pod identity (issue 46): the pod's projected ServiceAccount token, mounted
+        assert "PDGATE_METASERVER_TOKEN" not in env
+        assert settings.metaserver_token_file == rebase(TOKEN_FILE, mounted)
+        assert Path(settings.metaserver_token_file).read_text()
+    else:
+        assert env["PDGATE_METASERVER_TOKEN"]
 
     # One side-channel port per TP rank, declared on the container and the headless Service.
     tp = values.get(role, {}).get("tensorParallelSize", 1)
@@ -200,9 +215,12 @@ def test_engine_side_channel_secret_is_mounted_and_named_in_the_connector_config
         assert volume["secret"]["secretName"] == "pd-side"
         assert volume["secret"]["items"] == [{"key": "k", "path": "k"}]
         assert volume["secret"]["defaultMode"] == 0o440
+    # Without it the chart's generated key is mounted instead (issue 46: sealed by default;
+    # tests/chart/test_secure_defaults.py); before, the side channel ran unsealed.
     plain = render({})
     for role in ROLES:
         sts = plain.get("StatefulSet", f"{FULLNAME}-{role}")
         raw = arg_after(container(sts)["args"], "--kv-transfer-config")
-        assert "side_channel_secret_file" not in raw
-        assert all(v["name"] != "side-channel-secret" for v in pod_spec(sts)["volumes"])
+        assert '"side_channel_secret_file":"/etc/pdgate/side-channel/side-channel-key"' in raw
+        volume = next(v for v in pod_spec(sts)["volumes"] if v["name"] == "side-channel-secret")
+        assert volume["secret"]["secretName"] == f"{FULLNAME}-auth"

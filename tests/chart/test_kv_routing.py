@@ -33,7 +33,7 @@ from tests.chart.rendering import (
     render,
     resolve_env,
 )
-from tests.chart.wiring import container_port, fake_secrets, fields, pods_selected
+from tests.chart.wiring import admits, container_port, fake_secrets, fields, pods_selected
 
 VALUES: dict[str, Any] = SCENARIOS["kv-routing"]
 KV_FLAGS = ("--kv-events-config", "--kv-events", "--tokenizer", "--share-load")
@@ -170,7 +170,7 @@ def test_kv_routing_off_renders_nothing_of_it(scenario: tuple[str, Rendered]) ->
             assert not [e for e in c.get("env", []) if e["name"] == "HF_HUB_OFFLINE"], name
         assert "initContainers" not in spec
     for np in r.of_kind("NetworkPolicy"):
-        ports = [p["port"] for rule in np["spec"]["ingress"] for p in rule.get("ports", [])]
+        ports = [p.get("port") for rule in np["spec"]["ingress"] for p in rule.get("ports", [])]
         assert not [p for p in ports if str(p).startswith("kv-")], name
 
 
@@ -193,7 +193,9 @@ def _reach(r: Rendered, role: str) -> dict[str, set[str] | None]:
     policy = r.get("NetworkPolicy", f"{FULLNAME}-{role}")
     reach: dict[str, set[str] | None] = {}
     for rule in policy["spec"]["ingress"]:
-        ports = {str(p["port"]) for p in rule["ports"]} if "ports" in rule else None
+        ports = (
+            {str(p.get("port", p["protocol"])) for p in rule["ports"]} if "ports" in rule else None
+        )
         for peer in rule["from"]:
             for w in pods_selected(r, peer["podSelector"]["matchLabels"]):
                 component = w["spec"]["template"]["metadata"]["labels"][
@@ -213,10 +215,16 @@ def test_kv_routing_event_ports_admit_the_metaserver_not_the_proxy(
     assert reach["metaserver"] == {"kv-events", "kv-replay"}
     assert reach["proxy"] == {"http"}
     assert "redis" not in reach
-    # The pools' own rule (Mooncake picks its ports at run time) is not port-limited.
-    assert reach["prefill"] is None and reach["decode"] is None
     c = container(r.get("StatefulSet", f"{FULLNAME}-{role}"))
     assert {"kv-events", "kv-replay"} <= {p["name"] for p in c["ports"]}
+    # The pools' own rule (Mooncake picks its ports at run time) admits every port but these
+    # and vLLM's HTTP (issue 46; before, it was not port-limited and peers read the events).
+    policy = r.get("NetworkPolicy", f"{FULLNAME}-{role}")
+    named = {p["name"]: p["containerPort"] for p in c["ports"]}
+    for peer in ("prefill", "decode"):
+        for port in ("kv-events", "kv-replay", "http"):
+            assert not admits(r, policy, peer, named[port], "TCP"), (peer, port)
+        assert admits(r, policy, peer, named["side-0"], "TCP")
 
 
 # --- refused --------------------------------------------------------------------------------

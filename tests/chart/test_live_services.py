@@ -41,6 +41,9 @@ def stack(tmp_path: Path) -> Iterator[dict[str, Any]]:
             "metaserver": {"port": meta_port, "replicas": 2},
             "proxy": {"port": proxy_port},
             "engine": {"port": engine_port, "drain": {"settleS": 1, "timeoutS": 30}},
+            # Per-pool tokens: the default per-pod ServiceAccount tokens need a TokenReview
+            # API, which this stack has not (test_secure_defaults.py checks their wiring).
+            "auth": {"engineIdentity": "poolToken"},
         }
     )
     secrets = {f"{FULLNAME}-auth": r.secret_data(f"{FULLNAME}-auth")}
@@ -121,7 +124,11 @@ def test_live_metaserver_probes_and_token(stack: dict[str, Any]) -> None:
         headers={"Authorization": f"Bearer {token}"},
     )
     assert ok.status_code in (200, 201), ok.text
-    listed = httpx.get(f"{base}/v1/instances", timeout=5).json()
+    # reads need a credential too (metaserver.protectReads, on by default: issue 46)
+    assert httpx.get(f"{base}/v1/instances", timeout=5).status_code == 401
+    listed = httpx.get(
+        f"{base}/v1/instances", timeout=5, headers={"Authorization": f"Bearer {token}"}
+    ).json()
     assert "d-0" in str(listed)
     # roles (the chart's default): the decode pool's token acts only as a decode pod
     pool = {"Authorization": f"Bearer {stack['secrets'][f'{FULLNAME}-auth']['decode-token']}"}
@@ -281,5 +288,5 @@ def test_live_engine_prestop_drains_then_lets_termination_go_on(stack: dict[str,
     assert done.returncode == 0, done.stderr
     assert 2.0 <= took < 20, done.stderr  # waited for the running request, not the timeout
     assert "marked draining" in done.stderr and "engine idle" in done.stderr
-    got = httpx.get(f"{base}/v1/instances/{pod}").json()
+    got = httpx.get(f"{base}/v1/instances/{pod}", headers=auth).json()
     assert got["draining"] is True

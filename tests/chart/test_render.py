@@ -65,9 +65,16 @@ def test_render_validation_catches_an_unknown_field(renders: dict[str, Rendered]
         kubernetes_validate.validate(bad, KUBE_VERSION, strict=True)
 
 
+CLUSTER_SCOPED = {"ClusterRoleBinding"}  # the metaserver's TokenReview right (issue 46)
+
+
 def test_render_objects_live_in_the_release_namespace(scenario: tuple[str, Rendered]) -> None:
     _, r = scenario
     for doc in r.docs:
+        if doc["kind"] in CLUSTER_SCOPED:
+            assert "namespace" not in doc["metadata"], doc["metadata"]
+            assert NAMESPACE in doc["metadata"]["name"]  # one per release and namespace
+            continue
         assert doc["metadata"]["namespace"] == NAMESPACE, doc["metadata"]
 
 
@@ -99,13 +106,19 @@ def test_render_components_per_value_set(renders: dict[str, Rendered]) -> None:
     assert {d["metadata"]["name"] for d in base.of_kind("NetworkPolicy")} == {
         f"{FULLNAME}-{c}" for c in ("proxy", "metaserver", "redis", "prefill", "decode")
     }
-    assert not base.of_kind("Role") and not base.of_kind("ClusterRole")
+    # Per-pod engine identity (issue 46): the metaserver's Role (get pods) and its binding to
+    # the built-in system:auth-delegator; no ClusterRole of the chart's own. Before, no RBAC.
+    assert {d["metadata"]["name"] for d in base.of_kind("Role")} == {f"{FULLNAME}-metaserver"}
+    assert len(base.of_kind("ClusterRoleBinding")) == 1 and not base.of_kind("ClusterRole")
+    assert not renders["auth-pool-tokens"].of_kind("Role")
 
     for ext in ("external-redis-url", "external-redis-secret", "cpu-1p1d-memory"):
         assert not renders[ext].has("StatefulSet", f"{FULLNAME}-redis"), ext
         assert not renders[ext].has("Service", f"{FULLNAME}-redis"), ext
-    # Nothing left to put in the chart's Secret: none is created.
-    assert not renders["cpu-1p1d-memory"].of_kind("Secret")
+    # No token and no Redis password: the chart's Secret holds only the side channel's and the
+    # engines' generated keys (issue 46; before, no Secret was created at all).
+    (secret,) = renders["cpu-1p1d-memory"].of_kind("Secret")
+    assert set(secret["data"]) == {"side-channel-key", "engine-api-key"}
     assert not renders["auth-existing-secret"].has("Secret", "pd-token")
 
     obs = renders["observability"]

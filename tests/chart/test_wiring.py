@@ -91,6 +91,11 @@ def test_wiring_proxy_cli_accepts_the_rendered_flags(
         assert settings.metaserver_token is not None
         if auth.get("existingSecret"):  # roles mode: the proxy's own credential
             assert settings.metaserver_token.get_secret_value() == "user-proxy-token"
+    # The engines' API key (issue 46; sec-design.md: the proxy's engine_api_key, env
+    # PD_PROXY_ENGINE_API_KEY): the proxy sends the key the engines' VLLM_API_KEY holds.
+    engine_key = r.secret_data(f"{FULLNAME}-auth")["engine-api-key"]
+    assert settings.engine_api_key is not None
+    assert settings.engine_api_key.get_secret_value() == engine_key
     if name == "auth-existing-secret":
         assert [k.get_secret_value() for k in settings.api_keys] == ["k1", "k2"]
         assert [k.get_secret_value() for k in settings.admin_keys] == ["a1"]
@@ -132,11 +137,37 @@ def test_wiring_metaserver_settings_accept_the_rendered_flags(
         assert store == "memory"
     auth = values.get("auth", {})
     assert (settings.token is not None) == auth.get("enabled", True)
-    assert settings.protect_reads == values.get("metaserver", {}).get("protectReads", False)
+    if auth.get("enabled", True):  # reads are protected by default (issue 46)
+        assert settings.protect_reads == values.get("metaserver", {}).get("protectReads", True)
     roles = auth.get("enabled", True) and auth.get("mode", "roles") == "roles"
     assert (settings.credentials_file is not None) == roles
     if roles:
-        _check_pool_credentials(r, secrets, Access.load(None, settings.credentials_file, False))
+        assert settings.credentials_file is not None
+        access = Access.load(None, settings.credentials_file, False)
+        if auth.get("engineIdentity", "serviceAccountToken") == "serviceAccountToken":
+            _check_pod_identities(r, secrets, access, settings.credentials_file)
+        else:
+            _check_pool_credentials(r, secrets, access)
+
+
+def _check_pod_identities(
+    r: Rendered, secrets: dict[str, dict[str, str]], access: Access, path: Path
+) -> None:
+    """Per-pod identity (issue 46): the file the metaserver loaded names, for each pool, the
+    ServiceAccount its pods run under (their projected tokens are reviewed against it); the
+    proxy's token is a proxy's."""
+    import yaml
+
+    entries = {e["name"]: e for e in yaml.safe_load(path.read_text())["credentials"]}
+    for role in ("prefill", "decode"):
+        spec = pod_spec(r.get("StatefulSet", f"{FULLNAME}-{role}"))
+        entry = entries[f"{role}-pods"]
+        assert entry["role"] == "engine" and entry["engine_role"] == role
+        account = f"{NAMESPACE}:{spec['serviceAccountName']}"
+        assert entry["kubernetes"] == {"service_account": account}
+    proxy = container(r.get("Deployment", f"{FULLNAME}-proxy"))
+    env = resolve_env(proxy, secrets=secrets, fields=fields("proxy-0"))
+    assert access.who(f"Bearer {env['PD_PROXY_METASERVER_TOKEN']}", write=True).role is Role.PROXY
 
 
 def _check_pool_credentials(
@@ -252,10 +283,13 @@ def test_wiring_secrets_are_referenced_never_inlined(scenario: tuple[str, Render
 
 def test_wiring_token_reaches_every_component(scenario: tuple[str, Rendered]) -> None:
     """Single-token mode: proxy, metaserver and both pools read one and the same Secret key.
-    Roles mode: one Secret, a key of its own for each (the metaserver's is the admin's)."""
+    Roles mode: one Secret, a key of its own for each (the metaserver's is the admin's); with
+    per-pod identity (the default since issue 46) the engines read none: they present their
+    pod's projected ServiceAccount token instead (test_secure_defaults.py)."""
     name, r = scenario
     auth = SCENARIOS[name].get("auth", {})
     roles = auth.get("mode", "roles") == "roles"
+    per_pod = roles and auth.get("engineIdentity", "serviceAccountToken") == "serviceAccountToken"
     wanted = {
         f"{FULLNAME}-proxy": "PD_PROXY_METASERVER_TOKEN",
         f"{FULLNAME}-metaserver": "PD_METASERVER_TOKEN",
@@ -266,14 +300,19 @@ def test_wiring_token_reaches_every_component(scenario: tuple[str, Rendered]) ->
     for wname, var in wanted.items():
         w = next(x for x in r.workloads() if x["metadata"]["name"] == wname)
         items = [e for e in container(w).get("env", []) if e["name"] == var]
-        if not SCENARIOS[name].get("auth", {}).get("enabled", True):
+        if not SCENARIOS[name].get("auth", {}).get("enabled", True) or (
+            per_pod and w["kind"] == "StatefulSet"
+        ):
             assert items == []
             continue
         (item,) = items
         ref = item["valueFrom"]["secretKeyRef"]
         refs.add((ref["name"], ref["key"]))
     assert len({secret for secret, _ in refs}) <= 1
-    assert len(refs) == (4 if roles and auth.get("enabled", True) else min(len(refs), 1))
+    if roles and auth.get("enabled", True):
+        assert len(refs) == (2 if per_pod else 4)
+    else:
+        assert len(refs) == min(len(refs), 1)
 
 
 def test_wiring_pods_run_unprivileged_where_they_can(scenario: tuple[str, Rendered]) -> None:
@@ -281,9 +320,17 @@ def test_wiring_pods_run_unprivileged_where_they_can(scenario: tuple[str, Render
     for w in r.workloads():
         component = w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
         spec = pod_spec(w)
-        assert spec["automountServiceAccountToken"] is False
+        # Only the metaserver, with per-pod engine identity, gets its API token: it reviews
+        # the engines' tokens and reads their pods (issue 46). Before, no pod had one.
+        api = component == "metaserver" and r.has("ClusterRoleBinding", _delegation(r))
+        assert spec["automountServiceAccountToken"] is api
         if component in ("proxy", "metaserver", "redis"):
             assert spec["securityContext"]["runAsNonRoot"] is True
             assert spec["securityContext"]["runAsUser"] != 0
             sc = container(w)["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+
+
+def _delegation(r: Rendered) -> str:
+    found = [d["metadata"]["name"] for d in r.of_kind("ClusterRoleBinding")]
+    return found[0] if found else ""

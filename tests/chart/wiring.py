@@ -82,3 +82,79 @@ def svc_port(svc: dict[str, Any], name: str) -> int:
 def container_port(c: dict[str, Any], name: str) -> int:
     port: int = next(p["containerPort"] for p in c["ports"] if p["name"] == name)
     return port
+
+
+def mount_engine_files(
+    pod: dict[str, Any], c: dict[str, Any], secrets: dict[str, dict[str, str]], root: Path
+) -> dict[str, str]:
+    """The files a container's Secret and projected ServiceAccount-token volumes hold, as the
+    kubelet would mount them, written under ``root`` instead of ``/``. Returns {mount path in
+    the container: the directory here}, for ``rebase``."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mapped: dict[str, str] = {}
+    for m in c.get("volumeMounts", []):
+        volume = volumes.get(m["name"], {})  # a volumeClaimTemplate's claim: none here
+        files: dict[str, str] = {}
+        if "secret" in volume:
+            source = secrets[volume["secret"]["secretName"]]
+            items = volume["secret"].get("items") or [{"key": k, "path": k} for k in source]
+            files = {i["path"]: source[i["key"]] for i in items}
+        elif "projected" in volume:
+            for s in volume["projected"]["sources"]:
+                if "serviceAccountToken" in s:
+                    files[s["serviceAccountToken"]["path"]] = "a-projected-service-account-jwt"
+        else:
+            continue
+        here = root / m["mountPath"].lstrip("/")
+        here.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (here / name).write_text(text)
+        mapped[m["mountPath"]] = str(here)
+    return mapped
+
+
+def rebase(text: str, mapped: dict[str, str]) -> str:
+    """``text`` with the container's mount paths replaced by their directories here."""
+    for inside, here in sorted(mapped.items(), key=lambda kv: -len(kv[0])):
+        text = text.replace(inside + "/", here + "/")
+    return text
+
+
+MONITORING = "monitoring-namespace"  # a pod the metrics namespace selector admits
+
+
+def admits(r: Rendered, policy: dict[str, Any], source: str, port: int, protocol: str) -> bool:
+    """Does the NetworkPolicy let a pod of component ``source`` (or ``MONITORING``) open
+    ``port``/``protocol`` on the pods it selects? Named ports resolve against those pods'
+    containers; a rule without ``from`` or ``ports`` admits every source or port."""
+    (target,) = pods_selected(r, policy["spec"]["podSelector"]["matchLabels"])
+    named = {
+        p["name"]: p["containerPort"]
+        for c in target["spec"]["template"]["spec"]["containers"]
+        for p in c.get("ports", [])
+    }
+
+    def from_source(peer: dict[str, Any]) -> bool:
+        if "namespaceSelector" in peer:
+            return source == MONITORING
+        return any(
+            w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == source
+            for w in pods_selected(r, peer["podSelector"]["matchLabels"])
+        )
+
+    def on_port(entry: dict[str, Any]) -> bool:
+        if entry.get("protocol", "TCP") != protocol:
+            return False
+        if "port" not in entry:
+            return True
+        first = entry["port"] if isinstance(entry["port"], int) else named.get(entry["port"])
+        if first is None:
+            return False
+        return first <= port <= entry.get("endPort", first)
+
+    for rule in policy["spec"].get("ingress", []):
+        if "from" in rule and not any(from_source(p) for p in rule["from"]):
+            continue
+        if "ports" not in rule or any(on_port(e) for e in rule["ports"]):
+            return True
+    return False

@@ -48,8 +48,15 @@ discovery, and a StatefulSet. Call with (dict "root" $ "role" "prefill"|"decode"
   "concurrent" (and (eq .role "prefill") (eq $v.proxy.flow "concurrent"))
   "revision" (include "pdgate.revision" $root)
 -}}
-{{- with $v.connector.sideChannelSecret.existingSecret }}
-{{- $_ := set $extra "side_channel_secret_file" (printf "%s/%s" (include "pdgate.engine.sideChannelDir" $root) $v.connector.sideChannelSecret.existingSecretKey) -}}
+{{- if include "pdgate.sideChannel.key" $root }}
+{{- $secret := include "pdgate.sideChannel.secret" $root | fromJson -}}
+{{- $_ := set $extra "side_channel_secret_file" (printf "%s/%s" (include "pdgate.engine.sideChannelDir" $root) $secret.key) -}}
+{{- else }}
+{{- /* connector.insecureSideChannel: the connector refuses to start unsealed without it */ -}}
+{{- $_ := set $extra "insecure_side_channel" true -}}
+{{- end }}
+{{- if include "pdgate.auth.perPod" $root }}
+{{- $_ := set $extra "metaserver_token_file" (printf "%s/token" (include "pdgate.auth.podTokenDir" $root)) -}}
 {{- end }}
 {{- $extra = mergeOverwrite $extra (deepCopy $v.connector.extraConfig) -}}
 {{- $cfg := dict
@@ -154,10 +161,14 @@ spec:
         {{- toYaml . | nindent 8 }}
       {{- end }}
     spec:
-      serviceAccountName: {{ include "pdgate.serviceAccountName" $root }}
+      serviceAccountName: {{ include "pdgate.partServiceAccountName" (dict "root" $root "part" $role) }}
       automountServiceAccountToken: false
       terminationGracePeriodSeconds: {{ $v.engine.terminationGracePeriodSeconds }}
-      {{- with $v.engine.podSecurityContext }}
+      {{- $podSecurity := deepCopy ($v.engine.podSecurityContext | default dict) }}
+      {{- if and $preset.runAsNonRoot (not (hasKey $podSecurity "runAsNonRoot")) }}
+      {{- $_ := set $podSecurity "runAsNonRoot" true }}
+      {{- end }}
+      {{- with $podSecurity }}
       securityContext:
         {{- toYaml . | nindent 8 }}
       {{- end }}
@@ -222,6 +233,9 @@ spec:
             {{- with include "pdgate.token.env" (dict "root" $root "name" "PDGATE_METASERVER_TOKEN" "part" .role) }}
             {{- . | nindent 12 }}
             {{- end }}
+            {{- with include "pdgate.engineApiKey.env" (dict "root" $root "name" "VLLM_API_KEY") }}
+            {{- . | nindent 12 }}
+            {{- end }}
             {{- with $v.model.hfTokenSecret.name }}
             - name: HF_TOKEN
               valueFrom:
@@ -266,8 +280,9 @@ spec:
           # Graceful drain (docs/kubernetes.md): mark this instance draining in the metaserver
           # (every proxy stops sending it requests), wait for its in-flight requests, then let
           # SIGTERM stop vLLM; the connector deregisters on shutdown. Python, not curl: the
-          # engine images have Python and pdgate. POD_NAME (the instance id) and the token come
-          # from the container's environment.
+          # engine images have Python and pdgate. POD_NAME (the instance id) comes from the
+          # container's environment, the credential from the pod's projected token (or the
+          # environment's token).
           lifecycle:
             preStop:
               exec:
@@ -279,13 +294,25 @@ spec:
                   - --engine=http://127.0.0.1:{{ $port }}
                   - --settle={{ int $v.engine.drain.settleS }}
                   - --timeout={{ int $v.engine.drain.timeoutS }}
+                  {{- if include "pdgate.auth.perPod" $root }}
+                  - --token-file={{ include "pdgate.auth.podTokenDir" $root }}/token
+                  {{- end }}
           {{- end }}
           resources:
             {{- toYaml $resources | nindent 12 }}
+          {{- $security := deepCopy ($v.engine.securityContext | default dict) }}
+          {{- $caps := get $security "capabilities" | default dict }}
+          {{- $add := concat (get $caps "add" | default list) ($preset.addCapabilities | default list) }}
           {{- if $v.engine.rdma.enabled }}
+          {{- $add = append $add "IPC_LOCK" }}
+          {{- end }}
+          {{- if $add }}
+          {{- $_ := set $caps "add" (uniq $add) }}
+          {{- $_ := set $security "capabilities" $caps }}
+          {{- end }}
+          {{- with $security }}
           securityContext:
-            capabilities:
-              add: [IPC_LOCK]
+            {{- toYaml . | nindent 12 }}
           {{- end }}
           volumeMounts:
             {{- if $v.engine.shm.enabled }}
@@ -294,7 +321,12 @@ spec:
             {{- end }}
             - name: model-cache
               mountPath: {{ $v.model.cache.mountPath }}
-            {{- if and (ne $v.connector.kind "vllm-ascend") $v.connector.sideChannelSecret.existingSecret }}
+            {{- if include "pdgate.auth.perPod" $root }}
+            - name: metaserver-token
+              mountPath: {{ include "pdgate.auth.podTokenDir" $root }}
+              readOnly: true
+            {{- end }}
+            {{- if include "pdgate.sideChannel.key" $root }}
             - name: side-channel-secret
               mountPath: {{ include "pdgate.engine.sideChannelDir" $root }}
               readOnly: true
@@ -305,13 +337,25 @@ spec:
               readOnly: true
             {{- end }}
       volumes:
-        {{- if and (ne $v.connector.kind "vllm-ascend") $v.connector.sideChannelSecret.existingSecret }}
+        {{- if include "pdgate.auth.perPod" $root }}
+        # This pod's identity for the metaserver: a token of the pool's ServiceAccount for the
+        # metaserver's audience only, renewed by the kubelet (the connector re-reads it).
+        - name: metaserver-token
+          projected:
+            sources:
+              - serviceAccountToken:
+                  audience: {{ include "pdgate.auth.podTokenAudience" $root }}
+                  expirationSeconds: {{ int $v.auth.serviceAccountToken.expirationSeconds }}
+                  path: token
+        {{- end }}
+        {{- if include "pdgate.sideChannel.key" $root }}
+        {{- $secret := include "pdgate.sideChannel.secret" $root | fromJson }}
         - name: side-channel-secret
           secret:
-            secretName: {{ $v.connector.sideChannelSecret.existingSecret }}
+            secretName: {{ $secret.name }}
             items:
-              - key: {{ $v.connector.sideChannelSecret.existingSecretKey }}
-                path: {{ $v.connector.sideChannelSecret.existingSecretKey }}
+              - key: {{ $secret.key }}
+                path: {{ $secret.key }}
             defaultMode: 0440
         {{- end }}
         {{- if $v.engine.shm.enabled }}

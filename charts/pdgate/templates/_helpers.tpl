@@ -82,17 +82,41 @@ app.kubernetes.io/part-of: pdgate
 {{- if and .Values.auth.enabled (eq .Values.auth.mode "roles") -}}true{{- end -}}
 {{- end -}}
 
-{{/* The parts that hold a credential of their own in roles mode (Secret keys <part>-token). */}}
-{{- define "pdgate.auth.parts" -}}proxy prefill decode{{- end -}}
+{{/* True when engine pods prove their pod with a projected ServiceAccount token (roles mode,
+auth.engineIdentity serviceAccountToken) instead of holding a pool token. */}}
+{{- define "pdgate.auth.perPod" -}}
+{{- if and (include "pdgate.auth.roles" .) (eq .Values.auth.engineIdentity "serviceAccountToken") -}}true{{- end -}}
+{{- end -}}
+
+{{/* The parts that hold a token of their own in roles mode (Secret keys <part>-token): the
+engine pools only with auth.engineIdentity poolToken. */}}
+{{- define "pdgate.auth.parts" -}}
+{{- if include "pdgate.auth.perPod" . -}}proxy{{- else -}}proxy prefill decode{{- end -}}
+{{- end -}}
+
+{{/* The projected ServiceAccount token engines present to the metaserver (auth.perPod). */}}
+{{- define "pdgate.auth.podTokenDir" -}}/var/run/secrets/pdgate/metaserver-token{{- end -}}
+{{- define "pdgate.auth.podTokenAudience" -}}pdgate-metaserver{{- end -}}
+
+{{/* ServiceAccounts: one per engine pool and one for the metaserver with per-pod identity
+(call with (dict "root" $ "part" "metaserver"|"prefill"|"decode")), else the release's. */}}
+{{- define "pdgate.partServiceAccountName" -}}
+{{- if include "pdgate.auth.perPod" .root -}}
+{{- printf "%s-%s" (include "pdgate.fullname" .root) .part -}}
+{{- else -}}
+{{- include "pdgate.serviceAccountName" .root -}}
+{{- end -}}
+{{- end -}}
 
 {{/*
 An env entry reading a part's metaserver credential from the Secret; call with
 (dict "root" $ "name" "ENV" "part" "metaserver"|"proxy"|"prefill"|"decode"). In roles mode the
 proxy and each engine pool get their own (key <part>-token); the single token ("token", or
-existingSecretKey) is then the admin credential, which only the metaserver holds.
+existingSecretKey) is then the admin credential, which only the metaserver holds. Engines with
+per-pod identity get none: they present their projected ServiceAccount token.
 */}}
 {{- define "pdgate.token.env" -}}
-{{- if .root.Values.auth.enabled -}}
+{{- if and .root.Values.auth.enabled (not (and (include "pdgate.auth.perPod" .root) (has .part (list "prefill" "decode")))) -}}
 - name: {{ .name }}
   valueFrom:
     secretKeyRef:
@@ -116,7 +140,40 @@ existingSecretKey) is then the admin credential, which only the metaserver holds
 
 {{/* Does the chart's own Secret need to exist? */}}
 {{- define "pdgate.secret.needed" -}}
-{{- if or (and .Values.auth.enabled (not .Values.auth.existingSecret)) (and .Values.redis.enabled .Values.redis.auth.enabled) -}}true{{- end -}}
+{{- if or (and .Values.auth.enabled (not .Values.auth.existingSecret)) (and .Values.redis.enabled .Values.redis.auth.enabled) (eq (include "pdgate.sideChannel.key" .) "generated") (and .Values.engine.apiKey.enabled (not .Values.engine.apiKey.existingSecret)) -}}true{{- end -}}
+{{- end -}}
+
+{{/* An env entry with the engines' API key (engine.apiKey), or nothing; call with
+(dict "root" $ "name" "VLLM_API_KEY"|"PD_PROXY_ENGINE_API_KEY"). */}}
+{{- define "pdgate.engineApiKey.env" -}}
+{{- $k := .root.Values.engine.apiKey -}}
+{{- if $k.enabled -}}
+- name: {{ .name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ default (include "pdgate.secret.name" .root) $k.existingSecret }}
+      key: {{ ternary $k.existingSecretKey "engine-api-key" (ne $k.existingSecret "") }}
+{{- end -}}
+{{- end -}}
+
+{{/* Where the engines' side-channel key comes from: "generated" (key side-channel-key of the
+release Secret), "existing" (connector.sideChannelSecret.existingSecret), or "" when there is
+none: vllm-ascend's own connector, or connector.insecureSideChannel. */}}
+{{- define "pdgate.sideChannel.key" -}}
+{{- $c := .Values.connector -}}
+{{- if and (ne $c.kind "vllm-ascend") (not $c.insecureSideChannel) -}}
+{{- ternary "existing" "generated" (ne $c.sideChannelSecret.existingSecret "") -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Secret and key holding the side channel's key file (pdgate.sideChannel.key not ""). */}}
+{{- define "pdgate.sideChannel.secret" -}}
+{{- $s := .Values.connector.sideChannelSecret -}}
+{{- if eq (include "pdgate.sideChannel.key" .) "existing" -}}
+{{- toJson (dict "name" $s.existingSecret "key" $s.existingSecretKey) -}}
+{{- else -}}
+{{- toJson (dict "name" (include "pdgate.secret.name" .) "key" "side-channel-key") -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Reject value combinations the schema cannot express. */}}
@@ -136,6 +193,9 @@ existingSecretKey) is then the admin credential, which only the metaserver holds
 {{- end -}}
 {{- if and .Values.engine.drain.enabled (lt (int .Values.engine.terminationGracePeriodSeconds) (add (int .Values.engine.drain.timeoutS) 30)) -}}
 {{- fail (printf "engine.terminationGracePeriodSeconds (%d) must be at least engine.drain.timeoutS + 30 (%d): the preStop drain runs inside the grace period, and vLLM needs time to stop after it" (int .Values.engine.terminationGracePeriodSeconds) (add (int .Values.engine.drain.timeoutS) 30)) -}}
+{{- end -}}
+{{- if and .Values.connector.insecureSideChannel .Values.connector.sideChannelSecret.existingSecret -}}
+{{- fail "connector.insecureSideChannel and connector.sideChannelSecret.existingSecret contradict each other: leave insecureSideChannel false to seal the side channel with that Secret" -}}
 {{- end -}}
 {{- if not (hasKey .Values.presets .Values.accelerator) -}}
 {{- fail (printf "accelerator %q has no entry in presets" .Values.accelerator) -}}
