@@ -167,7 +167,7 @@ def _check_pod_identities(
         assert entry["kubernetes"] == {"service_account": account}
     proxy = container(r.get("Deployment", f"{FULLNAME}-proxy"))
     env = resolve_env(proxy, secrets=secrets, fields=fields("proxy-0"))
-    assert access.who(f"Bearer {env['PD_PROXY_METASERVER_TOKEN']}", write=True).role is Role.PROXY
+    assert resolved(access, f"Bearer {env['PD_PROXY_METASERVER_TOKEN']}").role is Role.PROXY
 
 
 def _check_pool_credentials(
