@@ -132,8 +132,13 @@ def test_live_metaserver_probes_and_token(stack: dict[str, Any]) -> None:
     assert "d-0" in str(listed)
     # roles (the chart's default): the decode pool's token acts only as a decode pod
     pool = {"Authorization": f"Bearer {stack['secrets'][f'{FULLNAME}-auth']['decode-token']}"}
-    own = httpx.put(f"{base}/v1/instances/{FULLNAME}-decode-1", json=spec, headers=pool)
-    assert own.status_code == 201, own.text
+    pod = {
+        **spec,
+        "url": "http://10.0.0.10:8000",
+        "kv_endpoint": {"host": "10.0.0.10", "port": 5600},
+    }
+    own = httpx.put(f"{base}/v1/instances/{FULLNAME}-decode-1", json=pod, headers=pool)
+    assert own.status_code == 201, own.text  # (d-0 above holds the first URL: one per URL)
     other = httpx.put(f"{base}/v1/instances/{FULLNAME}-prefill-1", json=spec, headers=pool)
     assert other.status_code == 403, other.text
     # The write went to the rendered Redis (state shared by the metaserver replicas).

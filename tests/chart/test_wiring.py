@@ -143,7 +143,8 @@ def test_wiring_metaserver_settings_accept_the_rendered_flags(
     assert (settings.credentials_file is not None) == roles
     if roles:
         assert settings.credentials_file is not None
-        access = Access.load(None, settings.credentials_file, False)
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")  # as the kubelet sets it
+        access = Access.load(None, settings.credentials_file, False, settings.kube_reviewer)
         if auth.get("engineIdentity", "serviceAccountToken") == "serviceAccountToken":
             _check_pod_identities(r, secrets, access, settings.credentials_file)
         else:
