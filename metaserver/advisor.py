@@ -44,24 +44,32 @@ async def advise(
     counts = await pools(c)
     out = b.json()
     if timelines and counts.prefill and counts.decode:
-        advice = recommend(Model.of(b, counts, history), target_p90_s, itl_target_p90_s)
-        out["advice"] = advice
-        if "recommended" in advice:
-            for pool in ("prefill", "decode"):
-                c.metrics.pool_recommended.labels(pool).set(advice["recommended"][pool])
-                c.metrics.pool_current.labels(pool).set(advice["now"][pool])
+        out["advice"] = recommend(Model.of(b, counts, history), target_p90_s, itl_target_p90_s)
     else:
         out["advice"] = None
     return out
 
 
+async def refresh_once(c: Context) -> None:
+    """Set the pool gauges from the advice for the configured targets. Only this writes them:
+    a reader's ``GET /v1/breakdown?ttft_p90=…`` computes its own advice and moves nothing (the
+    gauges feed autoscalers)."""
+    s = c.settings
+    advice = (await advise(c, s.advice_window_s, s.ttft_target_p90_s, s.itl_target_p90_s))[
+        "advice"
+    ]
+    if advice is not None and "recommended" in advice:
+        for pool in ("prefill", "decode"):
+            c.metrics.pool_recommended.labels(pool).set(advice["recommended"][pool])
+            c.metrics.pool_current.labels(pool).set(advice["now"][pool])
+
+
 async def refresh(c: Context) -> None:
     """Keep the pool gauges current (``--ttft-target``, ``--itl-target``): one advice every
     interval."""
-    s = c.settings
     while True:
         try:
-            await advise(c, s.advice_window_s, s.ttft_target_p90_s, s.itl_target_p90_s)
+            await refresh_once(c)
         except Exception as exc:  # a store outage: the gauges keep their last values
             log.warning("P:D advice not refreshed: %s", exc)
-        await asyncio.sleep(s.advice_interval_s)
+        await asyncio.sleep(c.settings.advice_interval_s)
