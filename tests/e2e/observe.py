@@ -47,9 +47,18 @@ class RetryingReads(httpx.AsyncBaseTransport):
         await self.inner.aclose()
 
 
+# a deployment's metaserver URL -> its admin token (reads need a credential: the suite reads as
+# the deployment's operator would; ``tests.e2e.stack.deploy`` records them)
+CREDENTIALS: dict[str, str] = {}
+
+
 def observer(base_url: str, timeout_s: float = OBSERVE_TIMEOUT_S) -> httpx.AsyncClient:
-    """A client for the suite's observing reads of ``base_url``."""
-    return httpx.AsyncClient(base_url=base_url, timeout=timeout_s, transport=RetryingReads())
+    """A client for the suite's observing reads of ``base_url`` (with its admin token)."""
+    token = CREDENTIALS.get(base_url.rstrip("/"))
+    headers = {"authorization": f"Bearer {token}"} if token else None
+    return httpx.AsyncClient(
+        base_url=base_url, timeout=timeout_s, transport=RetryingReads(), headers=headers
+    )
 
 
 SETTLE_S = 10.0

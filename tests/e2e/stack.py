@@ -13,8 +13,16 @@ from pathlib import Path
 import pytest
 
 from launch.cli import new_secret_file
-from launch.plan import CPU_SINGLE_PROCESS_WORKER, Child, LaunchOptions, LaunchPlan, build_plan
+from launch.plan import (
+    ADMIN_TOKEN,
+    CPU_SINGLE_PROCESS_WORKER,
+    Child,
+    LaunchOptions,
+    LaunchPlan,
+    build_plan,
+)
 from launch.supervisor import ChildFailed, Supervisor
+from tests.e2e.observe import CREDENTIALS
 from tests.support.procs import free_port, free_port_block
 
 # Engine settings shared by the monolithic reference and the P/D engines: everything that can
@@ -161,6 +169,9 @@ READY_TIMEOUT_S = 900
 
 
 def deploy(plan: LaunchPlan, log_dir: Path) -> Deployment:
+    if plan.options.credentials_dir:  # roles: the suite observes as the operator would
+        admin = Path(plan.options.credentials_dir) / ADMIN_TOKEN
+        CREDENTIALS[plan.metaserver_url.rstrip("/")] = admin.read_text().strip()
     return Deployment(plan, start(plan.children, log_dir))
 
 

@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from metaserver.breakdown import DECODE_STAGES, PREFILL_STAGES
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import Engines
+from tests.e2e.observe import observer
 from tests.e2e.test_equality import prompt_ids
 
 pytestmark = pytest.mark.e2e
@@ -37,7 +37,7 @@ async def breakdown(
         params["ttft_p90"] = target
     if itl is not None:
         params["itl_p90"] = itl
-    async with httpx.AsyncClient(base_url=engines.pd.metaserver, timeout=30) as ms:
+    async with observer(engines.pd.metaserver, 30) as ms:
         r = await ms.get("/v1/breakdown", params=params)
     assert r.status_code == 200, r.text
     return r.json()
@@ -48,7 +48,7 @@ async def record(engines: Engines, phase: str, since: float, got: Any | None) ->
     into = os.environ.get("PDGATE_RECORD_TIMELINES")
     if not into:
         return
-    async with httpx.AsyncClient(base_url=engines.pd.metaserver, timeout=30) as ms:
+    async with observer(engines.pd.metaserver, 30) as ms:
         r = await ms.get("/v1/bindings", params={"state": "done", "limit": 1000})
     bindings = [b for b in r.json()["bindings"] if b["updated_at"] >= since]
     out = {"window_s": got["window_s"], "pools": got["advice"]["now"]} if got else {}

@@ -414,7 +414,7 @@ EARLY_HANG_UP_S = 3.0  # P is frozen until they left: D bound them all well befo
 
 
 async def _bindings_since(ms_url: str, since_wall: float) -> list[dict[str, Any]]:
-    async with httpx.AsyncClient(base_url=ms_url, timeout=5) as ms:
+    async with observer(ms_url, 5) as ms:
         r = await ms.get("/v1/bindings", params={"limit": 1000})
     return [b for b in r.json()["bindings"] if b["created_at"] >= since_wall]
 
@@ -783,8 +783,8 @@ def chaos_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSe
 
 async def _instances_registered(url: str, n: int, timeout_s: float = 20) -> None:
     deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(timeout=2) as http:
-        while len((await http.get(url + "/v1/instances")).json()["instances"]) < n:
+    async with observer(url, 2) as http:
+        while len((await http.get("/v1/instances")).json()["instances"]) < n:
             assert time.monotonic() < deadline, "the engines did not register again"
             await asyncio.sleep(0.2)
 

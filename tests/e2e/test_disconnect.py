@@ -11,6 +11,7 @@ import pytest
 
 from tests.e2e.conftest import Engines
 from tests.e2e.engine_metrics import gauges, wait_idle
+from tests.e2e.observe import observer
 from tests.e2e.test_equality import prompt_ids
 
 pytestmark = pytest.mark.e2e
@@ -48,7 +49,7 @@ async def test_e2e_client_disconnect_frees_both_engines(engines: Engines) -> Non
     for url in urls:
         await wait_idle(url, 15, kv_level=kv_idle[url])
     assert time.monotonic() - closed_at < 15
-    async with httpx.AsyncClient(base_url=engines.pd.metaserver, timeout=10) as ms:
+    async with observer(engines.pd.metaserver, 10) as ms:
         latest = (await ms.get("/v1/bindings", params={"limit": 1})).json()["bindings"][0]
     # the push had finished before the client left (it saw tokens); the request was then dropped
     assert latest["num_prompt_tokens"] == 300

@@ -10,6 +10,7 @@ import pytest
 
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import Engines
+from tests.e2e.observe import observer
 from tests.e2e.test_equality import assert_same, latest_binding, prompt_ids
 
 pytestmark = pytest.mark.e2e
@@ -56,7 +57,7 @@ async def test_e2e_requests_spread_over_all_four_engines(engines: Engines) -> No
     pd = client(engines.pd.proxy)
     prompts = [prompt_ids(60 + i, seed=300 + i) for i in range(12)]
     await asyncio.gather(*(complete(pd, engines.model, p, max_tokens=2) for p in prompts))
-    async with httpx.AsyncClient(base_url=engines.pd.metaserver, timeout=10) as ms:
+    async with observer(engines.pd.metaserver, 10) as ms:
         bindings = (await ms.get("/v1/bindings", params={"limit": 12})).json()["bindings"]
     decoders = {b["decode_instance_id"] for b in bindings}
     prefillers = {e["actor"] for b in bindings for e in b["events"] if e["state"] != "bound"}

@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from launch.plan import Child, build_plan
@@ -36,7 +35,7 @@ from launch.tiny_model import RECIPE, make_model
 from tests.e2e.client import Generation, client, complete
 from tests.e2e.conftest import LOG_DIR, Monolithic
 from tests.e2e.engine_metrics import samples
-from tests.e2e.observe import newest_binding
+from tests.e2e.observe import newest_binding, observer
 from tests.e2e.stack import (
     BLOCK_SIZE,
     PROXY_ARGS,
@@ -217,8 +216,8 @@ async def test_e2e_other_weights_are_never_paired(
     """prefill-2 registered another model fingerprint than decode-0: no request reached it,
     every answer is right, and a restart of the proxy in the middle changes nothing (the proxy
     reads the registry before it serves)."""
-    async with httpx.AsyncClient() as c:
-        listed = (await c.get(corrupting.metaserver + "/v1/instances", timeout=30)).json()
+    async with observer(corrupting.metaserver) as c:
+        listed = (await c.get("/v1/instances")).json()
     by_url = {i["url"]: i for i in listed["instances"]}
     other, d0 = corrupting.url_of(OTHER_REVISION), corrupting.url_of("decode-0")
     assert by_url[other]["kv"]["model"] != by_url[d0]["kv"]["model"]

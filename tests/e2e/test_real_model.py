@@ -30,7 +30,7 @@ from proxy.kvroute.tokens import HFTokenizer, token_ids_of
 from tests.e2e.client import Generation, chat, client, complete
 from tests.e2e.conftest import SMOLLM2_CACHE, wait_smollm2_build
 from tests.e2e.engine_metrics import samples, wait_idle
-from tests.e2e.observe import newest_binding
+from tests.e2e.observe import newest_binding, observer
 from tests.e2e.stack import (
     BLOCK_SIZE,
     CHUNK_TOKENS,
@@ -178,7 +178,7 @@ async def test_e2e_prefill_killed_mid_push(smollm2: RealStack) -> None:
     dep = smollm2.pd
     request = asyncio.create_task(complete(client(dep.proxy), smollm2.model, prompt, max_tokens=8))
     started = time.monotonic()
-    async with httpx.AsyncClient(base_url=dep.metaserver, timeout=10) as ms:
+    async with observer(dep.metaserver, 10) as ms:
         while True:  # kill P once it has started pushing this transfer
             assert time.monotonic() - started < 120, "prefill never started"
             if request.done():

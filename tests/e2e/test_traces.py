@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
 
 from pdwire.trace import format_traceparent
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import Engines
+from tests.e2e.observe import observer
 from tests.e2e.stack import BLOCK_SIZE, CHUNK_TOKENS
 from tests.e2e.test_equality import prompt_ids
 from tests.support.otlp import OtlpReceiver, ReceivedSpan
@@ -115,7 +115,7 @@ async def test_e2e_traces_one_trace_across_proxy_d_and_p(
     assert push.events[-1].name == "done_signal_sent"
     assert push.events[-1].attributes["pdgate.ok"] is True
     # the bytes agree with what P reported to the metaserver in its done event
-    async with httpx.AsyncClient(base_url=traced.metaserver, timeout=10) as ms:
+    async with observer(traced.metaserver, 10) as ms:
         binding = (await ms.get(f"/v1/bindings/{tid}")).json()
     done = next(e for e in binding["events"] if e["state"] == "done")
     assert done["detail"]["bytes_pushed"] == push.attributes["pdgate.bytes"]
