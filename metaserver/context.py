@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
 from metaserver.access import Access, Principal
 from metaserver.config import MetaserverSettings
+from metaserver.kvindex.streams import Streams
 from metaserver.metrics import Metrics
 from metaserver.store import Store
 
@@ -30,8 +31,10 @@ class Context:
     kv_events: KVEventManager | None = None  # --kv-events: engines followed (metaserver.kvindex)
 
     access: Access | None = None  # built from the settings when not given
+    kv_streams: Streams = field(init=False)  # the instances the KV index answers about
 
     def __post_init__(self) -> None:
+        self.kv_streams = Streams(self.store)
         if self.access is None:
             s = self.settings
             token = None if s.token is None else s.token.get_secret_value()

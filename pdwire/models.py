@@ -311,6 +311,7 @@ class Stats(BaseModel):
 
 KV_MATCH_PATH = "/v1/kv/match"
 KV_MATCH_MAX_KEYS = 8192
+KV_MATCH_MAX_PRODUCT = 65_536  # keys x distinct instances in one match
 BlockKey = Annotated[int, Field(ge=0, le=2**64 - 1)]
 
 
@@ -326,6 +327,16 @@ class KVMatchIn(_Strict):
         default=True,
         description="count what proxies placed there lately (false: the engines' events only)",
     )
+
+    @model_validator(mode="after")
+    def _bounded(self) -> KVMatchIn:
+        work = len(self.keys) * len(set(self.instances))
+        if work > KV_MATCH_MAX_PRODUCT:
+            raise ValueError(
+                f"{len(self.keys)} keys x {len(set(self.instances))} instances is over "
+                f"{KV_MATCH_MAX_PRODUCT} (keys x instances)"
+            )
+        return self
 
 
 class KVMatchOut(BaseModel):

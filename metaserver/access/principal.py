@@ -96,6 +96,12 @@ class Principal:
         if self.role not in (Role.ADMIN, Role.PROXY):
             raise self._refuse("post marks")
 
+    def may_match(self) -> None:
+        """Ask the KV index what a prompt's blocks are cached where: a proxy's routing question
+        (anyone else could learn which prompts others sent)."""
+        if self.role not in (Role.ADMIN, Role.PROXY):
+            raise self._refuse("ask the KV index")
+
     def may_share_load(self) -> None:
         """Report a proxy replica's load (and read the others')."""
         if self.role not in (Role.ADMIN, Role.PROXY):

@@ -6,7 +6,8 @@ bound. Each key carries a TTL that the following metaserver renews (``touch``), 
 nobody follows any more expires by itself. Placed keys (``KVIndex.place``) go in one sorted
 set per instance (``<ns>:kvp:<instance>``), scored by the wall time until which they count
 (every metaserver replica compares alike), lapsed ones trimmed on each placement. A match is one
-pipelined ``SMISMEMBER`` per candidate, and with placements one ``ZMSCORE`` more.
+script call: the prompt's keys sent once, each candidate's lookup stopping at its first key it
+neither holds nor had placed (a made-up prompt costs one lookup per candidate).
 """
 
 from __future__ import annotations
@@ -31,6 +32,26 @@ if room > 0 then
   return n - (last - 2)
 end
 return n
+"""
+
+# KEYS: per candidate its block set and its placed set; ARGV: now, '1' to count placements,
+# then the prompt's keys, first block first. Answers the leading keys each candidate holds.
+_MATCH = """
+local now, placed = tonumber(ARGV[1]), ARGV[2] == '1'
+local out = {}
+for i = 1, #KEYS, 2 do
+  local n = 0
+  for j = 3, #ARGV do
+    if redis.call('SISMEMBER', KEYS[i], ARGV[j]) == 0 then
+      if not placed then break end
+      local until_at = redis.call('ZSCORE', KEYS[i + 1], ARGV[j])
+      if (not until_at) or tonumber(until_at) < now then break end
+    end
+    n = n + 1
+  end
+  out[#out + 1] = n
+end
+return out
 """
 
 _LEAD = """
@@ -64,6 +85,7 @@ class RedisKVIndex(KVIndex):
         self._max = max_blocks
         self._store = r.register_script(_STORE)
         self._lead = r.register_script(_LEAD)
+        self._match = r.register_script(_MATCH)
         self._dropped = 0
         self._clock = clock  # wall time: every metaserver replica buckets alike
 
@@ -148,30 +170,14 @@ class RedisKVIndex(KVIndex):
         ids = list(instance_ids)
         if not keys or not ids:
             return dict.fromkeys(ids, 0)
-        members = [_member(k) for k in keys]
-        now = self._clock()
+        sets = [k for iid in ids for k in (self._key(iid), self._placed_key(iid))]
+        args: list[bytes | str | float] = [repr(self._clock()), "1" if placed else ""]
+        args += [_member(k) for k in keys]
         try:
-            async with self._r.pipeline(transaction=False) as pipe:
-                for iid in ids:
-                    pipe.smismember(self._key(iid), members)
-                    if placed:
-                        # members are bytes, as everywhere here; redis-py's stub says str
-                        pipe.zmscore(self._placed_key(iid), members)  # type: ignore[arg-type]
-                found = await pipe.execute()
+            found = await self._match(keys=sets, args=args)
         except RedisError as exc:
             raise StoreUnavailable(f"KV index: {exc}") from exc
-        per = 2 if placed else 1
-        out: dict[str, int] = {}
-        for i, iid in enumerate(ids):
-            held = found[i * per]
-            until = found[i * per + 1] if placed else [None] * len(held)
-            n = 0
-            for flag, score in zip(held, until, strict=True):
-                if not flag and (score is None or score < now):
-                    break
-                n += 1
-            out[iid] = n
-        return out
+        return {iid: int(n) for iid, n in zip(ids, found, strict=True)}
 
     async def sizes(self) -> dict[str, int]:
         try:

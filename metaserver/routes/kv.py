@@ -18,15 +18,19 @@ router = APIRouter(tags=["kv index"])
 @router.post(
     KV_MATCH_PATH,
     response_model=KVMatchOut,
-    responses={422: {}},
+    responses={401: {}, 403: {}, 422: {}},
     openapi_extra=json_body(KVMatchIn, write=False),
     summary="Per instance: how many of a prompt's first blocks its prefix cache holds",
 )
-async def match(request: Request, _who: Reader) -> dict[str, Any]:
+async def match(request: Request, who: Reader) -> dict[str, Any]:
     c = ctx(request)
+    who.may_match()
     body = parse_body(KVMatchIn, await request.body())
-    index = c.store.kv_index()
-    return {"matched": await index.match(body.keys, body.instances, placed=body.placed)}
+    streams = await c.kv_streams.ids()
+    asked = list(dict.fromkeys(body.instances))
+    known = [i for i in asked if i in streams]  # the others: 0, without a lookup
+    found = await c.store.kv_index().match(body.keys, known, placed=body.placed) if known else {}
+    return {"matched": {i: found.get(i, 0) for i in asked}}
 
 
 @router.post(
@@ -40,7 +44,10 @@ async def placed(request: Request, who: Writer) -> Response:
     c = ctx(request)
     who.may_share_load()
     body = parse_body(KVPlacedIn, await request.body())
-    await c.store.kv_index().place([Placement(p.instance, p.keys) for p in body.placed])
+    streams = await c.kv_streams.ids()  # placements elsewhere would only be kept, never asked
+    kept = [Placement(p.instance, p.keys) for p in body.placed if p.instance in streams]
+    if kept:
+        await c.store.kv_index().place(kept)
     return Response(status_code=204)
 
 

@@ -21,6 +21,7 @@ from metaserver.store import Store
 from metaserver.store.base import InstancePut
 from pdwire.kv_events import block_key
 from pdwire.models import InstanceSpec, KVEvents
+from tests.metaserver.conftest import at, decode_instance
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -328,6 +329,10 @@ async def test_one_replica_follows(store_kind: str, store_factory: Callable[...,
 
 async def test_match_endpoint(api_factory: Callable[..., Any]) -> None:
     api = await api_factory()
+    for iid in ("a", "b"):  # the index answers about instances with a KV-event stream only
+        spec = decode_instance(**at(iid)).model_dump(mode="json")
+        spec["kv_events"] = {"port": 5557, "block_size": 16}
+        assert (await api.put(f"/v1/instances/{iid}", json=spec)).status_code == 201
     bad = await api.post("/v1/kv/match", json={"keys": [2**64], "instances": ["a"]})
     assert bad.status_code == 422
     assert (await api.post("/v1/kv/match", json={"keys": [1], "instances": []})).status_code == 422
