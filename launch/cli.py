@@ -25,6 +25,7 @@ from connector.seal import load_keys
 from launch import smollm2
 from launch.plan import (
     ADMIN_TOKEN,
+    PROXY_ADMIN_KEY,
     LaunchOptions,
     LaunchPlan,
     build_plan,
@@ -260,6 +261,8 @@ def print_endpoints(plan: LaunchPlan, out: Printer) -> None:
     if plan.options.credentials_dir:
         admin = Path(plan.options.credentials_dir) / ADMIN_TOKEN
         out(f"  metaserver roles    admin token in {admin} (removed at exit)")
+        proxy_admin = Path(plan.options.credentials_dir) / PROXY_ADMIN_KEY
+        out(f"  proxy admin key     in {proxy_admin} (/admin, /v1/instances; removed at exit)")
     if plan.options.engine_api_key and plan.options.credentials_dir:
         key = Path(plan.options.credentials_dir) / ENGINE_API_KEY
         out(f"  engines' API key    in {key} (only the proxy calls them; removed at exit)")

@@ -343,13 +343,14 @@ def check_pairing(o: LaunchOptions) -> None:
 
 CREDENTIALS = "credentials.yaml"
 ADMIN_TOKEN = "admin.token"
+PROXY_ADMIN_KEY = "proxy-admin.key"  # the proxy's /admin and /v1/instances
 
 
 def give_credentials(directory: Path, children: list[Child]) -> None:
     """Roles mode: a fresh token per engine (bound to its instance id and role), one for the
     proxy and one for an admin (``ADMIN_TOKEN``), the metaserver's credentials file listing
-    them; each part gets its own token in its environment. Files are readable by this user
-    only."""
+    them, and the proxy's admin key (``PROXY_ADMIN_KEY``); each part gets its own in its
+    environment. Files are readable by this user only."""
     entries = []
     for child in children:
         token = secrets.token_urlsafe(24)
@@ -361,6 +362,9 @@ def give_credentials(directory: Path, children: list[Child]) -> None:
         elif child.name == "proxy":
             entries.append({"name": "proxy", "role": "proxy", "token": token})
             child.env["PD_PROXY_METASERVER_TOKEN"] = token
+            key = secrets.token_urlsafe(24)  # the operator's: drains, what the proxy sees
+            child.env["PD_PROXY_ADMIN_KEYS"] = key
+            write_private(directory / PROXY_ADMIN_KEY, key + "\n")
     admin = secrets.token_urlsafe(24)
     entries.append({"name": "admin", "role": "admin", "token": admin})
     write_private(directory / ADMIN_TOKEN, admin + "\n")

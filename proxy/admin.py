@@ -4,7 +4,7 @@
 in-flight requests finish), ``DELETE`` puts it back. For an instance registered in the
 metaserver the flag is set on its registration, so every proxy replica honours it within one
 ``--discovery-interval``; otherwise (a static URL the registry does not know, id
-``host:port``) only this proxy does. ``GET /v1/instances`` lists ids and drains.
+``host:port``) only this proxy does. ``GET /v1/instances`` lists ids, URLs and drains.
 
 Off (403) unless ``--admin-key`` keys are set; those must differ from the ``--api-key`` keys
 (a client key never drains the fleet).
@@ -28,6 +28,19 @@ def admin_routes(api: FastAPI, rt: Runtime) -> None:
         auth = request.headers.get("authorization")
         if not _authorized(auth.encode() if auth else None, rt.admin_keys):
             raise Unauthorized("missing or invalid admin key")
+
+    @api.get(
+        "/v1/instances",
+        summary="What the proxy sees: instances, their URLs, health, load, circuits (admin key)",
+        responses={401: {}, 403: {}},
+    )
+    async def instances(request: Request) -> dict[str, Any]:
+        check_admin(request)  # internal addresses and drains: an operator's view
+        return {
+            "flow": rt.settings.flow.value,
+            "inflight": rt.admission.inflight,
+            "instances": [i.describe() for i in rt.registry.instances()],
+        }
 
     @api.post(
         "/admin/instances/{instance_id}/drain",

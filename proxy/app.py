@@ -106,15 +106,6 @@ def _routes(api: FastAPI, rt: Runtime) -> None:
     async def metrics() -> Response:
         return Response(rt.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @api.get("/v1/instances", summary="What the proxy sees: health, load, circuit state")
-    async def instances(request: Request) -> dict[str, Any]:
-        check_key(request)
-        return {
-            "flow": rt.settings.flow.value,
-            "inflight": rt.admission.inflight,
-            "instances": [i.describe() for i in rt.registry.instances()],
-        }
-
     @api.get("/v1/models", summary="Models served by the decode pool")
     async def models(request: Request) -> Response:
         check_key(request)

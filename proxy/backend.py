@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from proxy.errors import UpstreamError, UpstreamRejected
+from proxy.errors import UpstreamError, UpstreamRejected, UpstreamTimeout
 
 
 class LegError(UpstreamError):
@@ -23,6 +23,14 @@ class LegError(UpstreamError):
         self.cause = cause
         self.url = url
         self.leg = leg
+
+    @property
+    def public(self) -> str:
+        """Which leg, and how it failed; never the instance's address or what it said."""
+        if isinstance(self.cause, UpstreamRejected):
+            return self.cause.public
+        how = "did not answer in time" if isinstance(self.cause, UpstreamTimeout) else "failed"
+        return f"the {self.leg} leg {how}"
 
     def body(self) -> bytes:
         return self.cause.body() if isinstance(self.cause, UpstreamRejected) else super().body()
@@ -81,9 +89,13 @@ class Backend(Protocol):
 
 
 def status_error(status: int, raw: bytes, url: str, leg: str) -> LegError:
-    """A non-2xx answer as the error the dispatcher expects: the backend's own 4xx passes
-    through (never retried); 408, 429 and 5xx are retryable."""
-    if 400 <= status < 500 and status not in (408, 429):
+    """A non-2xx answer as the error the dispatcher expects: the backend's own 4xx goes back
+    to the client (never retried); 408, 429, 5xx and an engine refusing the proxy's own
+    credentials (401, 403: a misconfigured engine, not the client's fault) are retryable."""
+    if 400 <= status < 500 and status not in (401, 403, 408, 429):
         return LegError(UpstreamRejected(status, raw), url, leg)
+    if status in (401, 403):  # the engine refused the proxy's credentials: not the client's
+        msg = f"answered {status}: the engine refused the proxy (--engine-api-key-file?)"
+        return LegError(UpstreamError(msg), url, leg)
     msg = f"answered {status}: {raw[:300].decode(errors='replace')}"
     return LegError(UpstreamError(msg), url, leg)

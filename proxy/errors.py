@@ -18,7 +18,7 @@ ProxyError                    500 internal_error
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -33,8 +33,14 @@ class ProxyError(Exception):
         self.message = message
         self.retry_after = retry_after
 
+    @property
+    def public(self) -> str:
+        """What a client may read. ``message`` (logs and traces) may name internal addresses;
+        the errors that can override this."""
+        return self.message
+
     def body(self) -> bytes:
-        return error_json(self.message, self.kind, self.status)
+        return error_json(self.public, self.kind, self.status)
 
 
 class BadRequest(ProxyError):
@@ -103,17 +109,66 @@ class MetaserverUnavailable(UpstreamError):
 
 
 class UpstreamRejected(UpstreamError):
-    """A 4xx from a backend: the request itself is wrong, so it goes back to the client."""
+    """A 4xx from a backend: the request itself is wrong, so it goes back to the client, as
+    an OpenAI error rebuilt from what the backend said (never its bytes as they came)."""
 
     retryable = False
 
     def __init__(self, status: int, raw: bytes) -> None:
-        super().__init__(f"backend answered {status}")
+        said = _openai_error(raw)
+        super().__init__(f"backend answered {status}: {said.message if said else raw[:300]!r}")
         self.status = status
-        self.raw = raw
+        self._said = said
+
+    @property
+    def public(self) -> str:
+        return self._said.message if self._said is not None else f"rejected ({self.status})"
 
     def body(self) -> bytes:
-        return self.raw or super().body()
+        said = self._said
+        if said is None:
+            return error_json(self.public, "invalid_request_error", self.status)
+        code = said.code if isinstance(said.code, int | str) else self.status
+        return msgspec.json.encode(
+            {"error": {"message": said.message, "type": said.type, "param": said.param,
+                       "code": code}}
+        )  # fmt: skip
+
+
+class _ErrorFields(msgspec.Struct):
+    message: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    type: Annotated[str, msgspec.Meta(max_length=128)] = "invalid_request_error"
+    param: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    code: int | Annotated[str, msgspec.Meta(max_length=128)] | None = None
+
+
+class _Wrapped(msgspec.Struct):
+    error: _ErrorFields
+
+
+class _Said(msgspec.Struct):
+    error: Annotated[str, msgspec.Meta(max_length=4096)]
+
+
+_wrapped = msgspec.json.Decoder(_Wrapped)
+_flat = msgspec.json.Decoder(_ErrorFields)  # vLLM's older ErrorResponse: the fields at the top
+_said = msgspec.json.Decoder(_Said)  # {"error": "text"}
+
+
+def _openai_error(raw: bytes) -> _ErrorFields | None:
+    """vLLM's error answer (``{"error": {...}}``, its fields at the top level, or
+    ``{"error": "text"}``), its known fields only; ``None`` when the bytes are none of these."""
+    for decode in (_wrapped.decode, _flat.decode, _said.decode):
+        try:
+            got = decode(raw)
+        except msgspec.DecodeError:
+            continue
+        if isinstance(got, _Said):
+            return _ErrorFields(message=got.error)
+        fields = got.error if isinstance(got, _Wrapped) else got
+        if fields.message:
+            return fields
+    return None
 
 
 def error_object(message: str, kind: str, code: int | str | None) -> dict[str, Any]:

@@ -282,7 +282,7 @@ class CompletionsHandler:
             if not started:
                 await _send_error(send, exc, extra)
             else:
-                await send({"type": "http.response.body", "body": sse_error_event(exc.message)})
+                await send({"type": "http.response.body", "body": sse_error_event(exc.public)})
         except asyncio.CancelledError:
             if not watcher.gone or task.uncancel() > 0:
                 raise

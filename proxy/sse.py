@@ -144,7 +144,7 @@ def _events(ready: bytes, hook: EventHook, cached: int | None) -> tuple[bytes, b
 def _broke(up: Upstream, exc: UpstreamError) -> Broken:
     log.warning("decode stream %s broke: %s", up.tid, exc.message)
     reason = "timeout" if isinstance(exc, UpstreamTimeout) else "broken"
-    return Broken(reason, f"decode stream broke: {exc.message}")
+    return Broken(reason, f"decode stream broke: {exc.public}")
 
 
 def _ended_early(up: Upstream) -> Broken:

@@ -47,8 +47,9 @@ class RetryingReads(httpx.AsyncBaseTransport):
         await self.inner.aclose()
 
 
-# a deployment's metaserver URL -> its admin token (reads need a credential: the suite reads as
-# the deployment's operator would; ``tests.e2e.stack.deploy`` records them)
+# a deployment's metaserver and proxy URLs -> their admin tokens (metaserver reads and the
+# proxy's /v1/instances need one: the suite reads as the deployment's operator would;
+# ``tests.e2e.stack`` records them)
 CREDENTIALS: dict[str, str] = {}
 
 

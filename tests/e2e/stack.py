@@ -16,6 +16,7 @@ from launch.cli import new_secret_file
 from launch.plan import (
     ADMIN_TOKEN,
     CPU_SINGLE_PROCESS_WORKER,
+    PROXY_ADMIN_KEY,
     Child,
     LaunchOptions,
     LaunchPlan,
@@ -172,6 +173,8 @@ def deploy(plan: LaunchPlan, log_dir: Path) -> Deployment:
     if plan.options.credentials_dir:  # roles: the suite observes as the operator would
         admin = Path(plan.options.credentials_dir) / ADMIN_TOKEN
         CREDENTIALS[plan.metaserver_url.rstrip("/")] = admin.read_text().strip()
+        proxy_admin = Path(plan.options.credentials_dir) / PROXY_ADMIN_KEY
+        CREDENTIALS[plan.proxy_url.rstrip("/")] = proxy_admin.read_text().strip()
     return Deployment(plan, start(plan.children, log_dir))
 
 
@@ -197,6 +200,8 @@ def own_proxy(
     ``args`` added, ready; yields its url and always stops it afterwards."""
     plan_proxy = next(c for c in dep.plan.children if c.name == like)
     port = free_port()
+    if "PD_PROXY_ADMIN_KEYS" in plan_proxy.env:  # the same operator key as the one it copies
+        CREDENTIALS[f"http://127.0.0.1:{port}"] = plan_proxy.env["PD_PROXY_ADMIN_KEYS"]
     child = with_port(replace(plan_proxy, name=name), port)
     sup = start([replace(child, argv=[*child.argv, *args])], log_dir)
     try:

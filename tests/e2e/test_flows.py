@@ -50,7 +50,7 @@ async def test_e2e_binding_history_is_inspectable(engines: Engines) -> None:
 
 
 async def test_e2e_requests_spread_over_all_four_engines(engines: Engines) -> None:
-    async with httpx.AsyncClient(base_url=engines.pd.proxy, timeout=10) as px:
+    async with observer(engines.pd.proxy, 10) as px:
         before = (await px.get("/v1/instances")).json()
     assert before["inflight"] == 0 and all(i["inflight"] == 0 for i in before["instances"]), before
     assert all(i["healthy"] and i["circuit"] == "closed" for i in before["instances"]), before
@@ -76,7 +76,11 @@ async def test_e2e_prefill_given_a_forged_binding_pushes_nothing_and_says_so(
     kv = {"do_remote_decode": True, "transfer_id": tid, "decode": forged}
     body = {"model": engines.model, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": kv}
     async with httpx.AsyncClient(base_url=engines.pd.url_of("prefill-0"), timeout=120) as p:
-        r = await p.post("/v1/completions", json=body)  # straight to P, past the proxy
+        # straight to P, past the proxy: without the engines' API key, refused outright ...
+        assert (await p.post("/v1/completions", json=body)).status_code == 401
+        # ... and with it (someone holding the proxy's key), P still pushes nothing
+        key = {"authorization": f"Bearer {engines.pd.plan.options.engine_api_key}"}
+        r = await p.post("/v1/completions", json=body, headers=key)
     assert r.status_code == 200, r.text
     # vLLM hands the connector's report back in the answer: nothing was pushed, and why
     assert r.json()["kv_transfer_params"] == {

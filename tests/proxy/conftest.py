@@ -82,6 +82,12 @@ class RunningProxy:
         self.clients.append(c)
         return c
 
+    def admin(self) -> httpx.AsyncClient:
+        """A client with the operator's key (``/v1/instances``, ``/admin``)."""
+        c = httpx.AsyncClient(base_url=self.url, timeout=30, headers=ADMIN_HEADERS)
+        self.clients.append(c)
+        return c
+
     async def stop(self) -> None:
         for c in self.clients:
             await (c.close() if isinstance(c, openai.AsyncOpenAI) else c.aclose())
@@ -90,6 +96,8 @@ class RunningProxy:
 
 
 ProxyFactory = Callable[..., Awaitable[RunningProxy]]
+ADMIN_KEY = "proxy-admin-key-0123"
+ADMIN_HEADERS = {"authorization": f"Bearer {ADMIN_KEY}"}
 
 
 async def serve_proxy(
@@ -129,6 +137,7 @@ async def proxy_factory(cluster: Cluster) -> AsyncIterator[ProxyFactory]:
             "port": free_port(),
             "health_interval_s": 0.2,
             "backoff_base_s": 0.0,
+            "admin_keys": [ADMIN_KEY],
             **overrides,
         }
         proxy = await serve_proxy(settings, uvicorn_http)

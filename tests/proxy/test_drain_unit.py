@@ -155,7 +155,11 @@ async def test_admin_drain_calls_answer_and_are_protected() -> None:
         body = r.json()
         assert (body["id"], body["draining"], body["scope"]) == ("d1:8201", True, "proxy")
         assert body["instances"][0]["drained_by"] == ["proxy"]
-        listed = await client.get("/v1/instances", headers={"authorization": "Bearer client-key"})
+        client_view = await client.get(
+            "/v1/instances", headers={"authorization": "Bearer client-key"}
+        )
+        assert client_view.status_code == 401  # internal addresses: the operator's view
+        listed = await client.get("/v1/instances", headers=admin)
         drained = {i["id"]: i["drained"] for i in listed.json()["instances"]}
         assert drained == {"d0:8200": False, "d1:8201": True}
         r = await client.delete("/admin/instances/d1:8201/drain", headers=admin)
@@ -186,7 +190,7 @@ async def test_admin_calls_are_off_without_an_admin_key() -> None:
             listed = await client.get(
                 "/v1/instances", headers={"authorization": "Bearer client-key"}
             )
-            assert listed.status_code == 200  # the rest of the proxy is unchanged
+            assert listed.status_code == 403  # the operator's view is off too
         assert all(i.available() for i in app.runtime.registry.instances())
 
 

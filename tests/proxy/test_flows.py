@@ -297,7 +297,7 @@ async def test_models_health_instances_endpoints(
     proxy = await proxy_factory()
     models = await proxy.client().models.list()
     assert [m.id for m in models.data] == ["fake-model"]
-    async with proxy.http() as http:
+    async with proxy.admin() as http:
         health = await http.get("/health")
         inst = (await http.get("/v1/instances")).json()
     assert health.status_code == 200

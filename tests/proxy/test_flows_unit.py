@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from proxy.config import Flow
 from proxy.errors import UpstreamError
 from proxy.flows.prefill_first import PREFILL_PARAMS
@@ -61,12 +63,14 @@ async def test_prefill_first_stream_relays_decode_chunks() -> None:
     await px.settle()
 
 
-async def test_prefill_first_without_kv_params_is_502_and_skips_decode() -> None:
+async def test_prefill_first_without_kv_params_is_502_and_skips_decode(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     backend = MockBackend({"prefill": Reply.completion("x"), "decode": SSE})
     px = InMemoryProxy(backend, flow=Flow.PREFILL_FIRST)
     ex = await px.send()
-    assert ex.status == 502
-    assert "prefill answered without kv_transfer_params" in ex.json()["error"]["message"]
+    assert ex.status == 502 and ex.json()["error"]["message"] == "the prefill leg failed"
+    assert "prefill answered without kv_transfer_params" in caplog.text  # the operator's
     assert legs(backend) == [("prefill", Outcome.RELEASED)]
     await px.settle()
     assert px.p.circuit.consecutive == 1
@@ -77,7 +81,15 @@ async def test_prefill_first_prefill_rejection_passes_through() -> None:
     backend = MockBackend({"prefill": rejected, "decode": SSE})
     px = InMemoryProxy(backend, flow=Flow.PREFILL_FIRST, retries=2)
     ex = await px.send()
-    assert ex.status == 400 and ex.body == b'{"error":{"message":"max_tokens too large"}}'
+    assert ex.status == 400  # the engine's words, in an error rebuilt from their fields
+    assert ex.json() == {
+        "error": {
+            "message": "max_tokens too large",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": 400,
+        }
+    }
     assert legs(backend) == [("prefill", Outcome.FAILED)]  # a 4xx is never retried
     await px.settle()
     assert px.p.circuit.consecutive == 0  # the request's fault, not P's

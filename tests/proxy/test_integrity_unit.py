@@ -358,10 +358,13 @@ async def test_client_leaving_while_d_first_content_is_awaited_closes_d() -> Non
     await px.settle()
 
 
-async def test_d_breaking_while_its_first_content_is_awaited_fails_the_attempt() -> None:
+async def test_d_breaking_while_its_first_content_is_awaited_fails_the_attempt(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     decode = Reply.sse(["", UpstreamError("connection reset")])
     backend = MockBackend({"decode": decode, "get": Reply.json(BINDING), "prefill": _p("Hello")})
     px = InMemoryProxy(backend)
     ex = await px.request(stream=True, extra=GREEDY).done()
-    assert ex.status == 502 and b"first content" in ex.body
+    assert ex.status == 502 and ex.json()["error"]["message"] == "the decode leg failed"
+    assert "reading D's first content: connection reset" in caplog.text  # the operator's
     await px.settle()

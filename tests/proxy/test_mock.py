@@ -8,7 +8,7 @@ import pytest
 
 from pdwire.models import BindingState
 from proxy.backend import Backend, LegError
-from proxy.errors import UpstreamError, UpstreamRejected, UpstreamTimeout
+from proxy.errors import UpstreamError, UpstreamRejected, UpstreamTimeout, error_json
 from proxy.events import EventSink
 from proxy.mock import Call, MockBackend, MockEventClient, Outcome, RecordedAbandon, Reply
 
@@ -40,7 +40,8 @@ async def test_mock_backend_maps_answers_like_a_real_backend() -> None:
     with pytest.raises(LegError) as err:
         await post(backend, "prefill")
     assert isinstance(err.value.cause, UpstreamRejected) and err.value.status == 400
-    assert err.value.body() == b'{"error":"bad"}' and not err.value.retryable
+    assert not err.value.retryable  # the client's fault: its answer, as an OpenAI error
+    assert err.value.body() == error_json("bad", "invalid_request_error", 400)
     assert await backend.get("http://ms/v1/bindings/t", None, 1.0) == (
         404,
         b'{"detail":"not found"}',

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -247,8 +248,9 @@ async def test_native_refused_connection_is_a_retryable_leg_error(
     assert info.value.retryable and info.value.url == url
 
 
-async def test_native_4xx_passes_through_and_5xx_is_retryable(backend: NativeBackend) -> None:
-    answers = [b"HTTP/1.1 400 Bad Request\r\ncontent-length: 7\r\n\r\n{\"e\":1}",
+async def test_native_4xx_goes_back_rebuilt_and_5xx_is_retryable(backend: NativeBackend) -> None:
+    said = b'{"error":{"message":"bad","type":"BadRequestError","code":400},"x":"internal"}'
+    answers = [b"HTTP/1.1 400 Bad Request\r\ncontent-length: %d\r\n\r\n%s" % (len(said), said),
                b"HTTP/1.1 503 Busy\r\ncontent-length: 4\r\n\r\nbusy"]  # fmt: skip
 
     async def errors(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -264,7 +266,9 @@ async def test_native_4xx_passes_through_and_5xx_is_retryable(backend: NativeBac
             await backend.post(server.url, "/x", b"{}", "r", "decode", 5)
         assert isinstance(rejected.value.cause, UpstreamRejected)
         assert rejected.value.status == 400 and not rejected.value.retryable
-        assert rejected.value.body() == b'{"e":1}'
+        assert json.loads(rejected.value.body()) == {  # its fields, nothing else it sent
+            "error": {"message": "bad", "type": "BadRequestError", "param": None, "code": 400}
+        }
         with pytest.raises(LegError) as failed:
             await backend.post(server.url, "/x", b"{}", "r", "decode", 5)
         assert failed.value.retryable and "503" in failed.value.message

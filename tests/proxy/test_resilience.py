@@ -56,7 +56,7 @@ async def test_circuit_opens_after_consecutive_failures(
             results.append(str(exc.status_code))
     assert results.count("502") == 2  # then the circuit is open and D0 gets nothing
     assert len(cluster.decode[0].requests()) == 2
-    async with proxy.http() as http:
+    async with proxy.admin() as http:
         listed = (await http.get("/v1/instances")).json()["instances"]
     state = {i["url"]: i["circuit"] for i in listed}
     assert state[cluster.decode[0].url] == "open" and state[cluster.decode[1].url] == "closed"

@@ -19,6 +19,7 @@ import pytest
 
 from tests.fakes.control import FakeVLLM
 from tests.fakes.render import MODEL
+from tests.support.procs import until
 from tests.support.services import ProxyProcess
 
 API, ADMIN = "client-key-0123456789", "admin-key-0123456789"
@@ -83,6 +84,7 @@ def test_an_engines_4xx_is_rebuilt_and_its_refusal_of_the_proxy_is_a_502(
     other = FakeVLLM("decode", port=d.port, log_dir=Path(d.proc.log_path or "/tmp").parent,
                      env={"VLLM_API_KEY": "another-key-0123456789"})  # fmt: skip
     try:
+        until(lambda: httpx.get(f"{proxy.url}/health").status_code == 200, 10)  # probed again
         r = httpx.post(f"{proxy.url}/v1/completions", json=BODY, headers=_as(API), timeout=20)
         assert r.status_code == 502, r.text  # not the client's 401
         assert "Unauthorized" not in json.dumps(r.json())
