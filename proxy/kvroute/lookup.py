@@ -3,8 +3,11 @@
 The keys are computed per hashing configuration the candidates registered (block size and
 algorithm, ``InstanceSpec.kv_events``), with the seed the engines use (``--kv-hash-seed``:
 their ``PYTHONHASHSEED``, vLLM's fixed default when unset). Tokenizing and hashing run in a few
-worker threads (never on the event loop); the match is one ``POST /v1/kv/match``. Any failure
-leaves the request unannotated: the policies then choose as ``least_load`` would.
+worker threads (never on the event loop), bounded: a text over ``MAX_TEXT_CHARS``, more than
+``MAX_PENDING`` tokenizations at once, or one past ``TOKENIZE_TIMEOUT_S`` route the request
+without the index (counted as ``too_large``, ``busy``, ``timeout``). The match is one
+``POST /v1/kv/match``. Any failure leaves the request unannotated: the policies then choose as
+``least_load`` would.
 
 Once the pair is chosen, ``placed`` tells the index where the prompt went (``POST
 /v1/kv/placed``, in the background: sent at once, the choices made meanwhile batched into the
@@ -24,12 +27,18 @@ from typing import Any, Protocol
 from pdwire.block_hash import BlockHasher
 from pdwire.models import KV_MATCH_MAX_KEYS, KV_PLACED_MAX
 from proxy.instances import Instance
-from proxy.kvroute.tokens import Tokenizer, token_ids_of
+from proxy.kvroute.tokens import Tokenizer, text_chars, token_ids_of
 from proxy.policies.base import KVMatch, RequestInfo
 
 log = logging.getLogger("pdgate.proxy.kv")
 MATCH_TIMEOUT_S = 0.5
 THREADS = min(4, os.cpu_count() or 1)
+# what one request may ask of the tokenizer: beyond it the request routes as least_load would
+# (counted). The index matches at most KV_MATCH_MAX_KEYS blocks; a character is rarely under a
+# quarter of a token, so a longer text holds nothing the index could match more of.
+MAX_TEXT_CHARS = 4 * 16 * KV_MATCH_MAX_KEYS
+TOKENIZE_TIMEOUT_S = 1.0  # the thread finishes on its own; the request does not wait for it
+MAX_PENDING = 16  # tokenizations queued or running at once
 PLACED_BATCH_KEYS = 16_384  # keys per POST /v1/kv/placed at most
 PLACED_QUEUE = 1024  # placements waiting while the metaserver is slow (the oldest go first)
 
@@ -54,9 +63,17 @@ class _Scheme:
 
 class KVLookup:
     def __init__(
-        self, tokenizer: Tokenizer, matcher: Matcher, seed: str, counts: Any = None
+        self,
+        tokenizer: Tokenizer,
+        matcher: Matcher,
+        seed: str,
+        counts: Any = None,
+        *,
+        timeout_s: float = TOKENIZE_TIMEOUT_S,
     ) -> None:
         self._tok = tokenizer
+        self._timeout_s = timeout_s
+        self._pending = 0  # tokenizations handed to the threads and not finished
         self._matcher = matcher
         self._seed = seed
         self._hashers: dict[_Scheme, BlockHasher] = {}
@@ -82,9 +99,22 @@ class KVLookup:
         if not by_scheme:
             self._count("no_index")
             return
-        loop = asyncio.get_running_loop()
+        if text_chars(body, chat) > MAX_TEXT_CHARS:
+            self._count("too_large")
+            return
+        if self._pending >= MAX_PENDING:
+            self._count("busy")
+            return
+        work = asyncio.get_running_loop().run_in_executor(
+            self._pool, self._keys, body, chat, list(by_scheme)
+        )
+        self._pending += 1
+        work.add_done_callback(self._finished)
         try:
-            keyed = await loop.run_in_executor(self._pool, self._keys, body, chat, list(by_scheme))
+            keyed = await asyncio.wait_for(asyncio.shield(work), self._timeout_s)
+        except TimeoutError:
+            self._count("timeout")
+            return
         except Exception as exc:  # a template or tokenizer error: route without the index
             log.debug("request not hashed: %s", exc)
             keyed = None
@@ -108,6 +138,11 @@ class KVLookup:
             return
         info.kv = matched
         self._count("matched" if any(m.blocks for m in matched.values()) else "no_match")
+
+    def _finished(self, work: asyncio.Future[Any]) -> None:
+        self._pending -= 1
+        if not work.cancelled():
+            work.exception()  # retrieved: a late failure after a timeout is nobody's
 
     def placed(self, inst: Instance, info: RequestInfo) -> None:
         """The prompt goes to ``inst``: tell the index (in the background)."""

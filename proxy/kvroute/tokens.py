@@ -39,6 +39,22 @@ class HFTokenizer:
         return text
 
 
+def text_chars(body: dict[str, Any], chat: bool) -> int:
+    """The characters a request would have tokenized (its prompt, or its messages' contents):
+    what bounds the tokenizer's work before it starts."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return 0
+        return sum(
+            len(m["content"])
+            for m in messages
+            if isinstance(m, dict) and isinstance(m.get("content"), str)
+        )
+    prompt = body.get("prompt")
+    return len(prompt) if isinstance(prompt, str) else 0
+
+
 def token_ids_of(tok: Tokenizer, body: dict[str, Any], chat: bool) -> list[int] | None:
     if body.get("cache_salt") is not None:
         return None  # the salt enters the first block's hash: not computed here
