@@ -3,8 +3,9 @@
 proxy → D   ``decode_leg``:  ``{"do_remote_prefill": true, "transfer_id": T, "metaserver": URL}``
             parsed on D by ``parse_decode_leg``
 proxy → P   ``prefill_leg``: ``{"do_remote_decode": true, "transfer_id": T, "metaserver": URL,
-            "decode": <the binding JSON>}`` ("decode" absent in concurrent mode: P fetches it)
-            parsed on P by ``parse_prefill_leg``
+            "decode": <the binding JSON>, "decode_instance": <D's id>}`` ("decode" absent in
+            concurrent mode: P fetches it; "decode_instance" absent when the proxy's registry
+            does not know the chosen D's id) parsed on P by ``parse_prefill_leg``
 P → proxy   ``push_report`` in P's answer: ``{"transfer_id": T, "push": "started" | "none",
             "reason": ...}``, parsed by the proxy with ``parse_push_report``
 proxy → P   ``pull_prefill_leg`` (prefill-first, vLLM's pull connectors): ``{"do_remote_decode":
@@ -29,7 +30,7 @@ import msgspec
 from pydantic import ValidationError
 
 from pdwire.errors import ParamsError
-from pdwire.ids import TRANSFER_ID_PATTERN, valid_id
+from pdwire.ids import INSTANCE_ID_PATTERN, TRANSFER_ID_PATTERN, valid_id
 from pdwire.models import Binding
 from pdwire.trace import TRACEPARENT, TraceParent, parse_traceparent
 
@@ -49,6 +50,7 @@ class SendParams:
     transfer_id: str
     binding: Binding | None
     trace: TraceParent | None = None  # the proxy's prefill-leg span (tracing on)
+    decode_instance: str | None = None  # the D the proxy chose: a binding naming another is refused
 
 
 def decode_leg(transfer_id: str, metaserver: str, traceparent: str | None = None) -> dict[str, Any]:
@@ -67,6 +69,7 @@ def prefill_leg(
     metaserver: str,
     binding: msgspec.Raw | dict[str, Any] | None = None,
     traceparent: str | None = None,
+    decode_instance: str | None = None,
 ) -> dict[str, Any]:
     params: dict[str, Any] = {
         "do_remote_decode": True,
@@ -75,6 +78,8 @@ def prefill_leg(
     }
     if binding is not None:
         params["decode"] = binding
+    if decode_instance is not None:
+        params["decode_instance"] = decode_instance
     if traceparent is not None:
         params[TRACEPARENT] = traceparent
     return params
@@ -123,16 +128,19 @@ def parse_prefill_leg(params: dict[str, Any] | None) -> SendParams | None:
     if not params or params.get("do_remote_decode") is not True or "transfer_id" not in params:
         return None
     tid = _tid(params)
+    chosen = params.get("decode_instance")
+    if chosen is not None and not valid_id(chosen):
+        raise ParamsError(f"kv_transfer_params.decode_instance must match {INSTANCE_ID_PATTERN}")
     raw = params.get("decode")
     if raw is None:
-        return SendParams(tid, None, _trace(params))
+        return SendParams(tid, None, _trace(params), chosen)
     try:
         binding = Binding.model_validate(raw)
     except ValidationError as exc:
         raise ParamsError(f"kv_transfer_params.decode is not a binding: {exc}") from exc
     if binding.transfer_id != tid:
         raise ParamsError("kv_transfer_params.decode belongs to another transfer_id")
-    return SendParams(tid, binding, _trace(params))
+    return SendParams(tid, binding, _trace(params), chosen)
 
 
 def _trace(params: dict[str, Any]) -> TraceParent | None:

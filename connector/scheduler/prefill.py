@@ -177,6 +177,13 @@ class PrefillSide:
         tid, binding = found
         if binding is None:
             return None, False
+        chosen = state.params.decode_instance if state.params is not None else None
+        if chosen is not None and binding.decode_instance_id != chosen:
+            self.untrusted += 1
+            why = f"the binding names {binding.decode_instance_id}, the proxy chose {chosen}"
+            log.warning("transfer %s: %s; no push", tid, why)
+            state.no_push = why
+            return 0, False
         verdict = self._lookups.trusted(binding)
         if verdict is None or (verdict is False and self._still_doubting(request, state, binding)):
             return None, False

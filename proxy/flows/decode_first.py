@@ -202,9 +202,10 @@ class DecodeFirst:
     ) -> Coroutine[Any, Any, PrefillAnswer]:
         assert a.prefill is not None
         span = a.leg_span("prefill", a.prefill.url)
+        chosen = a.decode.id if a.decode.spec is not None else None  # P refuses another D's
         if span is None:
-            return self._legs.prefill(a, prefill_leg(a.tid, url, binding))
-        kv = prefill_leg(a.tid, url, binding, span.traceparent)
+            return self._legs.prefill(a, prefill_leg(a.tid, url, binding, None, chosen))
+        kv = prefill_leg(a.tid, url, binding, span.traceparent, chosen)
         return self._legs.traced_prefill(a, kv, span)
 
     def _without_prefill(self, a: Attempt, up: Upstream) -> Upstream:

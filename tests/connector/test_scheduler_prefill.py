@@ -234,6 +234,32 @@ def test_prefill_refuses_destinations_the_registry_does_not_vouch_for(
     H.assert_empty(s)  # no delay-free for requests that never pushed
 
 
+def test_prefill_refuses_a_binding_naming_another_decode_than_the_proxy_chose(
+    metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
+) -> None:
+    """A real, vouched-for binding of another decode (written under this transfer id by
+    someone else): P told which D the proxy chose pushes nothing into it. The concurrent flow,
+    where P fetches the binding itself, had no such check (security_review_2 N15)."""
+    _register_decoder(metaserver.url)
+    s = make_prefiller(metaserver.url, batched=64)
+    b = _bind(metaserver.url, "tid-other", 40)  # names dec-1, registered at its endpoint
+    params = _send_params("tid-other", b) | {"decode_instance": "dec-2"}
+    req = H.request(H.prompt(40), params, max_tokens=1)
+    s.add_request(req)
+    out, meta = _step_until_scheduled(s, req.request_id)
+    assert meta.sends == []
+    assert H.FINISHED_PARAMS[req.request_id] == {
+        "transfer_id": "tid-other",
+        "push": "none",
+        "reason": "the binding names dec-1, the proxy chose dec-2",
+    }
+    ok = H.request(H.prompt(40, seed=5), _send_params("tid-ok", _bind(metaserver.url, "tid-ok", 40))
+                   | {"decode_instance": "dec-1"}, max_tokens=1)  # fmt: skip
+    s.add_request(ok)
+    out, meta = _step_until_scheduled(s, ok.request_id)
+    assert [x.transfer_id for x in meta.sends] == ["tid-ok"]  # the chosen D's: pushed
+
+
 def test_prefill_pushes_once_a_lapsed_decoder_registers_again_within_the_grace(
     metaserver: InThreadMetaserver, make_prefiller: Callable[..., Scheduler]
 ) -> None:

@@ -558,6 +558,9 @@ async def test_decode_first_binding_naming_another_decode_is_not_sent_to_prefill
     backend.route("get", Reply.json(BINDING))
     backend.route("decode", SSE)
     assert (await px.send()).status == 200 and len(backend.calls_of("prefill")) == 1
+    # ... telling P which decode was chosen: P checks the binding it pushes into names it
+    (p,) = backend.calls_of("prefill")
+    assert p.json()["kv_transfer_params"]["decode_instance"] == "d0"
 
 
 async def test_decode_first_metaserver_refusing_the_read_is_an_error(
