@@ -371,8 +371,8 @@ class LoadReport(_Strict):
     prefill tokens it sent each instance lately (decaying over a minute: the ``kv`` policy's
     ties)."""
 
-    instances: Annotated[dict[Url, tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(
-        ge=0)]]], Field(max_length=4096)]  # fmt: skip
+    instances: Annotated[dict[Url, tuple[Annotated[int, Field(ge=0, le=1_000_000)], Annotated[
+        int, Field(ge=0, le=2**40)]]], Field(max_length=4096)]  # fmt: skip
     open_circuits: Annotated[list[Url], Field(max_length=4096)] = []
     recent: Annotated[dict[Url, Annotated[int, Field(ge=0, le=2**48)]], Field(
         max_length=4096)] = {}  # fmt: skip

@@ -93,6 +93,7 @@ class LoadShare:
         self._wake = asyncio.Event()
         self.failures = 0
         self.replicas = 1
+        self.overruled = 0  # views whose open circuits would have emptied a pool (ignored)
 
     def snapshot(self) -> LoadReport:
         instances = {}
@@ -155,11 +156,20 @@ class LoadShare:
         opened = set() if view is None else set(view.open_circuits)
         recent = {} if view is None else view.recent
         self.replicas = 1 if view is None else view.replicas
-        for inst in self._registry.instances():
+        instances = self._registry.instances()
+        for inst in instances:
             n, tokens = others.get(inst.url, (0, 0))
             inst.remote_inflight, inst.remote_tokens = n, tokens
             inst.remote_open = inst.url in opened
             inst.work.remote = recent.get(inst.url, 0)
+        for role in {i.role for i in instances}:
+            pool = [i for i in instances if i.role is role]
+            if not any(i.available() for i in pool) and any(i.remote_open for i in pool):
+                # the others' open circuits would leave this pool empty: one report may name
+                # every instance (any proxy-role caller), so this replica's own view chooses
+                self.overruled += 1
+                for inst in pool:
+                    inst.remote_open = False
 
     async def run(self) -> None:
         try:
