@@ -55,9 +55,7 @@ async def refresh_once(c: Context) -> None:
     a reader's ``GET /v1/breakdown?ttft_p90=…`` computes its own advice and moves nothing (the
     gauges feed autoscalers)."""
     s = c.settings
-    advice = (await advise(c, s.advice_window_s, s.ttft_target_p90_s, s.itl_target_p90_s))[
-        "advice"
-    ]
+    advice = (await advise(c, s.advice_window_s, s.ttft_target_p90_s, s.itl_target_p90_s))["advice"]
     if advice is not None and "recommended" in advice:
         for pool in ("prefill", "decode"):
             c.metrics.pool_recommended.labels(pool).set(advice["recommended"][pool])

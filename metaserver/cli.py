@@ -52,6 +52,7 @@ def build_parser() -> SettingsParser[MetaserverSettings]:
     p.option("--max-client-connections", "max_client_connections", int)
     p.option("--write-timeout", "write_timeout_s", float)
     p.option("--stats-scan-limit", "stats_scan_limit", int)
+    p.option("--metrics-scan-interval", "metrics_scan_interval_s", float)
     p.option("--ttft-target", "ttft_target_p90_s", float)
     p.option("--itl-target", "itl_target_p90_s", float)
     p.option("--advice-window", "advice_window_s", float)

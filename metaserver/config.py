@@ -86,6 +86,13 @@ class MetaserverSettings(LayeredSettings, TlsListener):
         "(0: no cap)",
     )
     max_wait_s: float = Field(120.0, gt=0, le=3600, description="cap of ?wait= on long-polls")
+    metrics_scan_interval_s: float = Field(
+        5.0,
+        ge=0,
+        le=300,
+        description="/metrics (open to scrapers) scans the newest bindings for the in-flight "
+        "gauges at most this often",
+    )
     stats_scan_limit: int = Field(
         10_000, ge=1, description="bindings scanned by /v1/stats and /v1/breakdown"
     )

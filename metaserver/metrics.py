@@ -27,6 +27,7 @@ OPEN_STATES = tuple(s.value for s in BindingState if not s.terminal)
 
 class Metrics:
     def __init__(self) -> None:
+        self.open_scanned_at = float("-inf")  # monotonic time of the last in-flight scan
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "pdgate_metaserver_requests_total",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -27,12 +29,17 @@ async def ready(request: Request) -> dict[str, str]:
 @router.get("/metrics", summary="Prometheus metrics")
 async def metrics(request: Request) -> Response:
     c = ctx(request)
-    try:
-        open_ = await c.store.open_transfers(c.settings.stats_scan_limit)
-    except StoreUnavailable:
-        pass  # the other series still go out; the in-flight gauges keep their last reading
-    else:
-        c.metrics.set_open(open_.by_state, open_.oldest_created_at, c.clock())
+    now = time.monotonic()
+    # /metrics answers anyone (scrapers carry no token): its scan of the newest bindings for the
+    # in-flight gauges runs at most every --metrics-scan-interval, however often it is asked
+    if now - c.metrics.open_scanned_at >= c.settings.metrics_scan_interval_s:
+        c.metrics.open_scanned_at = now
+        try:
+            open_ = await c.store.open_transfers(c.settings.stats_scan_limit)
+        except StoreUnavailable:
+            pass  # the other series still go out; the in-flight gauges keep their last reading
+        else:
+            c.metrics.set_open(open_.by_state, open_.oldest_created_at, c.clock())
     return Response(generate_latest(c.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

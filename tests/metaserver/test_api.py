@@ -328,8 +328,10 @@ async def test_api_stats_health_ready_metrics(api: httpx.AsyncClient) -> None:
 
 
 async def test_api_metrics_time_the_phases_and_count_transfers_in_flight(
-    api: httpx.AsyncClient,
+    api_factory: Callable[..., Any],
 ) -> None:
+    api: httpx.AsyncClient = await api_factory(metrics_scan_interval_s=0)  # every read scans
+
     def sample(text: str, name: str, **labels: str) -> float:
         for family in text_string_to_metric_families(text):
             for s in family.samples:

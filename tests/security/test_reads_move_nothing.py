@@ -7,6 +7,7 @@ only the metaserver's own refresh, for its configured targets, writes the gauges
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import httpx
 
@@ -54,3 +55,25 @@ async def test_a_breakdown_with_a_target_leaves_the_autoscaling_gauges_alone() -
         for target in ("0.001", "3000"):
             assert (await c.get("/v1/breakdown", params={"ttft_p90": target})).is_success
         assert _gauges((await c.get("/metrics")).text) == before
+
+
+class CountingStore(MemoryStore):
+    def __init__(self) -> None:
+        super().__init__(binding_ttl_s=60, retain_s=60)
+        self.scans = 0
+
+    async def open_transfers(self, scan_limit: int) -> Any:
+        self.scans += 1
+        return await super().open_transfers(scan_limit)
+
+
+async def test_metrics_scans_the_bindings_at_most_every_interval() -> None:
+    """``/metrics`` answers anyone (scrapers carry no token) and scanned up to 10,000 bindings
+    per call (security_review_2 M3): a scrape loop was a free store scan. Now one scan per
+    ``--metrics-scan-interval`` (5 s), however often it is read."""
+    store = CountingStore()
+    app = create_app(MetaserverSettings(token=TOKEN), store=store)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ms") as c:
+        for _ in range(50):
+            assert (await c.get("/metrics")).status_code == 200
+    assert store.scans == 1
