@@ -191,8 +191,12 @@ def test_reads_are_protected_by_default_and_every_reader_holds_a_credential(
     for role in ROLES:
         _, c = _engine(r, role)
         assert _engine_credential(c) and _drain_credential(c)
-    reads = [line for line in r.notes.splitlines() if "curl -s" in line and "$META/v1/" in line]
-    assert reads and all('-H "Authorization: Bearer $TOKEN"' in line for line in reads)
+    reads = [line.strip() for line in r.notes.splitlines() if "$META/v1/" in line]
+    assert reads and all(line.startswith("ms ") for line in reads), reads  # with the token ...
+    assert (
+        """ms() { curl -s -H @<(printf 'Authorization: Bearer %s\\n' "$TOKEN") "$@"; }""" in r.notes
+    )
+    assert "Bearer $TOKEN" not in r.notes.replace("Bearer %s", "")  # ... on no command line
 
 
 def test_open_reads_is_an_explicit_insecure_opt_out() -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import secrets
 import shlex
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -35,6 +37,8 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
 PAGE_OF = {"pd-launch": "launch.md", "pd-proxy": "proxy.md", "pd-metaserver": "metaserver.md"}
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+
+DOC_SECRETS = "/etc/pdgate/"  # where the docs keep keys and tokens
 
 
 def long_flags(parser: argparse.ArgumentParser) -> list[str]:
@@ -101,6 +105,21 @@ def test_docs_launch_page_lists_every_device_preset() -> None:
             assert f"`{preset.visible_devices_env}`" in text
 
 
+_STAND_INS: dict[str, str] = {}
+
+
+def stand_in(word: str) -> str:
+    """A documented secret file (``/etc/pdgate/…``) as a local file holding a token, so the
+    settings that read it at start can be checked here; other words as they are."""
+    if not word.startswith(DOC_SECRETS):
+        return word
+    if word not in _STAND_INS:
+        path = Path(tempfile.mkdtemp(prefix="pdgate-doc-")) / Path(word).name
+        path.write_text(secrets.token_urlsafe(24) + "\n")
+        _STAND_INS[word] = str(path)
+    return _STAND_INS[word]
+
+
 def documented_commands() -> list[tuple[str, str, list[str]]]:
     found = []
     for page in PAGES:
@@ -125,7 +144,7 @@ def test_docs_cli_commands_use_real_flags() -> None:
         assert not unknown, f"{page}: `{program}` has no flag {unknown} (abbreviations count too)"
         try:
             if isinstance(parser, SettingsParser):
-                parser.load(args)  # flags and the settings' own validation
+                parser.load([stand_in(a) for a in args])  # flags and the settings' validation
             else:
                 parser.parse_args(args)
         except SystemExit:
@@ -145,7 +164,9 @@ def test_docs_kv_transfer_configs_use_real_connector_keys() -> None:
             assert config["kv_role"] in ("kv_producer", "kv_consumer", "kv_both"), page
             extra = config["kv_connector_extra_config"]
             assert "side_channel_secret_file" in extra, f"{page}: an engine without a key file"
-            # the documented key file is not on this machine: one that is stands in for it
-            load_settings({**extra, "side_channel_secret_file": key_file()})  # unknown key: raises
+            # the documented key and token files are not on this machine: files that are stand
+            # in for them
+            local = {k: stand_in(v) if isinstance(v, str) else v for k, v in extra.items()}
+            load_settings({**local, "side_channel_secret_file": key_file()})  # unknown key: raises
             checked += 1
     assert checked >= 3, checked
