@@ -10,8 +10,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import SecretStr
-
 from pdwire.settings import SettingsParser
 from proxy.config import Flow, ProxySettings
 from proxy.policies import POLICIES
@@ -41,7 +39,9 @@ metaserver) or Kubernetes headless Services (--discovery dns --prefill-dns NAME:
 Every option can also come from the environment (PD_PROXY_<NAME>) or a YAML file (--config).
 """
 
-_SETTINGS_ENV = "PDGATE_PROXY_SETTINGS_JSON"
+# --workers: the command line each worker loads its settings from, as the parent did (secrets
+# come from the environment, which workers inherit: nothing the parent revealed is written)
+_ARGV_ENV = "PDGATE_PROXY_WORKER_ARGV"
 
 
 def build_parser() -> SettingsParser[ProxySettings]:
@@ -119,24 +119,16 @@ def load_settings(argv: Sequence[str] | None = None) -> ProxySettings:
     return build_parser().load(argv)
 
 
-def _reveal(value: Any) -> Any:
-    if isinstance(value, SecretStr):
-        return value.get_secret_value()
-    if isinstance(value, list):
-        return [_reveal(v) for v in value]
-    return value
-
-
 def app_from_env() -> Any:
-    """Factory for ``--workers`` > 1: each worker rebuilds the parent's settings."""
+    """Factory for ``--workers`` > 1: each worker loads the parent's command line again."""
     from proxy.app import create_app
 
-    raw = json.loads(os.environ[_SETTINGS_ENV])
-    return create_app(ProxySettings(**raw))
+    return create_app(load_settings(json.loads(os.environ[_ARGV_ENV])))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    settings = load_settings(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    settings = load_settings(args)
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -173,9 +165,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "server_header": False,
     }
     if settings.workers > 1:
-        dump = {k: _reveal(getattr(settings, k)) for k in settings.model_fields_set}
-        dump.pop("config_file", None)
-        os.environ[_SETTINGS_ENV] = json.dumps({**settings.model_dump(mode="json"), **dump})
+        os.environ[_ARGV_ENV] = json.dumps(args)  # what ps already shows of this process
         uvicorn.run("proxy.cli:app_from_env", factory=True, workers=settings.workers, **common)
     else:
         uvicorn.run(create_app(settings), **common)
