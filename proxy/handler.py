@@ -27,6 +27,8 @@ from pdwire.asgi import (
 )
 from pdwire.ids import IdMaker, valid_id
 from pdwire.models import BindingState, MarkKind
+from proxy.answers import EVENT_STREAM, JSON, not_a_completion, not_an_event_stream
+from proxy.backend import LegError
 from proxy.config import Flow
 from proxy.errors import (
     BadRequest,
@@ -34,6 +36,7 @@ from proxy.errors import (
     ProxyError,
     RequestTimeout,
     Unauthorized,
+    UpstreamError,
     sse_error_event,
 )
 from proxy.flows import Upstream
@@ -257,8 +260,12 @@ class CompletionsHandler:
             if self._marks and first.binding_tracked and rt.events is not None:  # not awaited
                 since = time.perf_counter() - t0
                 rt.events.mark(first.tid, MarkKind.FIRST_TOKEN, since, kv_held=first.kv_held)
-            headers = [(b"content-type", first.content_type), *extra]
             if not req.stream:
+                wrong = not_a_completion(first.first)
+                if wrong is not None:  # never a body unread: a registered URL may be anything
+                    assert at.d is not None
+                    raise LegError(UpstreamError(wrong), at.d.url, "decode")
+                headers = [(b"content-type", JSON), *extra]
                 body = fix_body(first.first, first.prefill_cached)
                 headers.append((b"content-length", str(len(body)).encode()))
                 watcher.cancel()
@@ -267,7 +274,11 @@ class CompletionsHandler:
                 await send({"type": "http.response.body", "body": body})
                 complete = True
             else:
-                headers.append((b"cache-control", b"no-cache"))
+                wrong = not_an_event_stream(first.content_type)
+                if wrong is not None:
+                    assert at.d is not None
+                    raise LegError(UpstreamError(wrong), at.d.url, "decode")
+                headers = [(b"content-type", EVENT_STREAM), *extra, (b"cache-control", b"no-cache")]
                 await send({"type": "http.response.start", "status": 200, "headers": headers})
                 started = True
                 complete = await self._relay(at, req, tape, send, watcher, flow, t0, span)

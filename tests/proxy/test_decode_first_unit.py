@@ -557,7 +557,7 @@ async def test_decode_first_binding_naming_another_decode_is_not_sent_to_prefill
     # the binding of the chosen decode goes to P as before
     backend.route("get", Reply.json(BINDING))
     backend.route("decode", SSE)
-    assert (await px.send()).status == 200 and len(backend.calls_of("prefill")) == 1
+    assert (await px.send(stream=True)).status == 200 and len(backend.calls_of("prefill")) == 1
     # ... telling P which decode was chosen: P checks the binding it pushes into names it
     (p,) = backend.calls_of("prefill")
     assert p.json()["kv_transfer_params"]["decode_instance"] == "d0"

@@ -129,7 +129,9 @@ async def test_concurrent_flow_sends_prefill_without_binding(
     out = await proxy.client().completions.create(model="fake-model", prompt=PROMPT, max_tokens=16)
     assert out.choices[0].text == EXPECTED_16
     kv_p = cluster.prefill[0].requests()[-1]["body"]["kv_transfer_params"]
-    assert set(kv_p) == {"do_remote_decode", "transfer_id", "metaserver"}
+    # no binding: P fetches it, told which decode's it must be
+    assert set(kv_p) == {"do_remote_decode", "transfer_id", "metaserver", "decode_instance"}
+    assert kv_p["decode_instance"] == cluster.decode[0].instance_id
     assert cluster.decode[0].stats()["kv_received"] == 1
 
 

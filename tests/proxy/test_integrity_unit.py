@@ -318,7 +318,9 @@ async def test_ids_decide_when_both_answers_carry_them() -> None:
 
     def d_answer(token: int) -> Reply:
         lp = {"tokens": [f"token_id:{token}"], "token_logprobs": [-0.5]}
-        return Reply.json({"choices": [{"index": 0, "text": "", "logprobs": lp}]})
+        return Reply.json(
+            {"object": "text_completion", "choices": [{"index": 0, "text": "", "logprobs": lp}]}
+        )
 
     backend = MockBackend({"decode": [d_answer(8), d_answer(7)], "get": Reply.json(BINDING),
                            "prefill": p})  # fmt: skip

@@ -121,6 +121,13 @@ def test_a_decode_credential_cannot_aim_the_proxy_at_an_internal_service(stack: 
         assert answer.status_code == 503, answer.text
         assert SECRET not in answer.text
         assert "/v1/models" in internal.paths  # it was asked, and its answer went nowhere
+        # nor does its answer to a completion (a whole answer is read as one before it goes)
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
+        for stream in (False, True):
+            got = httpx.post(f"{stack.proxy.url}/v1/completions", json=body | {"stream": stream},
+                             timeout=20)  # fmt: skip
+            assert SECRET not in got.text, got.text
+        assert "/v1/completions" in internal.paths
     finally:
         internal.stop()
 
