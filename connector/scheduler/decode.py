@@ -321,7 +321,7 @@ class DecodeSide:
             self._me.instance_id,
             detail,
             on_done=on_done,
-            quiet_conflict=True,  # the proxy often ends it first
+            quiet_conflict=True,  # P often ended it first (its failure)
         )
 
     def _after_abort(
@@ -331,7 +331,7 @@ class DecodeSide:
         binding: Binding | None = None
         if body is not None:
             binding = Binding.model_validate_json(body)
-        elif isinstance(error, ConflictError):  # already ended (by the proxy, P, D's deadline)
+        elif isinstance(error, ConflictError):  # already ended (by P, an admin, D's deadline)
             try:
                 binding = self._writer.client.find_binding(tid)
             except Exception as exc:

@@ -94,7 +94,7 @@ class Lookups:
     # -- the lease: P takes a transfer before it writes anything -----------------------------
     def claim(self, transfer_id: str, actor: str, until: float = 0.0) -> Claim | None:
         """P's ``bound → prefill_started`` (started once; ``None`` while under way). Lost when
-        the binding already ended (D or the proxy aborted it, the deadline passed): then D may
+        the binding already ended (D aborted it, the deadline passed): then D may
         have freed the blocks, so nothing may be written into them. While the metaserver does
         not answer, it is tried again until ``until`` (wall clock; 0: the client's own retries
         only): the deadline P may write by, so a late claim never leads to a late write."""
