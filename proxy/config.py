@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -12,6 +13,8 @@ from pydantic_settings import NoDecode, SettingsConfigDict
 
 from pdwire.settings import LayeredSettings, redact_url
 from pdwire.tls import TlsListener
+
+_VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 
 
 class Flow(enum.StrEnum):
@@ -257,6 +260,15 @@ class ProxySettings(LayeredSettings, TlsListener):
             raise ValueError(f"engine API key file {self.engine_api_key_file} is empty")
         self.engine_api_key = SecretStr(line)
         self.engine_api_key_file = None  # the key is in hand: a worker rebuilds from it
+        return self
+
+    @model_validator(mode="after")
+    def _engine_key_printable(self) -> ProxySettings:
+        """The key goes into a header line as it is: visible ASCII only (no space, no control
+        character), or one key could add headers of its own to every leg."""
+        key = self.engine_api_key
+        if key is not None and not _VISIBLE_ASCII.fullmatch(key.get_secret_value()):
+            raise ValueError("the engines' API key must be visible ASCII characters, no spaces")
         return self
 
     @property

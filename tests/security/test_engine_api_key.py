@@ -9,7 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 
+from proxy.cli import load_settings
 from tests.fakes.control import FakeVLLM
 from tests.fakes.render import MODEL
 from tests.support.services import MetaserverProcess, ProxyProcess
@@ -50,3 +52,32 @@ def test_engines_answer_only_the_proxy(tmp_path: Path) -> None:
     finally:
         for part in reversed(started):
             part.stop()
+
+
+@pytest.mark.parametrize("key", ["two words", "k\x00ey", "key\x7f", "ключ"])
+def test_an_engine_key_cannot_carry_more_than_a_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], key: str
+) -> None:
+    """The key is written into every leg's header block as it is: a space or a control
+    character would let one configured value add headers (or split the line), so such a key is
+    refused at start, from the environment or from its file."""
+    argv = [
+        "--prefill",
+        "http://p:8100",
+        "--decode",
+        "http://d:8200",
+        "--metaserver",
+        "http://m:8300",
+    ]
+    key_file = tmp_path / "key"
+    key_file.write_text(key + "\n")
+    with pytest.raises(SystemExit):  # the parser's usage error, naming the rule
+        load_settings([*argv, "--engine-api-key-file", str(key_file)])
+    assert "visible ASCII" in capsys.readouterr().err
+    if "\x00" not in key:  # an environment cannot hold a NUL
+        monkeypatch.setenv("PD_PROXY_ENGINE_API_KEY", key)
+        with pytest.raises(SystemExit):
+            load_settings(argv)
+        assert "visible ASCII" in capsys.readouterr().err
+    monkeypatch.setenv("PD_PROXY_ENGINE_API_KEY", "ok-Key_1.~")
+    assert load_settings(argv).engine_authorization == "Bearer ok-Key_1.~"
