@@ -65,7 +65,7 @@ class WriteBatcher:
                 try:
                     if len(take) == 1:
                         w = take[0]
-                        w.answer.set_result(await self._alone(w.method, w.path, w.body))
+                        _answer(w, await self._alone(w.method, w.path, w.body))
                         continue
                     batch = P.batch([P.Call(w.method, w.path, body=w.body) for w in take])
                     assert batch.body is not None
@@ -73,13 +73,20 @@ class WriteBatcher:
                     self.batches += 1
                     if status != 200:
                         for w in take:
-                            w.answer.set_result((status, raw))
+                            _answer(w, (status, raw))
                         continue
                     for w, item in zip(take, P.batch_results(raw, len(take)), strict=True):
-                        w.answer.set_result((item.status, item.body))
+                        _answer(w, (item.status, item.body))
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     for w in take:
                         if not w.answer.done():
                             w.answer.set_exception(exc)
         finally:
             self._busy -= 1
+
+
+def _answer(w: _Write, result: tuple[int, bytes]) -> None:
+    """Its answer, unless its writer stopped waiting (cancelled): the write was made all the
+    same, and the lane goes on with the others."""
+    if not w.answer.done():
+        w.answer.set_result(result)

@@ -404,32 +404,21 @@ class FakeVLLM:
     async def _await_kv(self, kv: dict[str, Any], body: dict[str, Any]) -> web.Response | None:
         tid = str(kv["transfer_id"])
         event = self.kv_events.setdefault(tid, asyncio.Event())
+        bound: asyncio.Task[None] | None = None
         if self.metaserver and self.knobs.write_binding:
-            spec = {
-                "request_id": f"req-{tid}",
-                "decode_instance_id": self.instance_id,
-                "engine_id": self.instance_id,
-                "kv_endpoint": {"host": self.host, "port": self.port},
-                "block_size": 16,
-                "block_ids": [[0]],
-                "num_prompt_tokens": 16,
-                "protocol": PROTOCOL_VERSION,
-            }
-            assert self.writes is not None
-            status, _ = await self.writes.write("PUT", f"/v1/bindings/{tid}", spec)
-            if status < 300:
-                self.stats.bindings_written += 1
-            else:
-                self.stats.bindings_failed += 1
+            bound = asyncio.get_running_loop().create_task(self._bind(tid))
         try:
+            if bound is not None:
+                await asyncio.shield(bound)
             await asyncio.wait_for(event.wait(), self.knobs.kv_timeout_s)
             self.stats.kv_received += 1
         except asyncio.CancelledError:
-            # dropped while it waited for its KV: D ends its own binding, as the connector's
-            # scheduler does (connector/scheduler/decode.py, ``finished``)
-            if self.metaserver and self.knobs.write_binding:
-                detail = {"message": "D's request was aborted while it waited for the KV"}
-                self._spawn(self._post_event(tid, "aborted", detail, self.instance_id))
+            # dropped while it bound or waited for its KV: D ends its own binding, as the
+            # connector's scheduler does (connector/scheduler/decode.py, ``finished``), and after
+            # the binding's own write: the connector's writer keeps one binding's calls in order
+            # (pdwire/client/writer.py); an abort overtaking the PUT would leave it bound
+            if bound is not None:
+                self._spawn(self._abort_after(bound, tid))
             raise
         except TimeoutError:
             self.stats.kv_timeouts += 1
@@ -441,6 +430,30 @@ class FakeVLLM:
         finally:
             self.kv_events.pop(tid, None)
         return None
+
+    async def _bind(self, tid: str) -> None:
+        spec = {
+            "request_id": f"req-{tid}",
+            "decode_instance_id": self.instance_id,
+            "engine_id": self.instance_id,
+            "kv_endpoint": {"host": self.host, "port": self.port},
+            "block_size": 16,
+            "block_ids": [[0]],
+            "num_prompt_tokens": 16,
+            "protocol": PROTOCOL_VERSION,
+        }
+        assert self.writes is not None
+        status, _ = await self.writes.write("PUT", f"/v1/bindings/{tid}", spec)
+        if status < 300:
+            self.stats.bindings_written += 1
+        else:
+            self.stats.bindings_failed += 1
+
+    async def _abort_after(self, bound: asyncio.Task[None], tid: str) -> None:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            await bound
+        detail = {"message": "D's request was aborted while it waited for the KV"}
+        await self._post_event(tid, "aborted", detail, self.instance_id)
 
 
 GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
