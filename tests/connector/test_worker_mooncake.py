@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import mooncake.engine  # noqa: F401 - `make install` installs it (the vllm-cpu extra pins it)
 import pytest
 import torch
 
@@ -16,8 +17,6 @@ from tests.connector.cluster import free_port_range
 from tests.connector.mooncake_peer import LAYERS, expected
 from tests.support.procs import Process, free_port
 from tests.support.sealing import key_file
-
-pytest.importorskip("mooncake.engine")
 
 pytestmark = pytest.mark.slow  # two processes that import vLLM per test: not in `make test-fast`
 

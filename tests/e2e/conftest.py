@@ -162,7 +162,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     soon as they are done (``pytest_runtest_teardown``) instead of holding four engines' CPU
     and memory through the modules with deployments of their own. The reference engine stops
     after the last test that uses it. Both start now, under the lowest CPU priority, while the
-    tests before them run (``tests/e2e/first.py``)."""
+    tests before them run (``tests/e2e/first.py``), and so does SmolLM2's build when its module
+    will run. ``--collect-only`` does none of this."""
 
     def module(item: pytest.Item) -> str:
         return item.nodeid.split("::", 1)[0]
@@ -184,10 +185,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if using:
         config.stash[_LAST_USER] = using[-1].nodeid
     mono_users = [i for i in ordered if "monolithic" in getattr(i, "fixturenames", ())]
-    shutil.rmtree(LOG_DIR, ignore_errors=True)
     if mono_users:
         config.stash[_LAST_MONO_USER] = mono_users[-1].nodeid
-    if mono_users and not config.option.collectonly:
+    if config.option.collectonly:
+        return  # only listing the tests: nothing is built, started or deleted
+    shutil.rmtree(LOG_DIR, ignore_errors=True)
+    if mono_users:
         from launch.tiny_model import make_tiny_model
 
         first_deployment(make_tiny_model(REPO / ".cache" / "models"), with_pd=bool(using))

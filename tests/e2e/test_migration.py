@@ -15,7 +15,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -42,6 +42,14 @@ SEEDS = {
 }  # fmt: skip
 MIGRATIONS = "pd_migrations_total{"
 MIGRATING_ARGS = ("--idle-timeout", "2", "--migration-limit", "2")
+# the latest a stream's fault may come (``faulted_stream``): every accepted splice is before
+# the oracle's tokens from here on, and they are judged
+LATEST_FAULT = STREAM_TOKENS - 50
+# the most tokens a wrong splice could repeat or drop: one event's (a token; a few when vLLM
+# merges outputs its reader has not taken yet) or the few the rewind generates again. The
+# oracle's tokens from LATEST_FAULT on must repeat with no period up to this: if they did,
+# an answer shifted by that period would equal the oracle (``references``)
+MAX_SHIFT = 25
 # the non-streamed case's request timeout: this many times a clean answer's time, at least
 TIMEOUT_FACTOR = 3.0
 MIN_TIMEOUT_S = 4.0
@@ -54,7 +62,26 @@ async def references(engines: Engines) -> dict[str, Generation]:
     got = await asyncio.gather(
         *(reference(engines, prompt_ids(PROMPT_TOKENS, SEEDS[c]), n) for c, n in cases.items())
     )
-    return dict(zip(cases, got, strict=True))
+    refs = dict(zip(cases, got, strict=True))
+    for case in (c for c in cases if c not in NONSTREAMED):  # the spliced ones
+        found = periods(refs[case].token_ids, LATEST_FAULT, MAX_SHIFT)
+        assert not found, (
+            f"the oracle of {case!r} repeats with period {found} from token {LATEST_FAULT} on: "
+            "a splice that repeated or dropped that many tokens would pass unseen (did the "
+            f"tiny model's recipe change?). Tokens: {refs[case].token_ids[LATEST_FAULT:]}"
+        )
+    return refs
+
+
+def periods(ids: Sequence[int], start: int, max_shift: int) -> list[int]:
+    """The shifts ``p <= max_shift`` by which ``ids`` repeats from ``start`` on (``ids[i] ==
+    ids[i + p]`` for every ``i >= start``): an answer spliced at or before ``start`` that
+    repeats or drops ``p`` tokens would equal ``ids``."""
+    assert len(ids) - start > max_shift, (len(ids), start, max_shift)
+    return [
+        p for p in range(1, max_shift + 1)
+        if all(ids[i] == ids[i + p] for i in range(start, len(ids) - p))
+    ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +200,7 @@ async def faulted_stream(
         if victim is not None and sig == signal.SIGSTOP:
             hit(engines, victim, signal.SIGCONT)
     assert victim is not None and hit_at is not None, f"no fault: {len(tokens)} tokens"
-    assert hit_at < STREAM_TOKENS - 50, f"the fault came too late to matter ({hit_at})"
+    assert hit_at < LATEST_FAULT, f"the fault came too late to matter ({hit_at})"
     return Generation(text, _ids(tokens), tuple(logprobs)), victim
 
 

@@ -315,9 +315,9 @@ async def test_manager_follows_registered_engines(
         await asyncio.gather(task, return_exceptions=True)
 
 
+# replicas share a Redis; a memory store is one process, which always leads (test_index_contract)
+@pytest.mark.parametrize("store_kind", ["redis", "sentinel"])
 async def test_one_replica_follows(store_kind: str, store_factory: Callable[..., Any]) -> None:
-    if store_kind == "memory":
-        pytest.skip("one process: nothing to share")
     a, b = await store_factory(), await store_factory()
     b._ns = a._ns  # the same namespace on the same Redis: two replicas
     ia, ib = a.kv_index(), b.kv_index()
