@@ -21,9 +21,11 @@ class Generation:
 _opened: list[AsyncOpenAI] = []
 
 
-def client(base_url: str, *, timeout: float = 120.0, **kw: Any) -> AsyncOpenAI:
+def client(
+    base_url: str, *, timeout: float = 120.0, api_key: str = "unused", **kw: Any
+) -> AsyncOpenAI:
     c = AsyncOpenAI(
-        base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=timeout, **kw
+        base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=timeout, **kw
     )
     _opened.append(c)
     return c
@@ -47,10 +49,12 @@ async def complete(
     max_tokens: int = 16,
     stream: bool = False,
     headers: dict[str, str] | None = None,
+    body: dict[str, Any] | None = None,
 ) -> Generation:
+    """``body``: more fields of the request (vLLM's own, e.g. ``cache_salt``)."""
     args: dict[str, Any] = dict(
         model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1,
-        extra_body={"return_tokens_as_token_ids": True}, extra_headers=headers,
+        extra_body={"return_tokens_as_token_ids": True, **(body or {})}, extra_headers=headers,
     )  # fmt: skip
     if not stream:
         r = await c.completions.create(**args)

@@ -35,7 +35,7 @@ MAX_MODEL_LEN = 2048
 # --enforce-eager: torch.compile's cache never reloads on this torch, so every engine compiled
 # again; one engine alone here answered /health after 109 s eager against 159 s compiled, and
 # served a 1,600-token prompt in 1.4-1.6 s against 1.4 s, 128 tokens in 2.5 s against 2.3 s
-# (docs/development.md).
+# (docs/development.md). The compiled path runs in tests/e2e/test_pd_launch.py.
 ENGINE_ARGS: tuple[str, ...] = ("--enforce-eager",)
 PROXY_ARGS = ("--disagg-min-tokens", "0", "--decode-policy", "prefix", "--binding-marks")
 

@@ -4,30 +4,22 @@ vLLM's own NixlConnector on both engines (UCX, host memory), the proxy relaying 
 kv_transfer_params to D: greedy output equals the monolithic engine's, and D's prompt tokens
 really come from P's KV (D computes none of them). The same run checks pd-launch itself, last:
 it reported progress, printed a curl that works, and Ctrl-C stops every process it started (no
-orphans). Every other end-to-end deployment is built from pd-launch's own plan
-(``tests/e2e/stack.py``); this one goes through its command line."""
+orphans). Besides ``tests/e2e/test_pd_launch.py`` (pdgate's own connector, compiled engines),
+every other end-to-end deployment is built from pd-launch's own plan (``tests/e2e/stack.py``);
+this one goes through its command line (``tests/e2e/launched.py``)."""
 
 from __future__ import annotations
 
-import asyncio
-import re
-import shlex
-import signal
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
 import pytest
 
-from launch.supervisor import group_alive
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import LOG_DIR, Monolithic
 from tests.e2e.engine_metrics import prompt_tokens_by_source
+from tests.e2e.launched import Launched, check_curl_then_ctrl_c, delta, pd_launch, sources_after
 from tests.e2e.stack import (
     BLOCK_SIZE,
     CHUNK_TOKENS,
@@ -43,39 +35,6 @@ from tests.support.procs import VENV_BIN, free_port_block
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 12
 WARMUP_TIMEOUT_S = 45.0  # a 64-token warm-up answers in a few seconds when the pull works
-READY_LINE = "Ctrl-C stops everything"
-
-
-@dataclass
-class Launched:
-    """A running ``pd-launch`` and what it printed."""
-
-    proc: subprocess.Popen[str]
-    proxy: str
-    urls: dict[str, str]  # engine name -> base URL
-    lines: list[str] = field(default_factory=list)
-    reader: threading.Thread | None = None
-
-    def url_of(self, name: str) -> str:
-        return self.urls[name]
-
-    def text(self) -> str:
-        return "\n".join(self.lines)
-
-    def interrupt(self) -> int:
-        """Ctrl-C, as a user stops it; its exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                return self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self.reader is not None:
-            self.reader.join(10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")
@@ -94,31 +53,8 @@ def nixl_pd(tiny_model: Path) -> Iterator[Launched]:
         "--block-size", str(BLOCK_SIZE), *(f"--engine-arg={a}" for a in ENGINE_ARGS),
         *(f"--proxy-arg={a}" for a in PROXY_ARGS),
     ]  # fmt: skip
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    urls = {"prefill-0": f"http://127.0.0.1:{base + 2}", "decode-0": f"http://127.0.0.1:{base + 3}"}
-    launched = Launched(proc, f"http://127.0.0.1:{base}", urls)
-    up = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            launched.lines.append(line.rstrip())
-            print(f"[pd-launch] {line.rstrip()}", file=sys.stderr, flush=True)
-            if READY_LINE in line:
-                up.set()
-
-    launched.reader = threading.Thread(target=read, daemon=True)
-    launched.reader.start()
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not up.wait(0.5):  # a pd-launch that exited (a child failed) is not waited for
-            ended = proc.poll() is not None or time.monotonic() > deadline
-            assert not ended, "pd-launch never became ready:\n" + "\n".join(launched.lines[-30:])
+    with pd_launch(argv, READY_TIMEOUT_S) as launched:
         yield launched
-    finally:
-        launched.interrupt()
 
 
 @pytest.fixture(scope="module")
@@ -148,21 +84,6 @@ async def nixl(nixl_pd: Launched, monolithic: Monolithic) -> Launched:
             return nixl_pd
         rescues.record(f"NIXL warm-up {attempt}: D computed the prompt (no pull)")
     pytest.fail("D never pulled KV from P: see the NIXL errors in decode-0.log")
-
-
-def delta(after: dict[str, float], before: dict[str, float], source: str) -> float:
-    return after.get(source, 0.0) - before.get(source, 0.0)
-
-
-async def sources_after(url: str, before: dict[str, float], tokens: int) -> dict[str, float]:
-    """The counters once ``tokens`` more prompt tokens are accounted for (stats may land just
-    after the response), or as they are after 10 s."""
-    deadline = time.monotonic() + 10
-    while True:
-        now = await prompt_tokens_by_source(url)
-        if sum(now.values()) - sum(before.values()) >= tokens or time.monotonic() > deadline:
-            return now
-        await asyncio.sleep(0.1)
 
 
 @pytest.mark.parametrize(
@@ -195,18 +116,5 @@ def test_e2e_pd_launch_printed_a_working_curl_and_ctrl_c_stops_everything(
     nixl_pd: Launched,
 ) -> None:
     """Last in this module: it stops the deployment."""
-    text = nixl_pd.text()
-    pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", text)]
-    assert len(pids) == 4, text  # metaserver, prefill-0, decode-0, proxy
-    assert "prefill-0 is ready" in text and "decode-0 is ready" in text
-    lines = nixl_pd.lines
-    curl = next(i for i, line in enumerate(lines) if line.strip().startswith("curl -s"))
-    command = lines[curl].strip().rstrip("\\") + " " + lines[curl + 1].strip()
-    answer = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=120)
-    assert '"choices"' in answer.stdout, answer.stdout + answer.stderr
-    assert nixl_pd.interrupt() == 0
-    assert "all processes stopped" in nixl_pd.text()
-    deadline = time.monotonic() + 10
-    while any(group_alive(pid) for pid in pids):
-        assert time.monotonic() < deadline, "pd-launch left processes behind"
-        time.sleep(0.1)
+    assert "prefill-0 is ready" in nixl_pd.text() and "decode-0 is ready" in nixl_pd.text()
+    check_curl_then_ctrl_c(nixl_pd, children=4)  # metaserver, prefill-0, decode-0, proxy
