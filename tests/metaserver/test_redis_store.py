@@ -75,7 +75,8 @@ async def test_redis_change_listener_outlives_unreadable_messages(
             await register(api)
             await asyncio.wait_for(store.subscribed.wait(), 10)
             for tid in ("t1", "t2"):
-                # an hour's wait: only the write ends it within the test
+                # a wait far past the test's (capped at max_wait_s: 120 s): only the write
+                # ends it within the test
                 wait = {"wait": 3600}
                 poll = asyncio.ensure_future(api.get(f"/v1/bindings/{tid}", params=wait))
                 await asyncio.sleep(0.3)
