@@ -201,7 +201,7 @@ class DecodeSide:
 
         self._claimed.add(req_id)
         load_from = (prompt_len - num_external) // me.block_size
-        expires = time.monotonic() + self._load_timeout_s + self.late_landing_s
+        expires = self._clock() + self._load_timeout_s + self.late_landing_s
         self._loading[req_id] = _Load(params.transfer_id, block_ids[load_from:], expires)
         tp = trace.header() if trace is not None else ""
         self._new.append(RecvEntry(req_id, params.transfer_id, block_ids, load_from, tp))
@@ -285,13 +285,13 @@ class DecodeSide:
                 load.transfer_id,
                 req_id,
                 len(blocks),
-                max(0.0, load.expires - time.monotonic()),
+                max(0.0, load.expires - self._clock()),
             )
 
     def _end_quarantines(self) -> None:
         if not self._quarantined:
             return
-        now = time.monotonic()
+        now = self._clock()
         assert self._manager is not None
         ended = [q for q in self._quarantined if q.expires <= now]
         if ended:

@@ -1,4 +1,5 @@
-"""A reverse proxy that holds each request ``delay_s`` before forwarding (a slow metaserver)."""
+"""A reverse proxy that holds each request ``delay_s`` before forwarding (a slow metaserver), or
+until the test sets ``hold``."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import httpx
 
 
 class SlowProxy:
-    def __init__(self, upstream: str, delay_s: float) -> None:
+    def __init__(self, upstream: str, delay_s: float, hold: threading.Event | None = None) -> None:
         self.upstream = upstream.rstrip("/")
         self.delay_s = delay_s
+        self.hold = hold
         self.hits: list[tuple[float, str, str]] = []  # (arrival, method, path)
         proxy = self
 
@@ -21,6 +23,8 @@ class SlowProxy:
                 proxy.hits.append((time.monotonic(), self.command, self.path))
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
                 time.sleep(proxy.delay_s)
+                if proxy.hold is not None:
+                    proxy.hold.wait()
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
                 try:
                     resp = httpx.request(
@@ -47,6 +51,8 @@ class SlowProxy:
         self._thread.start()
 
     def close(self) -> None:
+        if self.hold is not None:
+            self.hold.set()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(5)

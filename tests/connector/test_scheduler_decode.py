@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from connector.metadata import PdgateMetadata
 from pdwire.trace import format_traceparent
 from tests.connector import harness as H
 from tests.connector.slow_proxy import SlowProxy
+from tests.support.clock import FakeClock
 from tests.support.otlp import otlp_receiver
 from tests.support.services import InThreadMetaserver
 
@@ -136,7 +138,10 @@ def test_decode_prefix_cache_hit_is_not_requested_from_prefill(
 def test_decode_schedule_never_waits_for_a_slow_metaserver(
     metaserver: InThreadMetaserver, make_decoder: Callable[..., Scheduler]
 ) -> None:
-    slow = SlowProxy(metaserver.url, delay_s=2.0)
+    """D's scheduler step queues its binding writes and returns; the metaserver (behind a
+    proxy that holds every call until the test lets it through) answers none meanwhile."""
+    through = threading.Event()
+    slow = SlowProxy(metaserver.url, delay_s=0.0, hold=through)
     try:
         s = make_decoder(slow.url, register=False, heartbeat_s=10.0)
         httpx.put(  # register directly so the (slow) binding write is accepted later
@@ -151,15 +156,18 @@ def test_decode_schedule_never_waits_for_a_slow_metaserver(
         reqs = [H.request(H.prompt(30, seed=i), _recv_params(f"tid-slow-{i}")) for i in range(4)]
         for r in reqs:
             s.add_request(r)
-        t0 = time.monotonic()
-        out, meta = H.step(s)
-        elapsed = time.monotonic() - t0
+        stepped: list[tuple[Any, PdgateMetadata]] = []
+        step = threading.Thread(target=lambda: stepped.append(H.step(s)), daemon=True)
+        step.start()
+        step.join(30)  # right: a step's milliseconds; wrong: for ever (nothing is let through)
+        assert stepped, "schedule() waited for the metaserver"
+        _, meta = stepped[0]
         # schedule() returned before the metaserver could have answered a single write:
         missing = httpx.get(f"{metaserver.url}/v1/bindings/tid-slow-0", headers=AUTH)
         assert missing.status_code == 404
-        assert elapsed < 2.0
         assert len(meta.recvs) == 4
         assert all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in reqs)
+        through.set()
         for i in range(4):  # ... and every write still lands afterwards
             assert _wait_binding(metaserver.url, f"tid-slow-{i}", 20)["request_id"]
     finally:
@@ -346,7 +354,10 @@ def test_decode_load_failed_for_a_silent_p_recomputes_in_other_blocks_until_the_
     s = make_decoder(metaserver.url, kv_load_timeout_s=2.0)
     decode = H.connector_of(s).scheduler.decode  # type: ignore[union-attr]
     assert decode is not None and decode.late_landing_s == 22.0  # write_timeout_s 10: 10+10+2
-    decode.late_landing_s = 1.0  # (so that the test need not wait 24 s)
+    decode.late_landing_s = 1.0
+    # D's deadlines on a clock the test moves (vLLM builds the connector, so it is set here)
+    clock = FakeClock()
+    decode._clock = clock
     before = H.free_blocks(s)
     req = H.request(H.prompt(40), _recv_params("tid-silent"), max_tokens=2)
     s.add_request(req)
@@ -367,10 +378,10 @@ def test_decode_load_failed_for_a_silent_p_recomputes_in_other_blocks_until_the_
     # no request left, yet the engine must keep stepping: an idle vLLM takes no step, and
     # the quarantine ends only at one
     assert s.has_requests()
-    time.sleep(2.0)
+    clock.advance(2.0)
     H.step(s)  # D's deadline passed, but a write P had in flight may still land
     assert H.free_blocks(s) == before - 3 and s.has_requests()
-    time.sleep(1.0)
+    clock.advance(1.0)
     H.step(s)  # past the deadline and the late-landing hold: they go back
     assert H.free_blocks(s) == before and decode.quarantined_blocks == 0
     assert not s.has_requests()  # and the engine may idle

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -15,17 +17,43 @@ from metaserver import MetaserverSettings, create_app
 from metaserver.store import MemoryStore, Store
 from metaserver.store.redis import RedisStore
 from pdwire.models import BindingSpec, InstanceSpec, KVEndpoint
+from tests.support.clock import FakeClock
 from tests.support.services import RedisServer
 
 _ns = itertools.count()
 STORES = ["memory", "redis", "sentinel"]  # sentinel: the master a real redis-sentinel names
 
 
-def make_store(url: str, **ttl: float) -> Store:
+# A TTL that a test waits out (``StoreTime.lapse``). The memory store lapses it on a fake clock;
+# Redis's own expiry (PEXPIRE) runs on real time, so there it is a real second: hundreds of times
+# the few milliseconds of work a test does while such a record must still be there.
+SHORT_TTL_S = 1.0
+
+
+class StoreTime:
+    """The time a store's TTLs run on: the memory store's injected clock, a ``FakeClock`` that
+    moves only on ``lapse``; Redis's own clock (the records' TTLs are Redis's), real time,
+    where ``lapse`` waits it out."""
+
+    def __init__(self, kind: str) -> None:
+        self.fake = FakeClock(time.time()) if kind == "memory" else None
+
+    def __call__(self) -> float:
+        return time.time() if self.fake is None else self.fake()
+
+    async def lapse(self, seconds: float) -> None:
+        """Let ``seconds`` pass on the store's clock."""
+        if self.fake is None:
+            await asyncio.sleep(seconds)
+        else:
+            self.fake.advance(seconds)
+
+
+def make_store(url: str, clock: StoreTime | None = None, **ttl: float) -> Store:
     binding_ttl = ttl.get("binding_ttl_s", 60.0)
     retain = ttl.get("retain_s", 120.0)
     if url == "memory":
-        return MemoryStore(binding_ttl_s=binding_ttl, retain_s=retain)
+        return MemoryStore(binding_ttl_s=binding_ttl, retain_s=retain, clock=clock or time.time)
     return RedisStore(url, namespace=f"t{next(_ns)}", binding_ttl_s=binding_ttl, retain_s=retain)
 
 
@@ -44,11 +72,16 @@ def store_url(store_kind: str, request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-async def store_factory(store_url: str) -> AsyncIterator[Callable[..., Any]]:
+def store_time(store_kind: str) -> StoreTime:
+    return StoreTime(store_kind)
+
+
+@pytest.fixture
+async def store_factory(store_url: str, store_time: StoreTime) -> AsyncIterator[Callable[..., Any]]:
     opened: list[Store] = []
 
     async def make(**ttl: float) -> Store:
-        store = make_store(store_url, **ttl)
+        store = make_store(store_url, store_time, **ttl)
         await store.start()
         opened.append(store)
         return store
@@ -76,13 +109,14 @@ async def store(store_factory: Callable[..., Any]) -> Store:
 
 
 @pytest.fixture
-async def api_factory(store_url: str) -> AsyncIterator[Callable[..., Any]]:
-    """Build the app around a fresh store and return an httpx client speaking ASGI to it."""
+async def api_factory(store_url: str, store_time: StoreTime) -> AsyncIterator[Callable[..., Any]]:
+    """Build the app around a fresh store (on ``store_time``) and return an httpx client
+    speaking ASGI to it."""
     opened: list[tuple[Store, httpx.AsyncClient]] = []
 
     async def make(**settings: Any) -> httpx.AsyncClient:
         ttl = {k: settings[k] for k in ("binding_ttl_s", "retain_s") if k in settings}
-        store = make_store(store_url, **ttl)
+        store = make_store(store_url, store_time, **ttl)
         await store.start()
         app = create_app(MetaserverSettings(**settings), store=store)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ms")

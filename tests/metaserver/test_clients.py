@@ -117,7 +117,9 @@ async def test_async_client_connection_refused_and_timeout() -> None:
     async with AsyncMetaserverClient(f"http://127.0.0.1:{port}", retry=FAST) as c:
         with pytest.raises(MetaserverUnavailable, match="after 3 attempts"):
             await c.get_binding("t1")
-    with fault_server(default=Reply(200, b"{}", delay_s=1.0)) as srv:
+    # the server never answers (until the test ends): only the client's own timeout returns.
+    # It is a socket timeout, on real time: the bound leaves 0.7 s over it for a loopback call
+    with fault_server(default=Reply(200, b"{}", hold=threading.Event())) as srv:
         async with AsyncMetaserverClient(srv.url, timeout_s=0.2, retry=RetryPolicy(retries=0)) as c:
             started = time.monotonic()
             with pytest.raises(MetaserverUnavailable):
@@ -149,7 +151,8 @@ def test_sync_client_reconnects_once_when_a_kept_alive_connection_was_closed() -
 
 
 def test_sync_client_times_out_a_silent_server() -> None:
-    with fault_server(default=Reply(200, b"{}", delay_s=1.0)) as srv:
+    # as in the async client's test: a server that never answers; a socket timeout, real time
+    with fault_server(default=Reply(200, b"{}", hold=threading.Event())) as srv:
         with MetaserverClient(srv.url, timeout_s=0.2, retry=RetryPolicy(retries=0)) as c:
             started = time.monotonic()
             with pytest.raises(MetaserverUnavailable):
@@ -175,61 +178,79 @@ def test_sync_client_against_real_server(
 
 
 def test_background_writer_never_blocks_and_reports_outcomes() -> None:
-    with fault_server(default=Reply(201, b"{}", delay_s=0.5)) as srv:
-        writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST), maxsize=2, batch_max=1)
+    """The submits return while the metaserver has answered nothing (it answers when the test
+    lets it): a submit that waited for an answer would never return."""
+    answer = threading.Event()
+    with fault_server(default=Reply(201, b"{}", hold=answer)) as srv:
+        client = MetaserverClient(srv.url, retry=FAST, timeout_s=60)  # held, not timed out
+        writer = BackgroundWriter(client, maxsize=2, batch_max=1)
         outcomes: list[tuple[bytes | None, Exception | None]] = []
-        done = threading.Event()
+        accepted: list[bool] = []
+        took: list[float] = []
 
         def on_done(body: bytes | None, error: Exception | None) -> None:
             outcomes.append((body, error))
-            if len(outcomes) == 3:
-                done.set()
 
-        started = time.perf_counter()
-        accepted = [writer.put_binding(f"t{i}", binding_spec(), on_done) for i in range(6)]
-        elapsed = time.perf_counter() - started
-        assert elapsed < 0.05, f"submit blocked for {elapsed:.3f}s"
+        def submit() -> None:
+            started = time.perf_counter()
+            accepted.extend(writer.put_binding(f"t{i}", binding_spec(), on_done) for i in range(6))
+            took.append(time.perf_counter() - started)
+
+        submitter = threading.Thread(target=submit, daemon=True)
+        submitter.start()
+        submitter.join(30)  # right: microseconds; wrong: for ever (nothing is answered)
+        assert took, "a submit waited for the metaserver's answer"
+        assert outcomes == []  # and none was answered meanwhile
+        # six queue puts take microseconds: a second is a margin for a loaded machine, not a wait
+        assert took[0] < 1.0, f"submit blocked for {took[0]:.3f}s"
         # one in flight + 2 queued are accepted, the rest are dropped (and counted)
         assert accepted.count(True) in (2, 3) and writer.dropped == accepted.count(False)
+        answer.set()
         writer.close(timeout_s=5)
         assert all(err is None and body == b"{}" for body, err in outcomes)
         assert len(outcomes) == accepted.count(True)
 
 
 def test_background_writer_slow_write_delays_only_its_own_binding() -> None:
-    """One write that hangs (the server takes 2 s) does not hold the bindings of other
-    requests; the calls about the slow binding itself still go in submission order."""
-    with fault_server(Reply(201, b"{}", delay_s=2.0), default=Reply(201, b"{}")) as srv:
+    """One write that hangs (the server answers it only when the test lets it) does not hold
+    the bindings of other requests; the calls about the slow binding itself still go in
+    submission order."""
+    answer = threading.Event()
+    with fault_server(Reply(201, b"{}", hold=answer), default=Reply(201, b"{}")) as srv:
         # one call per request (this server answers every call alike): batches are tested
         # against the real metaserver below
-        writer = BackgroundWriter(MetaserverClient(srv.url, retry=FAST), batch_max=1)
-        finished: dict[str, float] = {}
+        client = MetaserverClient(srv.url, retry=FAST, timeout_s=60)  # held, not timed out
+        writer = BackgroundWriter(client, batch_max=1)
+        finished: list[str] = []
         lock = threading.Lock()
-        all_done = threading.Event()
+        others_done, all_done = threading.Event(), threading.Event()
 
         def record(name: str) -> Callable[[bytes | None, Exception | None], None]:
             def on_done(_body: bytes | None, error: Exception | None) -> None:
                 assert error is None
                 with lock:
-                    finished[name] = time.perf_counter()
+                    finished.append(name)
+                    if {f"t{i}" for i in range(5)} <= set(finished):
+                        others_done.set()
                     if len(finished) == 7:
                         all_done.set()
 
             return on_done
 
-        t0 = time.perf_counter()
         writer.put_binding("slow", binding_spec(), record("slow"))
         while not srv.requests:  # the slow PUT is on the wire
             time.sleep(0.005)
         writer.post_event("slow", BindingState.ABORTED, "d", on_done=record("slow-event"))
         for i in range(5):
             writer.put_binding(f"t{i}", binding_spec(), record(f"t{i}"))
-        assert all_done.wait(10)
+        # right: the others land at once; wrong: behind a write that is never answered
+        assert others_done.wait(30), finished
+        with lock:
+            assert sorted(finished) == [f"t{i}" for i in range(5)]  # not behind the slow write
+        answer.set()
+        assert all_done.wait(30)
         writer.close()
-    others = [finished[f"t{i}"] - t0 for i in range(5)]
-    assert max(others) < 1.0, others  # not behind the 2 s write
-    assert finished["slow"] - t0 >= 2.0
-    assert finished["slow-event"] > finished["slow"]  # the event waited for its PUT
+    assert finished[5:] == ["slow", "slow-event"]  # the event waited for its PUT
     paths = [path for _, path, _ in srv.requests]
     assert paths.index("/v1/bindings/slow/events") > paths.index("/v1/bindings/t4")
 

@@ -17,7 +17,7 @@ from metaserver.store import Store
 from metaserver.store.base import mark_json
 from pdwire.client import AsyncMetaserverClient
 from pdwire.models import Binding, BindingState, MarkDetail, MarkKind
-from tests.metaserver.conftest import binding_spec, decode_instance
+from tests.metaserver.conftest import SHORT_TTL_S, StoreTime, binding_spec, decode_instance
 from tests.metaserver.test_api import AUTH, TOKEN, register, spec_json
 from tests.metaserver.test_store_contract import bind, event
 from tests.metaserver.test_store_contract import register as register_in_store
@@ -84,13 +84,15 @@ async def test_store_mark_on_missing_binding_is_not_found(store: Store) -> None:
         await mark(store, "nope", K.END)
 
 
-async def test_store_marks_go_with_their_binding(store_factory: Callable[..., Any]) -> None:
-    store: Store = await store_factory(binding_ttl_s=0.4, retain_s=5.0)
+async def test_store_marks_go_with_their_binding(
+    store_factory: Callable[..., Any], store_time: StoreTime
+) -> None:
+    store: Store = await store_factory(binding_ttl_s=SHORT_TTL_S, retain_s=30.0)
     await register_in_store(store)
     await bind(store, "short")
-    await asyncio.sleep(0.2)
+    await store_time.lapse(0.5 * SHORT_TTL_S)
     await mark(store, "short", K.FIRST_TOKEN)  # does not extend the binding's life
-    await asyncio.sleep(0.3)
+    await store_time.lapse(0.7 * SHORT_TTL_S)  # past the binding's TTL, not the mark's
     assert await store.get_binding("short") is None
     await bind(store, "gone")
     await mark(store, "gone", K.END)

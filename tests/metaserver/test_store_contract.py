@@ -22,33 +22,56 @@ from metaserver.store.base import (
     event_json,
 )
 from pdwire.models import Binding, BindingState, Instance, KVEndpoint
-from tests.metaserver.conftest import at, binding_spec, decode_instance
+from tests.metaserver.conftest import (
+    SHORT_TTL_S,
+    StoreTime,
+    at,
+    binding_spec,
+    decode_instance,
+)
 
 S = BindingState
+Clock = Callable[[], float]
+# Records that must lapse live SHORT_TTL_S; a test waits LAPSE_S for them (``StoreTime.lapse``:
+# at once on the memory store's fake clock, real time on Redis, whose TTLs are its own).
+LAPSE_S = SHORT_TTL_S + 0.2
 
 
 async def register(
-    store: Store, instance_id: str = "decode-0", *, owner: str = "", cap: int = 0, **over: Any
+    store: Store,
+    instance_id: str = "decode-0",
+    *,
+    owner: str = "",
+    cap: int = 0,
+    clock: Clock = time.time,
+    **over: Any,
 ) -> PutOutcome:
     spec = decode_instance(**(at(instance_id) | over))
     put = InstancePut.of(instance_id, spec, spec.ttl_s or 30.0, owner, cap)
-    outcome, _ = await store.put_instance(put, time.time())
+    outcome, _ = await store.put_instance(put, clock())
     return outcome
 
 
-async def bind(store: Store, tid: str = "t1", **over: Any) -> tuple[PutOutcome, Binding]:
-    outcome, rec = await store.put_binding(
-        BindingPut.of(tid, binding_spec(**over), time.time()), time.time()
-    )
+async def bind(
+    store: Store, tid: str = "t1", *, clock: Clock = time.time, **over: Any
+) -> tuple[PutOutcome, Binding]:
+    now = clock()
+    outcome, rec = await store.put_binding(BindingPut.of(tid, binding_spec(**over), now), now)
     return outcome, Binding.model_validate_json(rec.to_json())
 
 
 async def event(
-    store: Store, tid: str, state: BindingState, actor: str = "p0", *, engine: bool = False
+    store: Store,
+    tid: str,
+    state: BindingState,
+    actor: str = "p0",
+    *,
+    engine: bool = False,
+    clock: Clock = time.time,
 ) -> Binding:
     """``state`` posted by ``actor``; ``engine``: as an engine credential posts it (its own
     steps only), else as an admin does."""
-    now = time.time()
+    now = clock()
     put = EventPut(tid, state, actor, event_json(state, actor, now, None), engine=engine)
     return Binding.model_validate_json((await store.add_event(put, now)).to_json())
 
@@ -173,13 +196,16 @@ async def test_store_progress_events_are_bounded(store: Store) -> None:
     assert final.events[-1].state is S.DONE and len(final.events) == MAX_EVENTS + 1
 
 
-async def test_store_list_filters_and_orders_newest_first(store: Store) -> None:
+async def test_store_list_filters_and_orders_newest_first(
+    store: Store, store_time: StoreTime
+) -> None:
     await register(store)
     await register(store, "decode-1")
     for i in range(5):
-        await bind(store, f"t{i}", decode_instance_id="decode-0" if i % 2 else "decode-1")
-        await asyncio.sleep(0.002)
-    await event(store, "t3", S.DONE)
+        d = "decode-0" if i % 2 else "decode-1"
+        await bind(store, f"t{i}", clock=store_time, decode_instance_id=d)
+        await store_time.lapse(0.002)
+    await event(store, "t3", S.DONE, clock=store_time)
     everything = await store.list_bindings(state=None, instance_id=None, limit=100)
     assert [r.transfer_id for r in everything] == ["t4", "t3", "t2", "t1", "t0"]
     assert [
@@ -199,13 +225,15 @@ async def test_store_delete_binding(store: Store) -> None:
     assert await store.delete_binding("t1") is False
 
 
-async def test_store_active_bindings_expire_after_ttl(store_factory: Callable[..., Any]) -> None:
-    store: Store = await store_factory(binding_ttl_s=0.3, retain_s=5.0)
+async def test_store_active_bindings_expire_after_ttl(
+    store_factory: Callable[..., Any], store_time: StoreTime
+) -> None:
+    store: Store = await store_factory(binding_ttl_s=SHORT_TTL_S, retain_s=30.0)
     await register(store)
     await bind(store, "short")
     await bind(store, "kept")
     await event(store, "kept", S.DONE)  # terminal: retained for retain_s instead
-    await asyncio.sleep(0.5)
+    await store_time.lapse(LAPSE_S)
     assert await store.get_binding("short") is None
     kept = await store.get_binding("kept")
     assert kept is not None and kept.state is S.DONE
@@ -214,31 +242,36 @@ async def test_store_active_bindings_expire_after_ttl(store_factory: Callable[..
 
 
 async def test_store_terminal_bindings_expire_after_retain_window(
-    store_factory: Callable[..., Any],
+    store_factory: Callable[..., Any], store_time: StoreTime
 ) -> None:
-    store: Store = await store_factory(binding_ttl_s=5.0, retain_s=0.3)
+    store: Store = await store_factory(binding_ttl_s=30.0, retain_s=SHORT_TTL_S)
     await register(store)
     await bind(store)
     await event(store, "t1", S.ABORTED)
-    await asyncio.sleep(0.5)
+    await store_time.lapse(LAPSE_S)
     assert await store.get_binding("t1") is None
 
 
-async def test_store_instances_register_heartbeat_and_expire(store: Store) -> None:
-    t0 = time.time()
-    await register(store, "d-a", ttl_s=0.3)
-    await register(store, "p-a", role="prefill", ttl_s=30)
+async def test_store_instances_register_heartbeat_and_expire(
+    store: Store, store_time: StoreTime
+) -> None:
+    t0 = store_time()
+    await register(store, "d-a", ttl_s=SHORT_TTL_S, clock=store_time)
+    await register(store, "p-a", role="prefill", ttl_s=30, clock=store_time)
     first = await store.get_instance("d-a")
     assert first is not None
-    await asyncio.sleep(0.15)
-    await register(store, "d-a", ttl_s=0.3)  # heartbeat keeps it and its registration time
+    await store_time.lapse(SHORT_TTL_S / 2)
+    # a heartbeat keeps it and its registration time
+    await register(store, "d-a", ttl_s=SHORT_TTL_S, clock=store_time)
     beat = await store.get_instance("d-a")
     assert beat is not None
     assert beat.registered_at == first.registered_at >= t0
     assert beat.last_heartbeat > first.last_heartbeat
     assert [i.instance_id for i in await store.list_instances(None)] == ["d-a", "p-a"]
     assert [i.instance_id for i in await store.list_instances("prefill")] == ["p-a"]
-    await asyncio.sleep(0.4)
+    await store_time.lapse(0.6 * SHORT_TTL_S)  # past the first TTL, within the heartbeat's
+    assert await store.get_instance("d-a") is not None
+    await store_time.lapse(LAPSE_S)
     assert await store.get_instance("d-a") is None
     assert [i.instance_id for i in await store.list_instances(None)] == ["p-a"]
     with pytest.raises(Unprocessable):
@@ -278,10 +311,12 @@ async def test_store_drain_flag_survives_heartbeats_and_goes_with_the_registrati
     assert fresh is not None and not fresh.draining
 
 
-async def test_store_drain_lapses_with_the_registration_ttl(store: Store) -> None:
-    await register(store, "d-a", ttl_s=0.3)
+async def test_store_drain_lapses_with_the_registration_ttl(
+    store: Store, store_time: StoreTime
+) -> None:
+    await register(store, "d-a", ttl_s=SHORT_TTL_S)
     assert await store.set_draining("d-a", True) is not None
-    await asyncio.sleep(0.4)
+    await store_time.lapse(LAPSE_S)
     assert await store.set_draining("d-a", True) is None
     await register(store, "d-a", ttl_s=30)
     fresh = await store.get_instance("d-a")
@@ -333,7 +368,9 @@ async def test_store_a_lease_is_exclusive_and_each_step_is_its_owners(store: Sto
     assert (await event(store, "t4", S.FAILED, "ops")).state is S.FAILED
 
 
-async def test_store_keeps_each_url_and_kv_endpoint_to_one_live_instance(store: Store) -> None:
+async def test_store_keeps_each_url_and_kv_endpoint_to_one_live_instance(
+    store: Store, store_time: StoreTime
+) -> None:
     await register(store, "d-a")
     with pytest.raises(Conflict, match="d-a"):
         await register(store, "d-b", url=at("d-a")["url"])
@@ -347,12 +384,14 @@ async def test_store_keeps_each_url_and_kv_endpoint_to_one_live_instance(store: 
     # so do a deregistration and a lapse
     assert await store.delete_instance("d-b")
     assert await register(store, "d-e", **at("d-a")) is PutOutcome.CREATED
-    await register(store, "d-f", ttl_s=0.2)
-    await asyncio.sleep(0.3)
+    await register(store, "d-f", ttl_s=SHORT_TTL_S)
+    await store_time.lapse(LAPSE_S)
     assert await register(store, "d-g", **at("d-f")) is PutOutcome.CREATED
 
 
-async def test_store_caps_the_instances_one_credential_holds(store: Store) -> None:
+async def test_store_caps_the_instances_one_credential_holds(
+    store: Store, store_time: StoreTime
+) -> None:
     def pool(iid: str, **over: Any) -> Any:
         return register(store, iid, role="prefill", owner="pool", cap=3, **over)
 
@@ -368,18 +407,20 @@ async def test_store_caps_the_instances_one_credential_holds(store: Store) -> No
     assert await register(store, "r-0", role="prefill") is PutOutcome.CREATED  # no owner, no cap
     assert await store.delete_instance("p-1")  # a deregistration frees its place
     assert await pool("p-3") is PutOutcome.CREATED
-    await pool("p-0", ttl_s=0.2)
-    await asyncio.sleep(0.3)  # and so does a lapse
+    await pool("p-0", ttl_s=SHORT_TTL_S)
+    await store_time.lapse(LAPSE_S)  # and so does a lapse
     assert await pool("p-4") is PutOutcome.CREATED
 
 
-async def test_store_stats_count_states_and_done_latency(store: Store) -> None:
+async def test_store_stats_count_states_and_done_latency(
+    store: Store, store_time: StoreTime
+) -> None:
     await register(store)
     for tid in ("a", "b", "c"):
-        await bind(store, tid)
-    await asyncio.sleep(0.02)
-    await event(store, "a", S.DONE)
-    await event(store, "b", S.FAILED)
+        await bind(store, tid, clock=store_time)
+    await store_time.lapse(0.03)
+    await event(store, "a", S.DONE, clock=store_time)
+    await event(store, "b", S.FAILED, clock=store_time)
     stats = await store.stats(scan_limit=100)
     assert stats.by_state == {"done": 1, "failed": 1, "bound": 1}
     assert stats.scanned == 3

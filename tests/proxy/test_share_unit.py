@@ -6,7 +6,6 @@ back to its own view."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 from metaserver.loadboard import MemoryLoadBoard
 from pdwire.models import LoadReport, LoadView
@@ -17,6 +16,7 @@ from proxy.policies import RequestInfo, make_policy
 from proxy.policies.base import KVMatch
 from proxy.policies.kv import KVAware
 from tests.proxy.inmemory import BINDING, PUSHED, InMemoryProxy
+from tests.support.clock import virtual_time
 
 P = ["http://p0:1", "http://p1:1"]
 
@@ -152,12 +152,15 @@ class Counting(Board):
 
 
 def live(board: Board, name: str) -> tuple[Registry, LoadShare]:
-    """A replica on the real clock (the freshness bounds are real time)."""
+    """A replica running on its event loop's clock: the tests below run on a virtual-time loop
+    (``tests.support.clock``), where its interval, ``WAIT_S`` and the board's round trips are
+    exactly as long as they say, however the machine schedules the test."""
     reg = Registry()
     reg.reconcile(Role.PREFILL, P)
-    return reg, LoadShare(reg, board, name, 0.1)
+    return reg, LoadShare(reg, board, name, 0.1, clock=asyncio.get_running_loop().time)
 
 
+@virtual_time
 async def test_a_choice_sees_the_other_replicas_choice_made_just_before() -> None:
     """Replica a chooses; b chooses a few milliseconds later, long before either's next
     interval: a reported its choice at once and b read the board before choosing. Every
@@ -182,6 +185,7 @@ async def test_a_choice_sees_the_other_replicas_choice_made_just_before() -> Non
         await asyncio.gather(*runs, return_exceptions=True)
 
 
+@virtual_time
 async def test_a_choice_during_a_report_is_reported_right_after_it() -> None:
     """A report out (Redis waiting for its disk) holds the load as it was when sent: a choice
     made meanwhile goes in the next report, sent as soon as that one is answered, not an
@@ -206,6 +210,7 @@ async def test_a_choice_during_a_report_is_reported_right_after_it() -> None:
         await asyncio.gather(run, return_exceptions=True)
 
 
+@virtual_time
 async def test_a_report_answered_late_does_not_undo_a_newer_read() -> None:
     board = Counting()
     (ra, a), (rb, b) = live(board, "a"), live(board, "b")
@@ -221,6 +226,7 @@ async def test_a_report_answered_late_does_not_undo_a_newer_read() -> None:
     assert by_url(ra)[P[1]].remote_tokens == 500
 
 
+@virtual_time
 async def test_a_burst_of_choices_shares_reads() -> None:
     """Choices arriving together wait for one read, not one each."""
     board = Counting()
@@ -231,23 +237,25 @@ async def test_a_burst_of_choices_shares_reads() -> None:
     assert board.reads == 1
 
 
+@virtual_time
 async def test_a_choice_waits_little_for_the_others() -> None:
     """A slow metaserver holds a choice at most WAIT_S; an unreachable one not at all."""
     board = Counting()
     _, a = live(board, "a")
     await a.once()
     board.delay = 1.0
-    t0 = time.monotonic()
+    clock = asyncio.get_running_loop().time
+    t0 = clock()
     await a.fresh()
-    assert time.monotonic() - t0 < WAIT_S + 0.03
+    assert clock() - t0 < WAIT_S + 0.03
     await asyncio.sleep(1.0)  # the slow read ends
     board.delay = 0.0
     board.down = True
     await a.look()  # fails
     reads = board.reads
-    t0 = time.monotonic()
+    t0 = clock()
     await a.fresh()
-    assert board.reads == reads and time.monotonic() - t0 < 0.01
+    assert board.reads == reads and clock() - t0 < 0.01
 
 
 class Spy:
@@ -280,6 +288,7 @@ async def test_the_dispatcher_asks_before_choosing_and_tells_every_change() -> N
     await px.settle()
 
 
+@virtual_time
 async def test_choices_against_an_unreachable_metaserver_do_not_spin() -> None:
     """While the metaserver is down the loop tries once per interval, however many choices."""
     board = Counting()

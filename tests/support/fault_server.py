@@ -18,6 +18,7 @@ class Reply:
     delay_s: float = 0.0
     reset: bool = False  # close the connection without answering
     close_after: bool = False  # answer (keep-alive, as far as the client knows), then close
+    hold: threading.Event | None = None  # answer only once the test sets it (or the server ends)
 
 
 @dataclass
@@ -53,6 +54,8 @@ def fault_server(*replies: Reply, default: Reply | None = None) -> Iterator[Faul
             reply = state.next_reply()
             if reply.delay_s:
                 time.sleep(reply.delay_s)
+            if reply.hold is not None:
+                reply.hold.wait()
             if reply.reset:
                 self.connection.setsockopt(
                     socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
@@ -83,5 +86,8 @@ def fault_server(*replies: Reply, default: Reply | None = None) -> Iterator[Faul
     try:
         yield state
     finally:
+        for reply in (*replies, state.default):  # no handler thread stays waiting
+            if reply.hold is not None:
+                reply.hold.set()
         server.shutdown()
         server.server_close()
