@@ -188,6 +188,9 @@ class Measured:
     closed_leases: set[str] = field(default_factory=set)  # transfer ids P closed before a push
     loads_at_deadline: set[str] = field(default_factory=set)  # ... D ended at its deadline
     longest_pause_s: float = 0.0  # the longest machine pause during the scenario
+    # earlier runs of the scenario, left for a machine pause and run again (``_under_stream``):
+    # their answers are judged by the same rules as this run's
+    abandoned: list[Measured] = field(default_factory=list)
     # targets count in running time from ``origin`` (a time.monotonic() reading: the fault,
     # or the last hang-up): wall time less the machine's pauses since, at most PAUSE_CREDIT_S
     origin: float = math.nan
@@ -704,10 +707,12 @@ async def _under_stream(
     """A steady stream of short requests; ``fault`` (a coroutine function) runs ``FAULT_AT_S``
     into it and returns when the service is back (its return: the moment it was back). The
     row goes into the table. A run through which the whole machine paused ``STALL_S`` or more
-    (every CPU's watcher missed it: ``PauseWatch``) measured the machine, not the outage: its
-    answers are still judged (no wrong, hung or broken one), and it is run once more, with new
-    prompts, when the fault can strike again (``repeatable``); the rescue is recorded."""
+    (every CPU's watcher missed it: ``PauseWatch``) measured the machine, not the outage: it is
+    run once more, with new prompts, when the fault can strike again (``repeatable``); the
+    rescue is recorded, and the run left behind goes with the kept one (``Measured.abandoned``),
+    its answers judged by the same outcome rules (``_assert_outage_outcomes``)."""
     stalled = ""
+    abandoned: list[Measured] = []
     for attempt in range(2):
         began = time.monotonic()
         m = await _stream_once(c, name, seed + 1000 * attempt, fault)
@@ -715,9 +720,11 @@ async def _under_stream(
         worst = max((hi - lo for lo, hi in spans), default=0.0)
         if worst < STALL_S or attempt == 1 or not repeatable:
             m.row.note += stalled + c.pauses.describe(began, time.monotonic())
+            m.abandoned = abandoned
             reliability.add(m.row)
             return m
-        _assert_answers_sound(m)  # the abandoned try's answers are judged as well
+        m.row.note += c.pauses.describe(began, time.monotonic())
+        abandoned.append(m)
         stalled = (
             f"; run again: the machine paused {worst:.1f}s in the first run "
             f"({dict(m.row.outcomes())})"
@@ -763,14 +770,43 @@ async def _stream_once(c: Chaos, name: str, seed: int, fault: Callable[[], Any])
 
 def _assert_outage_outcomes(m: Measured) -> None:
     """A request the outage catches gets a clean 502/503/504 (or its right answer); one sent
-    a second after the service is back gets its right answer."""
-    _assert_sound(m)
-    for a in m.row.answers:
-        if a.outcome == Outcome.CLEAN_ERROR:
-            assert a.status in OUTAGE_ERRORS, (a.status, a.detail)
-            assert a.ended >= m.fault_at, f"failed before the fault: {a.detail}"
-        if a.started >= m.back_at + 1.0:
-            assert a.outcome == Outcome.CORRECT, (a.outcome, a.status, a.detail)
+    a second after the service is back gets its right answer. The same for every run of the
+    scenario: a run left behind for a machine pause (``Measured.abandoned``) as the kept one."""
+    runs = [*m.abandoned, m]
+    for i, run in enumerate(runs):
+        which = f"run {i + 1} of {len(runs)}" + (" (abandoned)" if run is not m else "")
+        try:
+            _assert_sound(run)
+            for a in run.row.answers:
+                if a.outcome == Outcome.CLEAN_ERROR:
+                    assert a.status in OUTAGE_ERRORS, (a.status, a.detail)
+                    assert a.ended >= run.fault_at, f"failed before the fault: {a.detail}"
+                if a.started >= run.back_at + 1.0:
+                    assert a.outcome == Outcome.CORRECT, (a.outcome, a.status, a.detail)
+        except AssertionError as exc:
+            raise AssertionError(f"{which}: {exc}; {run.row.note}") from exc
+
+
+def test_outage_outcomes_judge_an_abandoned_run_as_the_kept_one() -> None:
+    """(No deployment.) A run left behind for a machine pause is held to the kept run's rules:
+    a request sent after the service was back must be right there too, and an error must be a
+    clean 502/503/504 after the fault."""
+
+    def run(*answers: Answer) -> Measured:
+        row = Row("outage", list(answers), {"decode-0": 1.0, "prefill-0": 1.0})
+        return Measured(row, fault_at=10.0, back_at=12.0)
+
+    right = Answer(Outcome.CORRECT, 20.0, 21.0, first_token=20.5, tokens=8)
+    caught = Answer(Outcome.CLEAN_ERROR, 9.0, 11.0, status=503, detail="no decode instance")
+    kept = run(right, caught)
+    _assert_outage_outcomes(kept)
+    late_error = Answer(Outcome.CLEAN_ERROR, 20.0, 21.0, status=504, detail="timed out")
+    early_error = Answer(Outcome.CLEAN_ERROR, 1.0, 2.0, status=503, detail="no decode instance")
+    odd_status = Answer(Outcome.CLEAN_ERROR, 11.0, 11.5, status=500, detail="internal")
+    for bad in (late_error, early_error, odd_status):
+        kept.abandoned = [run(right, bad)]  # sound (nothing wrong, hung or broken), yet wrong
+        with pytest.raises(AssertionError, match=r"run 1 of 2 \(abandoned\)"):
+            _assert_outage_outcomes(kept)
 
 
 async def _metaserver_ready(url: str, timeout_s: float = 30) -> float:
