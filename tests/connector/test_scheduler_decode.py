@@ -346,14 +346,35 @@ def test_decode_failed_load_is_recomputed_locally(
     H.assert_empty(s)
 
 
+WRITE_TIMEOUT_S = 7  # not the default (10): the hold below must follow the setting
+
+
+def late_landing_hold(write_timeout_s: int) -> float:
+    """D's late-landing hold after a failed load, by the documented rule (docs/operating.md,
+    docs/connector.md): Mooncake's write deadline, then its longest lane deadline (the connector
+    sets both to ``write_timeout_s``), plus 2 s."""
+    return 2 * write_timeout_s + 2.0
+
+
+@pytest.mark.parametrize("write_timeout_s", [5, 13])
+def test_decode_late_landing_hold_follows_write_timeout_s(
+    metaserver: InThreadMetaserver, make_decoder: Callable[..., Scheduler], write_timeout_s: int
+) -> None:
+    """Two settings, two holds: a hold fixed at the default's value fails both."""
+    s = make_decoder(metaserver.url, register=False, write_timeout_s=write_timeout_s)
+    decode = H.connector_of(s).scheduler.decode  # type: ignore[union-attr]
+    assert decode is not None
+    assert decode.late_landing_s == late_landing_hold(write_timeout_s)
+
+
 def test_decode_load_failed_for_a_silent_p_recomputes_in_other_blocks_until_the_deadline(
     metaserver: InThreadMetaserver, make_decoder: Callable[..., Scheduler]
 ) -> None:
     if not features().bind_manager:
         pytest.skip("this vLLM never hands the connector its KVCacheManager: silence_s is off")
-    s = make_decoder(metaserver.url, kv_load_timeout_s=2.0)
+    s = make_decoder(metaserver.url, kv_load_timeout_s=2.0, write_timeout_s=WRITE_TIMEOUT_S)
     decode = H.connector_of(s).scheduler.decode  # type: ignore[union-attr]
-    assert decode is not None and decode.late_landing_s == 22.0  # write_timeout_s 10: 10+10+2
+    assert decode is not None and decode.late_landing_s == late_landing_hold(WRITE_TIMEOUT_S)
     decode.late_landing_s = 1.0
     # D's deadlines on a clock the test moves (vLLM builds the connector, so it is set here)
     clock = FakeClock()

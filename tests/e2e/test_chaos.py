@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
+import os
 import random
 import re
 import signal
@@ -27,12 +29,19 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import httpx
 import pytest
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from connector.config import ConnectorSettings
+from connector.config import load_settings as load_connector_settings
+from connector.transport.mooncake import DEADLINE_ENV, late_landing_s
+from launch.plan import Child
+from proxy.cli import load_settings as load_proxy_settings
+from proxy.config import ProxySettings
 from tests.e2e.chaos import (
     STALL_S,
     Answer,
@@ -81,9 +90,9 @@ pytestmark = [
 KV_LOAD_TIMEOUT_S = 8.0  # D's load deadline: today's code frees and recomputes by then
 BOUND_S = 45.0  # an answer not ended this long after its request is HUNG (running time:
 # the machine's own pauses meanwhile, ``tests/e2e/pauses.py``, do not count)
-# KV still held this long after a fault is stranded (a silent P's blocks are kept out of use
-# until D's deadline plus the late-landing hold, LATE_LANDING_S below)
-IDLE_BOUND_S = KV_LOAD_TIMEOUT_S + 22 + 25
+# KV still held this long past D's load deadline plus the late-landing hold (``Chaos.idle_bound_s``:
+# a silent P's blocks are kept out of use that long) is stranded
+IDLE_MARGIN_S = 25.0
 # The issue's targets (asserted in the test_target_* tests)
 TARGET_ABORTED_D_FREE_S = 2.0  # aborted before P started: D's blocks free after the abort
 TARGET_P_FAULT_ANSWER_S = 5.0  # P killed or frozen: the client's answer streams after the fault
@@ -93,12 +102,10 @@ LONG_PROMPT = 1600  # tokens: ~29 chunks of 56, a prefill long enough to interru
 # "pushing": P's first write landed (since protocol 3 "prefill_started" only means P took the
 # lease, before it allocates anything: a fault then is "before the push", not "mid-push")
 STREAM_STATES = ("pushing",)
-# a write that failed may still land this long (Mooncake tcp: the write deadline plus the
-# longest lane deadline plus 2 s, with the connector's default write_timeout_s of 10 s): D
+# a write that failed may still land for the late-landing hold (``Chaos.late_landing_s``): D
 # holds the blocks of such a transfer that long, and the issue's D-killed target allows it
 # ("plus the late-landing hold only where a write was in flight"); P no longer holds a failed
 # transfer's blocks, so with D killed its wait is at most the write deadline
-LATE_LANDING_S = 10.0 + 10.0 + 2.0
 # the most of a target's window that machine pauses may excuse: a run whose machine stood still
 # longer than this measured nothing, and says so by failing
 PAUSE_CREDIT_S = 30.0
@@ -112,6 +119,42 @@ class Chaos:
     redis: RedisServer
     log_dir: Path
     pauses: PauseWatch  # the machine's own pauses: "hung" is judged in running time
+    # what the engines' connectors (by engine) and the proxy run with (``connector_settings_of``,
+    # ``proxy_settings_of``): the bounds below follow them, so a changed setting moves its bound
+    connector: dict[str, ConnectorSettings]
+    proxy_settings: ProxySettings
+
+    def late_landing_s(self, engine: str) -> float:
+        """How long ``engine`` holds the blocks of a transfer with a failed write (it may still
+        land): the connector's own rule over the deadlines it gives Mooncake, which are its
+        ``write_timeout_s`` (``set_deadlines``; the deployment sets no ``MC_*`` deadline of its
+        own) for the write and every lane (connector/scheduler/half.py does the same for D)."""
+        write_s = self.connector[engine].write_timeout_s
+        return late_landing_s(write_s, write_s)
+
+    @property
+    def load_timeout_s(self) -> float:
+        """D's load deadline."""
+        return self.connector["decode-0"].kv_load_timeout_s
+
+    @property
+    def idle_bound_s(self) -> float:
+        """KV still held this long after a fault is stranded: D keeps a silent P's blocks out of
+        use until its load deadline plus the late-landing hold; then a margin."""
+        return self.load_timeout_s + self.late_landing_s("decode-0") + IDLE_MARGIN_S
+
+    @property
+    def probe_silence_s(self) -> float:
+        """The proxy's health probe period (``pd-proxy --health-interval``, as this deployment's
+        proxy runs it): the shortest machine pause accepted as why the probes found D silent
+        (D leaves rotation after two failed probes, a period apart)."""
+        return self.proxy_settings.health_interval_s
+
+    def quarantine_note(self) -> str:
+        return (
+            "D's quarantined blocks back by themselves at deadline + "
+            f"{self.late_landing_s('decode-0'):.0f}s hold"
+        )
 
     @property
     def engines(self) -> dict[str, str]:
@@ -145,6 +188,9 @@ class Measured:
     closed_leases: set[str] = field(default_factory=set)  # transfer ids P closed before a push
     loads_at_deadline: set[str] = field(default_factory=set)  # ... D ended at its deadline
     longest_pause_s: float = 0.0  # the longest machine pause during the scenario
+    # earlier runs of the scenario, left for a machine pause and run again (``_under_stream``):
+    # their answers are judged by the same rules as this run's
+    abandoned: list[Measured] = field(default_factory=list)
     # targets count in running time from ``origin`` (a time.monotonic() reading: the fault,
     # or the last hang-up): wall time less the machine's pauses since, at most PAUSE_CREDIT_S
     origin: float = math.nan
@@ -188,13 +234,44 @@ async def chaos(
         mono = AsyncOpenAI(
             base_url=monolithic.ready() + "/v1", api_key="unused", max_retries=3, timeout=120
         )
-        c = Chaos(d, monolithic.model, mono, chaos_redis, e2e_logs / "chaos", pause_watch)
+        engines = [ch for ch in d.plan.children if ch.kind == "engine"]
+        c = Chaos(
+            d, monolithic.model, mono, chaos_redis, e2e_logs / "chaos", pause_watch,
+            connector={ch.name: connector_settings_of(d, ch.name) for ch in engines},
+            proxy_settings=proxy_settings_of(d),
+        )  # fmt: skip
+        assert c.load_timeout_s == KV_LOAD_TIMEOUT_S  # (the setting this module passes)
+        for ch in engines:  # Mooncake's deadlines come from write_timeout_s (Chaos.late_landing_s)
+            env = os.environ | ch.env
+            assert not [k for k in DEADLINE_ENV if env.get(k, "").strip()], ch.name
         try:
             yield c
         finally:
             await mono.close()
             for pd in c.clients:
                 await pd.close()
+
+
+def _child(dep: Deployment, name: str) -> Child:
+    return next(c for c in dep.plan.children if c.name == name)
+
+
+def connector_settings_of(dep: Deployment, engine: str) -> ConnectorSettings:
+    """The connector settings ``engine`` runs with: its ``--kv-transfer-config``'s extra config
+    through the connector's own loader, in the engine's environment (defaults filled in as the
+    engine fills them)."""
+    child = _child(dep, engine)
+    config = json.loads(child.argv[child.argv.index("--kv-transfer-config") + 1])
+    with mock.patch.dict(os.environ, child.env):
+        return load_connector_settings(config["kv_connector_extra_config"])
+
+
+def proxy_settings_of(dep: Deployment) -> ProxySettings:
+    """The settings the deployment's ``pd-proxy`` runs with: its command line through its own
+    parser, in its environment (flags > ``PD_PROXY_*`` > defaults)."""
+    child = _child(dep, "proxy")
+    with mock.patch.dict(os.environ, child.env):
+        return load_proxy_settings(child.argv[1:])
 
 
 async def _gauges_or_none(url: str) -> dict[str, float]:
@@ -291,7 +368,7 @@ def _assert_sound(m: Measured) -> None:
     _assert_answers_sound(m)
     r = m.row
     stranded = {n: s for n, s in r.kv_free_s.items() if math.isinf(s)}
-    assert not stranded, f"{r.scenario}: not idle {IDLE_BOUND_S}s after the fault: {stranded}"
+    assert not stranded, f"{r.scenario}: not idle within Chaos.idle_bound_s: {stranded}"
 
 
 # ---- 1. 300 clients hanging up at random points ---------------------------------------------
@@ -302,7 +379,6 @@ HANGUP_MAX_TOKENS = 12
 # an open burst of 300 would only queue, and every client would leave before its first token)
 CONCURRENT_CLIENTS = 32
 NO_DECODE = "503: Error code: 503 - no decode instance available"
-PROBE_SILENCE_S = 5.0  # the proxy's health probe period (pd-proxy --health-interval default)
 FINAL_WAVE = 16  # the last clients, who all hang up early (see ``hangups``)
 
 
@@ -373,7 +449,7 @@ async def hangups(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
     # the time until D is free is the time D holds the blocks of requests aborted that early
     answers += await asyncio.gather(*(client_(i) for i in range(n_random, N_CLIENTS)))
     last = max(a.ended for a in answers)  # the last client hung up (or got its answer)
-    free = await seconds_until_idle(chaos.engines, last, IDLE_BOUND_S)
+    free = await seconds_until_idle(chaos.engines, last, chaos.idle_bound_s)
     gone = [a for a in answers if a.outcome == Outcome.ABANDONED]
     before = sum(1 for a in gone if a.first_token is None)
     note = (
@@ -389,7 +465,7 @@ async def hangups(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
 
 
 async def test_chaos_hangups_leave_no_wrong_answer_and_free_everything(
-    hangups: Measured,
+    hangups: Measured, chaos: Chaos
 ) -> None:
     _assert_sound(hangups)
     r = hangups.row
@@ -400,7 +476,7 @@ async def test_chaos_hangups_leave_no_wrong_answer_and_free_everything(
     unready = {k: n for k, n in errors.items() if k.startswith(NO_DECODE)}
     assert errors == unready, errors
     if unready:
-        assert hangups.longest_pause_s >= PROBE_SILENCE_S, (unready, hangups.longest_pause_s)
+        assert hangups.longest_pause_s >= chaos.probe_silence_s, (unready, hangups.longest_pause_s)
     # the scenario did what it says: clients left before and after their first token
     gone = [a for a in r.answers if a.outcome == Outcome.ABANDONED]
     assert sum(1 for a in gone if a.first_token is None) >= N_CLIENTS // 10, r.note
@@ -453,7 +529,7 @@ async def aborted_early(chaos: Chaos, reliability: ReliabilityTable) -> Measured
             )
         )
         last = max(a.ended for a in answers)
-        free = await seconds_until_idle(decodes, last, IDLE_BOUND_S)
+        free = await seconds_until_idle(decodes, last, chaos.idle_bound_s)
         bindings = await _bindings_since(chaos.dep.metaserver, since_wall)
     finally:
         for name in prefills:
@@ -557,7 +633,7 @@ async def storm(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
         )
     )
     last = max(a.ended for a in answers)
-    free = await seconds_until_idle(engines, last, IDLE_BOUND_S)
+    free = await seconds_until_idle(engines, last, chaos.idle_bound_s)
     bindings = await _bindings_since(chaos.dep.metaserver, since_wall)
     closed = set(LEASE_CLOSED.findall(_new_log(chaos, prefills, logged)))
     decodes = [n for n in engines if n.startswith("decode")]
@@ -580,13 +656,13 @@ async def storm(chaos: Chaos, reliability: ReliabilityTable) -> Measured:
     return m
 
 
-async def test_chaos_storm_leaves_no_wrong_answer(storm: Measured) -> None:
+async def test_chaos_storm_leaves_no_wrong_answer(storm: Measured, chaos: Chaos) -> None:
     _assert_sound(storm)
     errors = dict(storm.row.errors())  # none, but the clean 503 of a long machine pause
     unready = {k: n for k, n in errors.items() if k.startswith(NO_DECODE)}
     assert errors == unready, errors
     if unready:
-        assert storm.longest_pause_s >= PROBE_SILENCE_S, (unready, storm.longest_pause_s)
+        assert storm.longest_pause_s >= chaos.probe_silence_s, (unready, storm.longest_pause_s)
 
 
 async def test_chaos_storm_every_lease_p_closed_ends_ds_load_at_once(storm: Measured) -> None:
@@ -631,10 +707,12 @@ async def _under_stream(
     """A steady stream of short requests; ``fault`` (a coroutine function) runs ``FAULT_AT_S``
     into it and returns when the service is back (its return: the moment it was back). The
     row goes into the table. A run through which the whole machine paused ``STALL_S`` or more
-    (every CPU's watcher missed it: ``PauseWatch``) measured the machine, not the outage: its
-    answers are still judged (no wrong, hung or broken one), and it is run once more, with new
-    prompts, when the fault can strike again (``repeatable``); the rescue is recorded."""
+    (every CPU's watcher missed it: ``PauseWatch``) measured the machine, not the outage: it is
+    run once more, with new prompts, when the fault can strike again (``repeatable``); the
+    rescue is recorded, and the run left behind goes with the kept one (``Measured.abandoned``),
+    its answers judged by the same outcome rules (``_assert_outage_outcomes``)."""
     stalled = ""
+    abandoned: list[Measured] = []
     for attempt in range(2):
         began = time.monotonic()
         m = await _stream_once(c, name, seed + 1000 * attempt, fault)
@@ -642,9 +720,11 @@ async def _under_stream(
         worst = max((hi - lo for lo, hi in spans), default=0.0)
         if worst < STALL_S or attempt == 1 or not repeatable:
             m.row.note += stalled + c.pauses.describe(began, time.monotonic())
+            m.abandoned = abandoned
             reliability.add(m.row)
             return m
-        _assert_answers_sound(m)  # the abandoned try's answers are judged as well
+        m.row.note += c.pauses.describe(began, time.monotonic())
+        abandoned.append(m)
         stalled = (
             f"; run again: the machine paused {worst:.1f}s in the first run "
             f"({dict(m.row.outcomes())})"
@@ -678,26 +758,55 @@ async def _stream_once(c: Chaos, name: str, seed: int, fault: Callable[[], Any])
     last = max(a.ended for a in answers)
     # a load D failed during the outage for P's silence (seen; why P fell silent is not known)
     # keeps its blocks quarantined until the deadline plus the hold; D gives them back then
-    # by itself (it keeps stepping while any are held), within IDLE_BOUND_S
+    # by itself (it keeps stepping while any are held), within c.idle_bound_s
     failed = _failed_since(failures, await _load_failures(c))
-    free = await seconds_until_idle(c.engines, last, IDLE_BOUND_S)
+    free = await seconds_until_idle(c.engines, last, c.idle_bound_s)
     note = f"back {back_at - fault_at:.1f}s after the fault"
     if "prefill_silent" in failed:
-        note += f"; D's failed loads: {failed}; {QUARANTINE_NOTE}"
+        note += f"; D's failed loads: {failed}; {c.quarantine_note()}"
     row = Row(name, answers, free, note)
     return Measured(row, fault_at=fault_at, back_at=back_at)
 
 
 def _assert_outage_outcomes(m: Measured) -> None:
     """A request the outage catches gets a clean 502/503/504 (or its right answer); one sent
-    a second after the service is back gets its right answer."""
-    _assert_sound(m)
-    for a in m.row.answers:
-        if a.outcome == Outcome.CLEAN_ERROR:
-            assert a.status in OUTAGE_ERRORS, (a.status, a.detail)
-            assert a.ended >= m.fault_at, f"failed before the fault: {a.detail}"
-        if a.started >= m.back_at + 1.0:
-            assert a.outcome == Outcome.CORRECT, (a.outcome, a.status, a.detail)
+    a second after the service is back gets its right answer. The same for every run of the
+    scenario: a run left behind for a machine pause (``Measured.abandoned``) as the kept one."""
+    runs = [*m.abandoned, m]
+    for i, run in enumerate(runs):
+        which = f"run {i + 1} of {len(runs)}" + (" (abandoned)" if run is not m else "")
+        try:
+            _assert_sound(run)
+            for a in run.row.answers:
+                if a.outcome == Outcome.CLEAN_ERROR:
+                    assert a.status in OUTAGE_ERRORS, (a.status, a.detail)
+                    assert a.ended >= run.fault_at, f"failed before the fault: {a.detail}"
+                if a.started >= run.back_at + 1.0:
+                    assert a.outcome == Outcome.CORRECT, (a.outcome, a.status, a.detail)
+        except AssertionError as exc:
+            raise AssertionError(f"{which}: {exc}; {run.row.note}") from exc
+
+
+def test_outage_outcomes_judge_an_abandoned_run_as_the_kept_one() -> None:
+    """(No deployment.) A run left behind for a machine pause is held to the kept run's rules:
+    a request sent after the service was back must be right there too, and an error must be a
+    clean 502/503/504 after the fault."""
+
+    def run(*answers: Answer) -> Measured:
+        row = Row("outage", list(answers), {"decode-0": 1.0, "prefill-0": 1.0})
+        return Measured(row, fault_at=10.0, back_at=12.0)
+
+    right = Answer(Outcome.CORRECT, 20.0, 21.0, first_token=20.5, tokens=8)
+    caught = Answer(Outcome.CLEAN_ERROR, 9.0, 11.0, status=503, detail="no decode instance")
+    kept = run(right, caught)
+    _assert_outage_outcomes(kept)
+    late_error = Answer(Outcome.CLEAN_ERROR, 20.0, 21.0, status=504, detail="timed out")
+    early_error = Answer(Outcome.CLEAN_ERROR, 1.0, 2.0, status=503, detail="no decode instance")
+    odd_status = Answer(Outcome.CLEAN_ERROR, 11.0, 11.5, status=500, detail="internal")
+    for bad in (late_error, early_error, odd_status):
+        kept.abandoned = [run(right, bad)]  # sound (nothing wrong, hung or broken), yet wrong
+        with pytest.raises(AssertionError, match=r"run 1 of 2 \(abandoned\)"):
+            _assert_outage_outcomes(kept)
 
 
 async def _metaserver_ready(url: str, timeout_s: float = 30) -> float:
@@ -961,11 +1070,6 @@ async def long_baseline(chaos: Chaos) -> Baseline:
     raise AssertionError(f"{MID_PUSH_TRIES} fault-free pushes ended before they were seen")
 
 
-QUARANTINE_NOTE = (
-    f"D's quarantined blocks back by themselves at deadline + {LATE_LANDING_S:.0f}s hold"
-)
-
-
 @pytest.fixture(scope="module")
 async def p_frozen(
     chaos: Chaos, reliability: ReliabilityTable, long_baseline: Baseline
@@ -977,13 +1081,13 @@ async def p_frozen(
         chaos.signal(victim, signal.SIGSTOP)
         frozen_at = time.monotonic()
         try:
-            await asyncio.sleep(KV_LOAD_TIMEOUT_S + 2)  # past D's load deadline
+            await asyncio.sleep(chaos.load_timeout_s + 2)  # past D's load deadline
         finally:
             chaos.signal(victim, signal.SIGCONT)
         answer = await request
     failed = _failed_since(failures, await _load_failures(chaos))
-    free = await seconds_until_idle(engines, frozen_at, IDLE_BOUND_S)
-    note = f"P resumed {KV_LOAD_TIMEOUT_S + 2:.0f}s after the freeze; {QUARANTINE_NOTE}"
+    free = await seconds_until_idle(engines, frozen_at, chaos.idle_bound_s)
+    note = f"P resumed {chaos.load_timeout_s + 2:.0f}s after the freeze; {chaos.quarantine_note()}"
     row = Row("P frozen (SIGSTOP) mid-push, resumed after D's deadline", [answer], free, note)
     reliability.add(row)
     m = Measured(row, origin=frozen_at, pauses=chaos.pauses)
@@ -1020,13 +1124,14 @@ async def test_target_p_frozen_answer_streams_within_5s(p_frozen: Measured) -> N
 
 
 async def test_chaos_p_frozen_decode_gives_quarantined_blocks_back_by_itself(
-    p_frozen: Measured,
+    p_frozen: Measured, chaos: Chaos
 ) -> None:
     """No request follows the freeze: D keeps stepping while it holds the blocks the frozen P
     was writing and gives them back at the load's deadline plus the late-landing hold (which
     began when D allocated them, before the freeze)."""
     took = p_frozen.running_s(p_frozen.row.free_s("decode"))
-    bound = KV_LOAD_TIMEOUT_S + LATE_LANDING_S + 5.0  # (5 s: metrics polling, engine steps)
+    hold = chaos.late_landing_s("decode-0")
+    bound = chaos.load_timeout_s + hold + 5.0  # (5 s: metrics polling, engine steps)
     assert took <= bound, f"D idle {took:.1f}s after P froze (expected by {bound:.0f}s)"
 
 
@@ -1050,8 +1155,8 @@ async def p_killed(
     # victim is left out by name: a killed vLLM takes a moment to exit, and until it is reaped
     # it would count as alive and never idle (a run where the request had already ended)
     survivors = {n: u for n, u in chaos.engines.items() if n != victim}
-    free = await seconds_until_idle(survivors, killed_at, IDLE_BOUND_S)
-    quarantined = f"{QUARANTINE_NOTE}; " if "prefill_silent" in failed else ""
+    free = await seconds_until_idle(survivors, killed_at, chaos.idle_bound_s)
+    quarantined = f"{chaos.quarantine_note()}; " if "prefill_silent" in failed else ""
     row = Row(f"P killed (SIGKILL) mid-prefill of {LONG_PROMPT} tokens", [answer], free)
     reliability.add(row)
     m = Measured(row, origin=killed_at, pauses=chaos.pauses)
@@ -1157,7 +1262,7 @@ async def d_killed(
     killed_at = time.monotonic()
     answers = await asyncio.gather(streaming, *pushing)
     survivors = {n: u for n, u in chaos.engines.items() if n.startswith("prefill")}
-    free = await seconds_until_idle(survivors, killed_at, IDLE_BOUND_S)
+    free = await seconds_until_idle(survivors, killed_at, chaos.idle_bound_s)
     failed_writes = 0
     for n, f in p_logs.items():
         with f.open("rb") as fh:
@@ -1194,9 +1299,13 @@ async def test_chaos_d_killed_clients_get_clean_errors(d_killed: Measured) -> No
             assert a.outcome == Outcome.CLEAN_ERROR and a.status in (502, 503), a
 
 
-async def test_target_d_killed_prefill_blocks_free_within_5s(d_killed: Measured) -> None:
+async def test_target_d_killed_prefill_blocks_free_within_5s(
+    d_killed: Measured, chaos: Chaos
+) -> None:
     took = d_killed.running_s(d_killed.row.free_s("prefill"))
-    hold = LATE_LANDING_S if d_killed.in_flight_writes else 0.0
+    # (the hold P's writer gives a transfer whose write failed: its own transport's)
+    hold = max(chaos.late_landing_s(n) for n in chaos.connector if n.startswith("prefill"))
+    hold = hold if d_killed.in_flight_writes else 0.0
     assert took <= TARGET_D_KILLED_P_FREE_S + hold, (
         f"P's blocks free {took:.1f}s after D was killed (target {TARGET_D_KILLED_P_FREE_S}s"
         f" + a {hold:.0f}s late-landing hold for {d_killed.in_flight_writes} failed writes)"

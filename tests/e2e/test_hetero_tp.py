@@ -25,7 +25,6 @@ from pathlib import Path
 import openai
 import pytest
 
-from connector import tp
 from launch.plan import build_plan
 from tests.e2e.chaos import STALL_S
 from tests.e2e.client import client, complete
@@ -63,7 +62,7 @@ TIMED_OUT = re.compile(
 TIMED_OUT_IN = ("prefill-0", "decode-0", "proxy")
 PAIRINGS = [(2, 1), (1, 2)]  # (P tp, D tp)
 SEEDS = (5000, 7000, 9000)  # a prompt per run of a case: the first, and up to two more
-FLOAT32_BYTES = 4
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def omp_bind_per_rank(ranks: int) -> str:
@@ -135,17 +134,37 @@ def engines_of(dep: Deployment) -> dict[str, str]:
     return {name: dep.url_of(name) for name in ("prefill-0", "decode-0")}
 
 
-def rank0_bytes(model: Path, prompt_len: int, p_tp: int, d_tp: int) -> int:
-    """Bytes P rank 0 pushes for a prompt: the KV heads it writes into D's ranks (its own
-    heads, each into every D rank that holds it), every block of every layer."""
+def kv_heads_of(rank: int, tp: int, heads: int) -> set[int]:
+    """The KV heads rank ``rank`` of a ``tp``-way engine holds when ``heads`` is a multiple of
+    ``tp``: vLLM gives each rank ``heads / tp`` consecutive heads, in rank order."""
+    assert heads % tp == 0, (heads, tp)  # (fewer heads than ranks: replicas, not this rule)
+    per = heads // tp
+    return set(range(rank * per, (rank + 1) * per))
+
+
+def rank0_bytes(model: Path, prompt_len: int, p_tp: int, d_tp: int, dtype_bytes: int) -> int:
+    """Bytes P rank 0 must push for a prompt, from the model's config and the TP sizes alone
+    (not from the connector's routes, which this checks). With H KV heads a multiple of both TP
+    sizes no head is held twice on either side, so every head a D rank holds comes from the one
+    P rank that holds it: P rank 0 sends D rank r the heads both hold, ``|P0 ∩ Dr|``. P tp 2
+    into D tp 1 (H = 2): P0 = {0}, D0 = {0, 1}: 1 head. P tp 1 into D tp 2: P0 = {0, 1}, D0 =
+    {0}, D1 = {1}: 2 heads, one into each. For each such head, every block of every layer
+    carries keys and values: 2 x block_size x head_size values of ``dtype_bytes`` each; a
+    partial last block is pushed whole."""
     cfg = json.loads((model / "config.json").read_text())
-    heads = sum(
-        leg.num_heads for leg in tp.routes(0, p_tp, d_tp, cfg["num_key_value_heads"], False)
-    )
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_block_head = BLOCK_SIZE * 2 * head_dim * FLOAT32_BYTES  # keys and values
+    heads = int(cfg["num_key_value_heads"])
+    mine = kv_heads_of(0, p_tp, heads)
+    owed = sum(len(mine & kv_heads_of(r, d_tp, heads)) for r in range(d_tp))
+    head_size = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_block_head = 2 * BLOCK_SIZE * head_size * dtype_bytes  # keys and values
     blocks = math.ceil(prompt_len / BLOCK_SIZE)
-    return int(cfg["num_hidden_layers"]) * blocks * heads * per_block_head
+    return int(cfg["num_hidden_layers"]) * blocks * owed * per_block_head
+
+
+def engine_dtype_bytes(dep: Deployment) -> int:
+    """Bytes per KV value in ``dep``'s engines: the ``--dtype`` P runs with."""
+    argv = next(c.argv for c in dep.plan.children if c.name == "prefill-0")
+    return DTYPE_BYTES[argv[argv.index("--dtype") + 1]]
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), PAIRINGS)
@@ -156,7 +175,7 @@ def test_e2e_hetero_tp_model_has_heads_to_shard(tiny_model: Path, p_tp: int, d_t
     wide = max(p_tp, d_tp)
     assert cfg["num_key_value_heads"] % wide == 0
     assert cfg["num_key_value_heads"] >= wide
-    assert rank0_bytes(tiny_model, BLOCK_SIZE, p_tp, d_tp) > 0
+    assert rank0_bytes(tiny_model, BLOCK_SIZE, p_tp, d_tp, DTYPE_BYTES["float32"]) > 0
 
 
 # (name, prompt length in tokens)
@@ -334,5 +353,5 @@ async def test_e2e_hetero_tp_completion_equals_monolithic(
     assert done and done[0]["actor"] == "prefill-0"
     # P rank 0 pushes the heads it owes D: with P tp 2 its half of every block (all heads
     # would be twice this); with D tp 2 all of them, half into each D rank
-    want = rank0_bytes(tiny_model, length, hetero.p_tp, hetero.d_tp)
+    want = rank0_bytes(tiny_model, length, hetero.p_tp, hetero.d_tp, engine_dtype_bytes(dep))
     assert done[0]["detail"]["bytes_pushed"] == want
