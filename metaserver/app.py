@@ -78,6 +78,7 @@ def create_app(
         namespace=settings.namespace,
         binding_ttl_s=settings.binding_ttl_s,
         retain_s=settings.retain_s,
+        kv_placed_s=settings.kv_placed_s,
     )
     metrics = Metrics()
 

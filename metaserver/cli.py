@@ -59,6 +59,7 @@ def build_parser() -> SettingsParser[MetaserverSettings]:
     p.option("--advice-interval", "advice_interval_s", float)
     p.switch("--kv-events", "kv_events")
     p.option("--kv-events-interval", "kv_events_interval_s", float)
+    p.option("--kv-placed", "kv_placed_s", float)
     p.option("--log-level", "log_level")
     p.option("--tls-cert", "tls_cert_file")
     p.option("--tls-key", "tls_key_file")

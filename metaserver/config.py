@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
+from metaserver.kvindex.index import PLACED_S
 from pdwire.settings import LayeredSettings, redact_url
 from pdwire.tls import TlsListener
 
@@ -116,6 +117,13 @@ class MetaserverSettings(LayeredSettings, TlsListener):
     )
     kv_events_interval_s: float = Field(
         2.0, gt=0, le=60, description="how often the registry is read for engines to follow"
+    )
+    kv_placed_s: float = Field(
+        PLACED_S,
+        gt=0,
+        le=600,
+        description="a proxy's placement (POST /v1/kv/placed) counts as held this long, until "
+        "the engine's own events say so",
     )
     log_level: str = Field("info", pattern=r"^(debug|info|warning|error)$")
     workers: int = Field(

@@ -69,8 +69,9 @@ class Runtime:
         )
         self.metrics = Metrics(self.registry.instances)
         self.admission = Admission(settings.max_inflight)
-        self.prefill_policy = make_policy(settings.prefill_policy)
-        self.decode_policy = make_policy(settings.decode_policy)
+        memory = settings.kv_memory_s
+        self.prefill_policy = make_policy(settings.prefill_policy, kv_memory_s=memory)
+        self.decode_policy = make_policy(settings.decode_policy, kv_memory_s=memory)
         self.api_keys = frozenset(k.get_secret_value().encode() for k in settings.api_keys)
         # never the API keys: any client could then drain the whole fleet
         self.admin_keys = frozenset(k.get_secret_value().encode() for k in settings.admin_keys)

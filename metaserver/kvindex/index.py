@@ -5,8 +5,9 @@ Keys are ``pdwire.kv_events.block_key`` values (64 bits). Each instance's entrie
 which can only make matches shorter, never wrong.
 
 Beside what the engines' events say, a proxy *places* a prompt's keys on the instances it just
-sent it to (``place``): they count as held there for ``PLACED_S`` (about the time a long prompt
-takes until the engine has computed it and its events say so). So every proxy replica sees
+sent it to (``place``): they count as held there for ``placed_s`` (``PLACED_S`` by default,
+``--kv-placed``: about the time a long prompt takes until the engine has computed it and its
+events say so). So every proxy replica sees
 where the others sent a prompt a moment ago; a replica's own memory of it
 (``proxy.policies.kv``) was its alone.
 """
@@ -58,7 +59,7 @@ class KVIndex(abc.ABC):
 
     @abc.abstractmethod
     async def place(self, placements: Sequence[Placement]) -> None:
-        """Count each placement's keys as held by its instance for ``PLACED_S`` (a proxy just
+        """Count each placement's keys as held by its instance for ``placed_s`` (a proxy just
         sent them there), all in one write; an instance's ``CLEAR`` or ``drop`` forgets them."""
 
     @abc.abstractmethod
@@ -89,8 +90,13 @@ class MemoryKVIndex(KVIndex):
     description = "memory"
 
     def __init__(
-        self, max_blocks: int = DEFAULT_MAX_BLOCKS, clock: Callable[[], float] = time.monotonic
+        self,
+        max_blocks: int = DEFAULT_MAX_BLOCKS,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        placed_s: float = PLACED_S,
     ) -> None:
+        self._placed_s = placed_s
         self._blocks: dict[str, set[int]] = {}
         self._placed: dict[str, OrderedDict[int, float]] = {}  # key: until, oldest first
         self._max = max_blocks
@@ -119,7 +125,7 @@ class MemoryKVIndex(KVIndex):
 
     async def place(self, placements: Sequence[Placement]) -> None:
         now = self._clock()
-        until = now + PLACED_S
+        until = now + self._placed_s
         for p in placements:
             placed = self._placed.setdefault(p.instance, OrderedDict())
             for k in p.keys:

@@ -77,12 +77,14 @@ class RedisKVIndex(KVIndex):
         ttl_s: float = 600.0,
         max_blocks: int = DEFAULT_MAX_BLOCKS,
         clock: Callable[[], float] = time.time,
+        placed_s: float = PLACED_S,
     ) -> None:
         self.description = f"redis (namespace {namespace!r})"
         self._r = r
         self._ns = namespace
         self._ttl_ms = int(ttl_s * 1000)
         self._max = max_blocks
+        self._placed_s = placed_s
         self._store = r.register_script(_STORE)
         self._lead = r.register_script(_LEAD)
         self._match = r.register_script(_MATCH)
@@ -136,7 +138,7 @@ class RedisKVIndex(KVIndex):
         if not placements:
             return
         now = self._clock()
-        until = now + PLACED_S
+        until = now + self._placed_s
         try:  # one pipeline: Redis on appendfsync always waits for its disk once, not per item
             async with self._r.pipeline(transaction=False) as pipe:
                 for p in placements:
@@ -145,7 +147,7 @@ class RedisKVIndex(KVIndex):
                         chunk = p.keys[i : i + _CHUNK]
                         pipe.zadd(key, dict.fromkeys((_member(k) for k in chunk), until))
                     pipe.zremrangebyscore(key, "-inf", now)
-                    pipe.pexpire(key, int(PLACED_S * 1000) + 1000)
+                    pipe.pexpire(key, int(self._placed_s * 1000) + 1000)
                 await pipe.execute()
         except RedisError as exc:
             raise StoreUnavailable(f"KV index: {exc}") from exc

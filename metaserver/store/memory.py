@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from metaserver.errors import Conflict, Forbidden, NotFound, Unprocessable
-from metaserver.kvindex.index import KVIndex, MemoryKVIndex
+from metaserver.kvindex.index import PLACED_S, KVIndex, MemoryKVIndex
 from metaserver.loadboard import LoadBoard, MemoryLoadBoard
 from metaserver.store.base import (
     MAX_EVENTS,
@@ -65,7 +65,14 @@ class _Binding:
 class MemoryStore(Store):
     description = "memory"
 
-    def __init__(self, *, binding_ttl_s: float, retain_s: float, clock: Clock = time.time) -> None:
+    def __init__(
+        self,
+        *,
+        binding_ttl_s: float,
+        retain_s: float,
+        clock: Clock = time.time,
+        kv_placed_s: float = PLACED_S,
+    ) -> None:
         self._binding_ttl = binding_ttl_s
         self._retain = retain_s
         self._clock = clock
@@ -80,7 +87,7 @@ class MemoryStore(Store):
         self._writes = 0
         self._due: list[tuple[float, str]] = []  # a heap: the bindings by (past) expiry
         self._waiters = LocalWaiters()
-        self._kv_index = MemoryKVIndex()
+        self._kv_index = MemoryKVIndex(placed_s=kv_placed_s)
         self._load_board = MemoryLoadBoard(clock)
 
     async def ping(self) -> None:

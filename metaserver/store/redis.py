@@ -33,7 +33,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from metaserver.errors import Conflict, Forbidden, NotFound, StoreUnavailable, Unprocessable
-from metaserver.kvindex.index import KVIndex
+from metaserver.kvindex.index import PLACED_S, KVIndex
 from metaserver.kvindex.redis_index import RedisKVIndex
 from metaserver.loadboard import LoadBoard, RedisLoadBoard
 from metaserver.store import redis_scripts as lua
@@ -78,6 +78,7 @@ class RedisStore(Store):
         max_connections: int = 64,
         retries: int = 3,
         socket_timeout_s: float = 2.0,
+        kv_placed_s: float = PLACED_S,
     ) -> None:
         self.description = f"redis ({redact_url(url)}, namespace {namespace!r})"
         self._ns = namespace
@@ -100,6 +101,7 @@ class RedisStore(Store):
         )
         self._r = aioredis.Redis(connection_pool=self._pool)
         self._kv_index: RedisKVIndex | None = None
+        self._kv_placed_s = kv_placed_s
         self._load_board = RedisLoadBoard(self._r, namespace)
         self._put_binding = self._r.register_script(lua.PUT_BINDING)
         self._add_event = self._r.register_script(lua.ADD_EVENT)
@@ -148,7 +150,7 @@ class RedisStore(Store):
 
     def kv_index(self) -> KVIndex:
         if self._kv_index is None:
-            self._kv_index = RedisKVIndex(self._r, self._ns)
+            self._kv_index = RedisKVIndex(self._r, self._ns, placed_s=self._kv_placed_s)
         return self._kv_index
 
     async def ping(self) -> None:

@@ -15,13 +15,13 @@ of the prompt (its hits are blocks P does not push); decode load matters first, 
 stream's ITL.
 
 The index learns a block once an engine has computed it and published the event: seconds
-after the choice for a long prompt. So the policy also remembers, for ``PENDING_S``, where it
-chose to send each prompt's blocks (at most ``MAX_PENDING`` keys, oldest dropped) and counts
-them as held there; the index's own count wins where larger. A choice is remembered as it is
-made, so the requests of a burst that share a prefix follow the first of them. A choice whose
-attempt fails is remembered all the same (for ``PENDING_S`` at most). This memory is the
-replica's own; the dispatcher also places the choice in the index (``KVLookup.placed``), which
-is how the other replicas learn it.
+after the choice for a long prompt. So the policy also remembers, for ``memory_s``
+(``--kv-memory``, ``PENDING_S`` by default), where it chose to send each prompt's blocks (at
+most ``MAX_PENDING`` keys, oldest dropped) and counts them as held there; the index's own count
+wins where larger. A choice is remembered as it is made, so the requests of a burst that share
+a prefix follow the first of them. A choice whose attempt fails is remembered all the same (for
+``memory_s`` at most). This memory is the replica's own; the dispatcher also places the choice
+in the index (``KVLookup.placed``), which is how the other replicas learn it.
 """
 
 from __future__ import annotations
@@ -44,8 +44,15 @@ MAX_PENDING = 200_000
 class KVAware:
     name = "kv"
 
-    def __init__(self, slack: int = 2, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        slack: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        memory_s: float = PENDING_S,
+    ) -> None:
         self._slack = slack
+        self._memory_s = memory_s
         self._fallback = LeastLoad()
         self._clock = clock
         self._pending: OrderedDict[int, tuple[str, float]] = OrderedDict()  # key: (url, until)
@@ -82,7 +89,7 @@ class KVAware:
         m = req.kv.get(inst.url)
         if m is None or not m.keys:
             return
-        until = now + PENDING_S
+        until = now + self._memory_s
         pending = self._pending
         for key in m.keys:
             pending[key] = (inst.url, until)

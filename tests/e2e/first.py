@@ -22,6 +22,7 @@ from launch.supervisor import Supervisor, group_members
 from tests.e2e.stack import (
     ENGINE_ARGS,
     KV_EVENTS_AT,
+    KV_MEMORY_S,
     PROXY_ARGS,
     Deployment,
     base_options,
@@ -77,6 +78,9 @@ class First:
         # engines publish KV events, the metaserver indexes them (tests/e2e/test_kv_routing.py)
         opts = replace(opts, kv_events_base_port=opts.proxy_port + KV_EVENTS_AT)
         plan = build_plan(opts)
+        next(c for c in plan.children if c.name == "metaserver").argv.extend(
+            ["--kv-placed", str(KV_MEMORY_S)]
+        )
         next(c for c in plan.children if c.name == "proxy").env.update(quick)
         plan.children[:] = [lowest(c) for c in plan.children]
         pd = deploy(plan, log_dir / "pd")

@@ -4,6 +4,7 @@ or rebuilt, the manager following registered engines, both index stores, ``/v1/k
 from __future__ import annotations
 
 import asyncio
+import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -13,11 +14,14 @@ import pytest
 import zmq.asyncio
 from vllm.distributed import kv_events as vllm_events
 
+import metaserver.app
+from metaserver.app import create_app
+from metaserver.cli import load_settings
 from metaserver.kvindex import Change, KVIndex, Op, Placement
 from metaserver.kvindex.follower import Follower, Source
 from metaserver.kvindex.index import PLACED_S
 from metaserver.kvindex.manager import KVEventManager
-from metaserver.store import Store
+from metaserver.store import Store, create_store
 from metaserver.store.base import InstancePut
 from pdwire.kv_events import block_key
 from pdwire.models import InstanceSpec, KVEvents
@@ -159,6 +163,34 @@ async def test_placed_keys_count_until_they_lapse_or_the_engine_clears(store: St
     await index.place([Placement("b", [7])])
     await index.drop("b")
     assert await index.match([7], ["b"]) == {"b": 0}
+
+
+async def test_placements_last_the_kv_placed_setting(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--kv-placed`` reaches the store the app builds, and a placement lapses after it."""
+    built: list[Store] = []
+
+    def create(url: str, **kw: Any) -> Store:
+        built.append(create_store(url, **kw))
+        return built[-1]
+
+    monkeypatch.setattr(metaserver.app, "create_store", create)
+    ns = f"placed-{secrets.token_hex(4)}"
+    create_app(load_settings(["--store", store_url, "--namespace", ns, "--kv-placed", "2.5"]))
+    (store,) = built
+    await store.start()
+    try:
+        index = store.kv_index()
+        now = [1_000_000.0]
+        index._clock = lambda: now[0]  # type: ignore[attr-defined]
+        await index.place([Placement("a", [1, 2])])
+        now[0] += 2.0
+        assert await index.match([1, 2], ["a"]) == {"a": 2}
+        now[0] += 1.0
+        assert await index.match([1, 2], ["a"]) == {"a": 0}
+    finally:
+        await store.close()
 
 
 async def test_index_bound(store: Store) -> None:

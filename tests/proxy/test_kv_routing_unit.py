@@ -178,6 +178,30 @@ async def test_a_prompt_just_sent_counts_as_held_there() -> None:
     await px.settle()
 
 
+async def test_the_memory_of_a_choice_lasts_kv_memory() -> None:
+    """``--kv-memory``: the prompt counts as held where it went for that long, then no more
+    (the index, which lost the placement, knows nothing: its P is merely busier)."""
+    px, m, backend = proxy(kv_memory_s=2.0)
+    m.placing = False
+    now = [1000.0]
+    policy = px.runtime.prefill_policy
+    assert isinstance(policy, KVAware)
+    policy._clock = lambda: now[0]
+    inst(px, P_URL).acquire(1)  # by load p1 first
+    assert (await px.send()).status == 200
+    inst(px, P_URL).release(1)
+    inst(px, P2_URL).acquire(100)  # 100 < 2 x 160: held, p1 still gets it
+    now[0] += 1.5
+    assert (await px.send()).status == 200
+    now[0] += 1.0  # 2.5 s after the first choice, 1 s after the second
+    assert (await px.send()).status == 200
+    now[0] += 2.5  # every one lapsed: p0, idle, takes it
+    assert (await px.send()).status == 200
+    assert urls(backend, "prefill") == [P2_URL, P2_URL, P2_URL, P_URL]
+    inst(px, P2_URL).release(100)
+    await px.settle()
+
+
 async def test_a_prompt_another_replica_just_sent_counts_as_held_there() -> None:
     """Two replicas, one index: the prompt replica a just sent to a P (and a D) counts as held
     there for replica b too, before any engine event (``POST /v1/kv/placed``). Its P still
