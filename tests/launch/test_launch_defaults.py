@@ -16,7 +16,7 @@ import pytest
 from connector.config import local_ip
 from launch import cli
 from launch.plan import CREDENTIALS, LaunchOptions, build_plan, kv_events_config
-from tests.support.procs import free_port
+from tests.support.procs import free_port_block
 
 
 def _options(tmp_path: Path, *argv: str) -> LaunchOptions:
@@ -80,7 +80,7 @@ def publisher() -> Iterator[tuple[int, object]]:
     """vLLM's own KV-event publisher, configured as pd-launch configures it on 127.0.0.1."""
     from vllm.distributed import kv_events as vllm_events
 
-    port = free_port()
+    port = free_port_block(2)  # the publisher and its replay socket (port + 1)
     cfg = json.loads(kv_events_config(port, "127.0.0.1"))
     pub = vllm_events.ZmqEventPublisher(
         0, endpoint=cfg["endpoint"], replay_endpoint=cfg["replay_endpoint"], topic="kv"
