@@ -29,6 +29,7 @@ from connector.compat import (
 from connector.config import load_settings
 from connector.metadata import PdgateMetadata, PdgateWorkerMetadata
 from connector.scheduler.blocks import BlockTracker
+from connector.shm_wait import install as install_shm_wait
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +65,7 @@ class PdgateConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _share_vllm_logging()
+        install_shm_wait()  # PDGATE_SHM_WAIT_S: the queues to the TP workers sleep, not spin
         kv = vllm_config.kv_transfer_config
         assert kv is not None
         refuse_unsupported(vllm_config)

@@ -36,11 +36,13 @@ _DEVICE = {
         "tcp",
         ("--gpu-memory-utilization", "0.1", "--dtype", "float32"),
         # the engines share the host's cores: unbound OpenMP threads, and none of them
-        # spinning at a barrier while another engine (or the metaserver) needs the core
+        # spinning at a barrier while another engine (or the metaserver) needs the core; nor
+        # in vLLM's queues between the engine core and its TP workers (connector/shm_wait.py)
         {
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "OMP_WAIT_POLICY": "PASSIVE",
+            "PDGATE_SHM_WAIT_S": "0.0002",
         },
     ),
     "cuda": DevicePreset("rdma", visible_devices_env="CUDA_VISIBLE_DEVICES"),
