@@ -56,13 +56,13 @@ format: install
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-# everything (kernel session autogroups off meanwhile: tools/without-autogroup.sh)
+# everything
 test: install vllm-src lint
-	tools/without-autogroup.sh $(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest $(PYTEST_ARGS)
 
 # only the heterogeneous-TP pairings on real engines (P tp 2 -> D tp 1, P tp 1 -> D tp 2)
 test-tp: install lint
-	tools/without-autogroup.sh $(BIN)/pytest -m tp2 $(PYTEST_ARGS)
+	$(BIN)/pytest -m tp2 $(PYTEST_ARGS)
 
 # for iterating: no engines and none of the slow-marked modules (`make test` runs everything)
 test-fast: install vllm-src lint

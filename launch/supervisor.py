@@ -48,7 +48,9 @@ class Supervisor:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            start_new_session=True,  # own process group: we can stop its whole tree
+            # its own process group (we stop its whole tree) in our session: a new session
+            # would be a scheduling group of its own under kernel autogroups (docs/launch.md)
+            process_group=0,
             # the parent-death signal follows the *thread* that forks: only from the main one
             preexec_fn=_die_with_parent if in_main_thread else None,
         )

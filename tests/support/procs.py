@@ -62,7 +62,7 @@ class Process:
             env={**os.environ, **(env or {})},
             stdout=out,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            process_group=0,
             cwd=REPO,
         )
         if log:
