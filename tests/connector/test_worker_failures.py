@@ -255,31 +255,31 @@ def test_sender_keepalive_announces_a_new_transfer_at_once() -> None:
     is named at once, not an interval later (a P frozen meanwhile would only be caught by
     D's load deadline)."""
     port = C.free_port_range(1)
-    got: list[tuple[float, wire.Alive]] = []
+    got: list[wire.Alive] = []
     server = SideChannelServer(
         "127.0.0.1",
         port,
         lambda hello: wire.Refused("no"),
         lambda sig: None,
-        lambda alive: got.append((time.monotonic(), alive)),
+        lambda alive: got.append(alive),
     )
     ledger = Ledger(lambda chunk: [tp.Route(0, 0, 1, 0, 1)])
     d = C.destination(C.Instance("d-eng", 1, 8, False, 32, 16, 32), port)
-    ka = KeepAlive("p-eng/0", ledger, interval_s=30.0)
+    # an interval no test outlasts: any keep-alive that comes was sent for the opening
+    ka = KeepAlive("p-eng/0", ledger, interval_s=3600.0)
     ka.start()
     try:
         time.sleep(0.2)  # the thread waits for its first interval
-        opened = time.monotonic()
         ledger.open(SendChunk("r0", "t-r0", d, [], False))
-        deadline = opened + 5
+        deadline = time.monotonic() + 60  # a hang guard, not a bound: it returns on arrival
         while time.monotonic() < deadline and not got:
             time.sleep(0.01)
     finally:
         ka.stop()
         server.close()
-    assert got, "no keep-alive within 5 s of the transfer opening"
-    at, alive = got[0]
-    assert alive.transfer_ids == ["t-r0"] and at - opened < 1.0, (at - opened, alive)
+    assert got, "no keep-alive for the opened transfer"
+    alive = got[0]
+    assert alive.transfer_ids == ["t-r0"], alive
     assert ledger.on_open is None  # stopped: the ledger no longer pokes it
 
 
