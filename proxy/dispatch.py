@@ -27,6 +27,7 @@ from proxy.metrics import Metrics
 from proxy.policies import Policy, RequestInfo
 from proxy.policies.prefix import PrefixAware
 from proxy.rewrite import ClientRequest
+from proxy.tracing import NO_SPAN
 
 if TYPE_CHECKING:
     from proxy.kvroute.lookup import KVLookup
@@ -144,12 +145,12 @@ class Dispatcher:
         req: ClientRequest,
         path: str,
         flow: FlowName,
-        trace: RequestSpan | None = None,
+        trace: RequestSpan = NO_SPAN,
         avoiding: frozenset[str] = frozenset(),
     ) -> tuple[Upstream, Instance, FlowName]:
         """Run attempts until D's first byte is in. The caller owns ``Upstream`` and must
         ``release`` the returned instance when the stream ends. ``trace``: the
-        request's span (tracing on); each attempt's legs become its children. ``avoiding``:
+        request's span; each attempt's legs become its children. ``avoiding``:
         instance URLs not to choose while others are available."""
 
         info = RequestInfo(req.prompt, req.tokens)
@@ -199,12 +200,11 @@ class Dispatcher:
                     a.tid, a.request_id, chosen.value, exc.leg, exc.url, exc.kind,
                     "give-up" if give_up else "retry", exc.message,
                 )  # fmt: skip
-                if trace is not None:
-                    trace.event(
-                        "attempt_failed",
-                        {"pdgate.transfer_id": a.tid, "pdgate.leg": exc.leg,
-                         "pdgate.kind": exc.kind, "server.address": exc.url},
-                    )  # fmt: skip
+                trace.event(
+                    "attempt_failed",
+                    {"pdgate.transfer_id": a.tid, "pdgate.leg": exc.leg,
+                     "pdgate.kind": exc.kind, "server.address": exc.url},
+                )  # fmt: skip
                 if give_up:
                     raise
                 avoid.add(exc.url)
@@ -239,15 +239,13 @@ class Dispatcher:
         inst.release(tokens)
         self._share.changed()
 
-    async def _annotate(
-        self, info: RequestInfo, req: ClientRequest, trace: RequestSpan | None
-    ) -> None:
+    async def _annotate(self, info: RequestInfo, req: ClientRequest, trace: RequestSpan) -> None:
         assert self._kv is not None
         reg = self._registry
         instances = [*reg.available(Role.PREFILL), *reg.available(Role.DECODE)]
         await self._kv.annotate(info, req.body, req.chat, instances)
         req.tokens = info.tokens  # exact once tokenized; D's load is released by this count
-        if trace is not None and info.kv is not None:
+        if trace.recording and info.kv is not None:
             trace.event(
                 "kv_match",
                 {"pdgate.prompt_tokens": info.tokens,

@@ -101,3 +101,29 @@ class EventSink:
     async def drain(self, timeout_s: float = 5.0) -> None:
         if self._pending:
             await asyncio.wait(set(self._pending), timeout=timeout_s)
+
+
+class NoEvents:
+    """The sink of a proxy without a metaserver: it has no binding to mark."""
+
+    __slots__ = ()
+
+    def abandon(self, transfer_id: str, outcome: BindingState, why: str | None = None) -> None:
+        pass
+
+    def mark(
+        self,
+        transfer_id: str,
+        kind: MarkKind,
+        since_request_s: float | None,
+        outcome: str | None = None,
+        kv_held: dict[str, int] | None = None,
+        chunks: int | None = None,
+    ) -> None:
+        pass
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        pass
+
+
+NO_EVENTS = NoEvents()

@@ -45,6 +45,7 @@ from proxy.migration import COMPLETIONS, Migrator, Splicer, Tape
 from proxy.rewrite import ClientRequest
 from proxy.runtime import Runtime
 from proxy.sse import end_broken, fix_body, relay_stream
+from proxy.tracing import NO_SPAN
 from proxy.watcher import Watcher
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ class CompletionsHandler:
         watcher: Watcher,
         flow: Flow,
         t0: float,
-        span: RequestSpan | None,
+        span: RequestSpan,
     ) -> bool:
         """Stream D's answer to the client; when D breaks mid-stream, go on from another pair
         while the migrator allows (``proxy.migration``), else end with an error event.
@@ -123,19 +124,16 @@ class CompletionsHandler:
                 raise
             at.held = plan.request.tokens
             self._migrator.counted(broken, "continued")
-            events = self.rt.events
-            if self._marks and at.up.binding_tracked and events is not None:
+            if self._marks and at.up.binding_tracked:
                 since = time.perf_counter() - t0
-                events.mark(at.up.tid, MarkKind.FIRST_TOKEN, since, kv_held=at.up.kv_held)
+                self.rt.events.mark(at.up.tid, MarkKind.FIRST_TOKEN, since, kv_held=at.up.kv_held)
             log.info("answer of %s continues on %s after %d tokens (%s)",
                      at.up.tid, at.d.url, tape.shown, broken.reason)  # fmt: skip
             hook = Splicer(req, tape).event
             broken = await relay_stream(at.up, send, False, watcher.finish, hook)
         return True
 
-    def _leave(
-        self, up: Upstream, d: Instance, held: int, t0: float, span: RequestSpan | None
-    ) -> None:
+    def _leave(self, up: Upstream, d: Instance, held: int, t0: float, span: RequestSpan) -> None:
         """Drop a D that broke mid-stream before its answer goes on from another pair: its
         answer closed (vLLM aborts the request), its load released, a failure on its circuit,
         the binding marked ``migrated``."""
@@ -144,18 +142,16 @@ class CompletionsHandler:
         assert rt.dispatcher is not None
         rt.dispatcher.release(d, held)
         d.circuit.record(False)
-        if up.binding_tracked and rt.events is not None:
+        if up.binding_tracked:
             rt.events.mark(up.tid, MarkKind.MIGRATED, time.perf_counter() - t0, d.url[:64])
-        if span is not None:
-            span.event("migrated", {"pdgate.transfer_id": up.tid, "server.address": d.url})
+        span.event("migrated", {"pdgate.transfer_id": up.tid, "server.address": d.url})
 
     def _abort(self, up: Upstream, why: str) -> None:
         """Drop D's answer (vLLM aborts the request) and mark its bindings ``abandoned``."""
         up.close()
-        events = self.rt.events
-        if up.binding_tracked and events is not None:
+        if up.binding_tracked:
             for bid in up.binding_ids or (up.tid,):
-                events.abandon(bid, BindingState.ABORTED, why)
+                self.rt.events.abandon(bid, BindingState.ABORTED, why)
 
     def _count(self, endpoint: str, flow: Flow, outcome: str, status: int) -> Any:
         """The label child of ``pd_requests_total``, resolved once per label set."""
@@ -193,7 +189,7 @@ class CompletionsHandler:
             rid = self._ids.next().encode()
         extra = [(b"x-request-id", rid)]
         flow = self._flow_default
-        span: RequestSpan | None = None
+        span: RequestSpan = NO_SPAN
         if rt.tracer is not None:  # tracing on: only then is traceparent looked for
             tp = next((v for n, v in scope["headers"] if n == b"traceparent"), None)
             span = rt.tracer.request(tp, path, rid.decode("latin-1"))
@@ -206,8 +202,7 @@ class CompletionsHandler:
                 flow = _flow_of(flow_hdr)
         except ProxyError as exc:
             rt.metrics.rejected.labels(reason=exc.kind).inc()
-            if span is not None:
-                _end_span(span, exc.kind, exc.status, flow, None, None, exc.message)
+            _end_span(span, exc.kind, exc.status, flow, None, None, exc.message)
             await _send_error(send, exc, extra)
             return
         await self._serve(scope, receive, send, endpoint, flow, extra, t0, span)
@@ -221,7 +216,7 @@ class CompletionsHandler:
         flow: Flow,
         extra: list[tuple[bytes, bytes]],
         t0: float,
-        span: RequestSpan | None = None,
+        span: RequestSpan = NO_SPAN,
     ) -> None:
         rt = self.rt
         assert rt.dispatcher is not None
@@ -236,13 +231,11 @@ class CompletionsHandler:
             # taken once the body is in: a slow sender holds its connection, not a slot
             rt.admission.enter()
         except ClientDisconnected:
-            if span is not None:
-                _end_span(span, "client_disconnected", 499, flow, None, None, "client went away")
+            _end_span(span, "client_disconnected", 499, flow, None, None, "client went away")
             return
         except ProxyError as exc:
             rt.metrics.rejected.labels(reason=exc.kind).inc()
-            if span is not None:
-                _end_span(span, exc.kind, exc.status, flow, None, None, exc.message)
+            _end_span(span, exc.kind, exc.status, flow, None, None, exc.message)
             await _send_error(send, exc, extra, close=isinstance(exc, RequestTimeout))
             return
         task = asyncio.current_task()
@@ -257,7 +250,7 @@ class CompletionsHandler:
         try:
             first, at.d, used = await rt.dispatcher.open(req, scope["path"], flow, span)
             at.up, at.held = first, req.tokens  # exact once the kv policy tokenized it
-            if self._marks and first.binding_tracked and rt.events is not None:  # not awaited
+            if self._marks and first.binding_tracked:  # posted in the background
                 since = time.perf_counter() - t0
                 rt.events.mark(first.tid, MarkKind.FIRST_TOKEN, since, kv_held=first.kv_held)
             if not req.stream:
@@ -287,8 +280,7 @@ class CompletionsHandler:
                 watcher.cancel()
         except ProxyError as exc:
             outcome, status = exc.kind, exc.status
-            if span is not None:
-                span.set("error.message", exc.message[:500])
+            span.set("error.message", exc.message[:500])
             watcher.cancel()
             if not started:
                 await _send_error(send, exc, extra)
@@ -308,7 +300,7 @@ class CompletionsHandler:
                     up.release()
                 else:
                     self._abort(up, outcome)
-                if self._marks and up.binding_tracked and rt.events is not None:
+                if self._marks and up.binding_tracked:
                     chunks = up.chunks if req.stream else None
                     end = time.perf_counter() - t0
                     rt.events.mark(up.tid, MarkKind.END, end, outcome, chunks=chunks)
@@ -324,8 +316,7 @@ class CompletionsHandler:
                 )  # fmt: skip
             self._count(endpoint, used, outcome, status).inc()
             self._seconds(used).observe(time.perf_counter() - t0)
-            if span is not None:
-                _end_span(span, outcome, status, used, up, d, None)
+            _end_span(span, outcome, status, used, up, d, None)
 
 
 def _end_span(

@@ -23,7 +23,7 @@ from proxy.backend import Backend
 from proxy.canary import Canaries
 from proxy.config import Discovery, Flow, HttpClient, ProxySettings
 from proxy.dispatch import Decider, Dispatcher
-from proxy.events import EventClient, EventSink
+from proxy.events import NO_EVENTS, EventClient, EventSink, NoEvents
 from proxy.flows import AscendLayerwise, DecodeFirst, Direct, Legs, PrefillFirst, Timeouts
 from proxy.flows.base import Flow as FlowImpl
 from proxy.flows.bindings import BindingSource
@@ -78,7 +78,7 @@ class Runtime:
         self.drains = DrainControl(self.registry, None)  # local drains until ``start``
         self.session: aiohttp.ClientSession | None = None
         self.metaserver: AsyncMetaserverClient | None = None
-        self.events: EventSink | None = None
+        self.events: EventSink | NoEvents = NO_EVENTS  # marks need a metaserver
         self.dispatcher: Dispatcher | None = None
         self.backend: Backend | None = None
         # tracing on: built by ``start`` in the serving process (tests may set one); None: off
@@ -192,13 +192,11 @@ class Runtime:
         if events is not None:
             assert s.metaserver is not None
             token = s.metaserver_token.get_secret_value() if s.metaserver_token else None
-            self.events = EventSink(events)
+            sink = self.events = EventSink(events)
             bindings = self.bindings = BindingSource(backend, s.metaserver, token, self.metrics)
-            flows[Flow.DECODE_FIRST] = DecodeFirst(legs, bindings, self.events)
-            flows[Flow.CONCURRENT] = DecodeFirst(legs, bindings, self.events, concurrent=True)
-            flows[Flow.ASCEND_LAYERWISE] = AscendLayerwise(
-                legs, bindings, self.events, s.ascend_urls()
-            )
+            flows[Flow.DECODE_FIRST] = DecodeFirst(legs, bindings, sink)
+            flows[Flow.CONCURRENT] = DecodeFirst(legs, bindings, sink, concurrent=True)
+            flows[Flow.ASCEND_LAYERWISE] = AscendLayerwise(legs, bindings, sink, s.ascend_urls())
         canary_flow = flows.get(s.flow)
         if guard is not None and s.canary_interval_s > 0 and canary_flow is not None:
             if canary_flow.needs_prefill:
@@ -238,8 +236,7 @@ class Runtime:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self.events is not None:
-            await self.events.drain()
+        await self.events.drain()
         if self.kv is not None:
             self.kv.close()
         if self.backend is not None:

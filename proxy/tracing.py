@@ -1,7 +1,8 @@
 """The proxy's traces (OpenTelemetry), built only when tracing is on.
 
-Off (the default) the runtime holds no tracer: the handler reads no ``traceparent`` header,
-no span object is made, and OpenTelemetry is never imported. On (``--otlp-traces-endpoint``,
+The flows and the handler speak to the ``LegSpan`` / ``RequestSpan`` protocols on one path.
+Off (the default) every request's span is ``NO_SPAN``, whose calls do nothing: the handler
+reads no ``traceparent`` header and OpenTelemetry is never imported. On (``--otlp-traces-endpoint``,
 or ``$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``), each request gets:
 
 ``pdgate.request`` (SERVER; the child of the client's ``traceparent`` when it sends a valid
@@ -22,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdwire.trace import format_traceparent, parse_traceparent
 
@@ -39,10 +40,58 @@ SERVICE_NAME = "pdgate-proxy"
 Attributes = Mapping[str, str | int | float | bool]
 
 
-class LegSpan:
+class LegSpan(Protocol):
+    """A leg's span: ``traceparent`` names it to the engine it calls (``None``: tracing off)."""
+
+    @property
+    def traceparent(self) -> str | None: ...
+
+    @property
+    def recording(self) -> bool:
+        """Whether attributes are kept: a caller computes costly ones only then."""
+        ...
+
+    def set(self, key: str, value: str | int | float | bool) -> None: ...
+
+    def event(self, name: str, attributes: Attributes | None = None) -> None: ...
+
+    def end(self, error: BaseException | str | None = None) -> None: ...
+
+
+class RequestSpan(LegSpan, Protocol):
+    """A request's span; ``leg`` starts its children."""
+
+    def leg(self, name: str, attributes: Attributes) -> LegSpan: ...
+
+
+class NoSpan:
+    """Every span while tracing is off: each call does nothing, no object is made."""
+
+    __slots__ = ()
+    traceparent: str | None = None
+    recording = False
+
+    def set(self, key: str, value: str | int | float | bool) -> None:
+        pass
+
+    def event(self, name: str, attributes: Attributes | None = None) -> None:
+        pass
+
+    def end(self, error: BaseException | str | None = None) -> None:
+        pass
+
+    def leg(self, name: str, attributes: Attributes) -> NoSpan:
+        return self
+
+
+NO_SPAN = NoSpan()
+
+
+class OtelSpan:
     """One span and the ``traceparent`` that names it to the engine it calls."""
 
     __slots__ = ("_otel", "span", "traceparent")
+    recording = True
 
     def __init__(self, span: Span, otel: _Otel) -> None:
         self.span = span
@@ -67,7 +116,7 @@ class LegSpan:
         self.span.end()
 
 
-class RequestSpan(LegSpan):
+class OtelRequestSpan(OtelSpan):
     """The request's span; ``leg`` starts its children."""
 
     __slots__ = ("_tracer",)
@@ -76,13 +125,13 @@ class RequestSpan(LegSpan):
         super().__init__(span, otel)
         self._tracer = tracer
 
-    def leg(self, name: str, attributes: Attributes) -> LegSpan:
+    def leg(self, name: str, attributes: Attributes) -> OtelSpan:
         o = self._otel
         ctx = o.set_span_in_context(self.span)
         span = self._tracer.tracer.start_span(
             f"pdgate.{name}", context=ctx, kind=o.client, attributes=attributes
         )
-        return LegSpan(span, o)
+        return OtelSpan(span, o)
 
 
 class _Otel:
@@ -117,7 +166,7 @@ class ProxyTracer:
         self.provider = provider
         self.tracer = provider.get_tracer("pdgate.proxy")
 
-    def request(self, traceparent: bytes | None, route: str, request_id: str) -> RequestSpan:
+    def request(self, traceparent: bytes | None, route: str, request_id: str) -> OtelRequestSpan:
         o = self._otel
         span = self.tracer.start_span(
             "pdgate.request",
@@ -125,7 +174,7 @@ class ProxyTracer:
             kind=o.server,
             attributes={"http.route": route, "pdgate.request_id": request_id},
         )
-        return RequestSpan(span, o, self)
+        return OtelRequestSpan(span, o, self)
 
     def shutdown(self) -> None:
         self.provider.shutdown()

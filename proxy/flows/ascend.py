@@ -59,9 +59,9 @@ class AscendLayerwise:
         a.request_id = a.tid  # vllm-ascend keys the transfer by the engines' request ids
         task = asyncio.current_task()
         assert task is not None
-        d_task = asyncio.get_running_loop().create_task(
-            self._legs.decode(a, a.decode_body(ascend_decode_leg(self._callback_urls(a.tid))))
-        )
+        d_body = a.decode_body(ascend_decode_leg(self._callback_urls(a.tid)))
+        d_leg = self._legs.decode(a, d_body, a.leg_span("decode", a.decode.url))
+        d_task = asyncio.get_running_loop().create_task(d_leg)
         watch = DecodeWatch(task, self._grace_s)
         d_task.add_done_callback(watch)
         try:
@@ -76,7 +76,9 @@ class AscendLayerwise:
             watch.any_end = False
             watch.armed = True
             try:
-                answer: PrefillAnswer = await self._legs.prefill(a, params)
+                assert a.prefill is not None  # its span: the traceparent header only
+                p_span = a.leg_span("prefill", a.prefill.url)
+                answer: PrefillAnswer = await self._legs.prefill(a, params, p_span)
             except asyncio.CancelledError:
                 if not watch.absorb():
                     raise
@@ -119,7 +121,17 @@ class AscendLayerwise:
                     t.exception()
 
     async def _params(self, a: Attempt, ids: list[str]) -> dict[str, Any]:
-        """Every child's binding, as P's ``kv_transfer_params``."""
+        """Every child's binding, as P's ``kv_transfer_params``, in a ``binding_wait`` span."""
+        span = a.trace.leg("binding_wait", {"pdgate.transfer_id": a.tid})
+        try:
+            params = await self._wait_params(a, ids)
+        except BaseException as exc:
+            span.end(exc)
+            raise
+        span.end()
+        return params
+
+    async def _wait_params(self, a: Attempt, ids: list[str]) -> dict[str, Any]:
         t0 = time.perf_counter()
         try:
             if len(ids) == 1:

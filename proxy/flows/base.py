@@ -27,6 +27,7 @@ from proxy.integrity import (
 from proxy.metrics import Metrics
 from proxy.policies import RequestInfo
 from proxy.rewrite import ClientRequest, cached_tokens_of
+from proxy.tracing import NO_SPAN
 
 if TYPE_CHECKING:
     from proxy.tracing import LegSpan, RequestSpan
@@ -63,7 +64,7 @@ class Attempt:
         decode: Instance,
         prefill: Instance | None,
         tid: str,
-        trace: RequestSpan | None = None,
+        trace: RequestSpan = NO_SPAN,
     ) -> None:
         self.req = req
         self.info = info
@@ -75,16 +76,14 @@ class Attempt:
         # ``id``), which the client sees, so it is not the transfer id, which would let a
         # client name its transfer (a flow whose engines key transfers by it sets it so)
         self.request_id = f"pdr-{os.urandom(RANDOM_BYTES).hex()}"
-        self.trace = trace  # the request's span (tracing on)
+        self.trace = trace  # the request's span (``NO_SPAN``: tracing off)
 
     def decode_body(self, kv: dict[str, Any] | msgspec.Raw | None) -> bytes:
         """The request for D (``kv``: its ``kv_transfer_params``), in D's cache epoch."""
         return self.req.for_decode(kv, self.decode.cache_epoch)
 
-    def leg_span(self, leg: str, url: str) -> LegSpan | None:
-        """A child span of the request for one leg of this attempt (``None``: tracing off)."""
-        if self.trace is None:
-            return None
+    def leg_span(self, leg: str, url: str) -> LegSpan:
+        """A child span of the request for one leg of this attempt."""
         return self.trace.leg(leg, {"pdgate.transfer_id": self.tid, "server.address": url})
 
 
@@ -168,18 +167,18 @@ class Legs:
         self._ttft = metrics.decode_ttft_seconds
         self._prefill_s = metrics.prefill_seconds
 
-    async def traced_decode(self, a: Attempt, body: bytes, span: LegSpan) -> Upstream:
-        """``decode`` in ``span`` (tracing on): sent to D as ``traceparent``, ended here."""
+    async def decode(self, a: Attempt, body: bytes, span: LegSpan) -> Upstream:
+        """D's leg up to its first byte (its whole answer when not streaming), in ``span``
+        (sent to D as ``traceparent``, ended here)."""
         try:
-            up = await self.decode(a, body, span.traceparent)
+            up = await self._decode(a, body, span.traceparent)
         except BaseException as exc:
             span.end(exc)
             raise
         span.end()
         return up
 
-    async def decode(self, a: Attempt, body: bytes, traceparent: str | None = None) -> Upstream:
-        """D's leg up to its first byte (its whole answer when not streaming)."""
+    async def _decode(self, a: Attempt, body: bytes, traceparent: str | None) -> Upstream:
         d = a.decode
         t0 = time.perf_counter()
         stream = a.req.stream
@@ -208,27 +207,28 @@ class Legs:
         self._ttft.observe(time.perf_counter() - t0)
         return Upstream(resp, first, a.tid)
 
-    async def traced_prefill(self, a: Attempt, kv: dict[str, Any], span: LegSpan) -> PrefillAnswer:
-        """``prefill`` in ``span`` (tracing on), whose ``traceparent`` the caller put in
-        ``kv``: sent to P as that header too, ended here with P's push report."""
+    async def prefill(self, a: Attempt, kv: dict[str, Any], span: LegSpan) -> PrefillAnswer:
+        """P's whole answer, in ``span``, whose ``traceparent`` the caller put in ``kv``: sent
+        to P as that header too, ended here with P's push report."""
         try:
-            answer = await self.prefill(a, kv, span.traceparent)
+            answer = await self._prefill(a, kv, span.traceparent)
         except BaseException as exc:
             span.end(exc)
             raise
-        report = parse_push_report(bytes(answer.kv_transfer_params))
-        if report is not None and report.push:
-            span.set("pdgate.push", report.push)
-            if report.no_push_reason is not None:
-                span.set("pdgate.no_push_reason", report.no_push_reason)
-        cached = prefill_cached(answer)
-        if cached is not None:
-            span.set("pdgate.prefill_cached_tokens", cached)
+        if span.recording:
+            report = parse_push_report(bytes(answer.kv_transfer_params))
+            if report is not None and report.push:
+                span.set("pdgate.push", report.push)
+                if report.no_push_reason is not None:
+                    span.set("pdgate.no_push_reason", report.no_push_reason)
+            cached = prefill_cached(answer)
+            if cached is not None:
+                span.set("pdgate.prefill_cached_tokens", cached)
         span.end()
         return answer
 
-    async def prefill(
-        self, a: Attempt, kv: dict[str, Any], traceparent: str | None = None
+    async def _prefill(
+        self, a: Attempt, kv: dict[str, Any], traceparent: str | None
     ) -> PrefillAnswer:
         p = a.prefill
         assert p is not None

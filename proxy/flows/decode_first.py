@@ -48,7 +48,7 @@ from proxy.flows.bindings import BindingMissing, BindingSource
 from proxy.flows.watch import DecodeWatch, answered, drop
 
 if TYPE_CHECKING:
-    from proxy.tracing import RequestSpan
+    pass
 
 log = logging.getLogger("pdgate.proxy.flows")
 
@@ -110,11 +110,8 @@ class DecodeFirst:
         task = asyncio.current_task()
         assert task is not None
         d_span = a.leg_span("decode", a.decode.url)
-        if d_span is None:
-            d_leg = self._legs.decode(a, a.decode_body(decode_leg(a.tid, url)))
-        else:
-            d_kv = decode_leg(a.tid, url, d_span.traceparent)
-            d_leg = self._legs.traced_decode(a, a.decode_body(d_kv), d_span)
+        d_kv = decode_leg(a.tid, url, d_span.traceparent)
+        d_leg = self._legs.decode(a, a.decode_body(d_kv), d_span)
         d_task = asyncio.get_running_loop().create_task(d_leg)
         watch = DecodeWatch(task, self._grace_s)
         d_task.add_done_callback(watch)
@@ -203,10 +200,8 @@ class DecodeFirst:
         assert a.prefill is not None
         span = a.leg_span("prefill", a.prefill.url)
         chosen = a.decode.id if a.decode.spec is not None else None  # P refuses another D's
-        if span is None:
-            return self._legs.prefill(a, prefill_leg(a.tid, url, binding, None, chosen))
         kv = prefill_leg(a.tid, url, binding, span.traceparent, chosen)
-        return self._legs.traced_prefill(a, kv, span)
+        return self._legs.prefill(a, kv, span)
 
     def _without_prefill(self, a: Attempt, up: Upstream) -> Upstream:
         """D answered and P did not within the grace: P's leg was cancelled (its request
@@ -231,23 +226,14 @@ class DecodeFirst:
             self._legs.metrics.no_push.inc()
         why = f"{what}: {why}"
         self._events.abandon(a.tid, BindingState.FAILED, why)
-        body = a.decode_body(None)
         span = a.leg_span("decode", a.decode.url)
-        if span is None:
-            up = await self._legs.decode(a, body)
-        else:
-            span.set("pdgate.without_prefill", why)
-            up = await self._legs.traced_decode(a, body, span)
+        span.set("pdgate.without_prefill", why)
+        up = await self._legs.decode(a, a.decode_body(None), span)
         up.binding_tracked = True  # the failed binding's timeline gets D's first token and end
         return up
 
-    def _binding(self, a: Attempt) -> Coroutine[Any, Any, msgspec.Raw]:
-        if a.trace is None:
-            return self._wait_binding(a)
-        return self._traced_binding(a, a.trace)
-
-    async def _traced_binding(self, a: Attempt, trace: RequestSpan) -> msgspec.Raw:
-        span = trace.leg("binding_wait", {"pdgate.transfer_id": a.tid})
+    async def _binding(self, a: Attempt) -> msgspec.Raw:
+        span = a.trace.leg("binding_wait", {"pdgate.transfer_id": a.tid})
         try:
             raw = await self._wait_binding(a)
         except BaseException as exc:

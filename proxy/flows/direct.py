@@ -13,8 +13,4 @@ class Direct:
         self._legs = legs
 
     async def open(self, a: Attempt) -> Upstream:
-        body = a.decode_body(None)
-        span = a.leg_span("decode", a.decode.url)
-        if span is None:
-            return await self._legs.decode(a, body)
-        return await self._legs.traced_decode(a, body, span)
+        return await self._legs.decode(a, a.decode_body(None), a.leg_span("decode", a.decode.url))

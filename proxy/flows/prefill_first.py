@@ -20,30 +20,19 @@ class PrefillFirst:
 
     async def open(self, a: Attempt) -> Upstream:
         assert a.prefill is not None
-        p_span = a.leg_span("prefill", a.prefill.url)
-        if p_span is None:
-            answer = await self._legs.prefill(a, PREFILL_PARAMS)
-        else:  # vLLM's pull connectors read no traceparent: only the header carries it
-            answer = await self._legs.traced_prefill(a, PREFILL_PARAMS, p_span)
+        # vLLM's pull connectors read no traceparent: only the header carries it
+        answer = await self._legs.prefill(a, PREFILL_PARAMS, a.leg_span("prefill", a.prefill.url))
         kv = answer.kv_transfer_params  # passed to D as it came (msgspec.Raw), never re-encoded
         if not bytes(kv).lstrip().startswith(b"{"):
             err = UpstreamError("prefill answered without kv_transfer_params")
             raise LegError(err, a.prefill.url, "prefill")
-        body = a.decode_body(kv)
-        d_span = a.leg_span("decode", a.decode.url)
-        if d_span is None:
-            up = await self._legs.decode(a, body)
-        else:
-            up = await self._legs.traced_decode(a, body, d_span)
+        up = await self._legs.decode(a, a.decode_body(kv), a.leg_span("decode", a.decode.url))
         up.prefill_cached = prefill_cached(answer)
         differ = await self._legs.first_tokens_differ(a, answer, up)
         if differ is None:
             return up
         up.close()  # D computes the prompt itself; the suspect answer is never sent
         self._legs.metrics.without_prefill.labels(reason="first_token_mismatch").inc()
-        body = a.decode_body(None)
         d_span = a.leg_span("decode", a.decode.url)
-        if d_span is None:
-            return await self._legs.decode(a, body)
         d_span.set("pdgate.without_prefill", differ)
-        return await self._legs.traced_decode(a, body, d_span)
+        return await self._legs.decode(a, a.decode_body(None), d_span)

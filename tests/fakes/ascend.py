@@ -234,7 +234,13 @@ class FakeAscend:
         ids = request_ids(x_request_id, chat, body)
         if self.knobs.record:
             self.received.append(
-                {"path": request.path, "body": body, "x_request_id": x_request_id, "ids": ids}
+                {
+                    "path": request.path,
+                    "body": body,
+                    "x_request_id": x_request_id,
+                    "ids": ids,
+                    "traceparent": request.headers.get("traceparent"),
+                }
             )
         try:
             return await self._answer(request, body, ids, chat)

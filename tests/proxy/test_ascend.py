@@ -22,8 +22,10 @@ import openai
 import pytest
 
 from pdwire.ascend import COMPAT_PATH
+from pdwire.trace import format_traceparent
 from tests.fakes import FakeVLLM
 from tests.proxy.conftest import Cluster, ProxyFactory, wait_until
+from tests.support.otlp import ReceivedSpan, otlp_receiver
 from tests.support.procs import free_port
 from tests.support.services import MetaserverProcess, RedisServer
 
@@ -134,6 +136,41 @@ async def test_ascend_completions_legs_carry_vllm_ascend_params(
     assert p.stats()["signals_sent"] == 1
     # the event history, as curl shows it
     assert _states(cluster.metaserver, f"cmpl-{x}-0") == ["bound"]
+
+
+async def test_ascend_legs_are_traced(
+    cluster: Cluster, proxy_factory: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tracing on, the ascend flow's request has the spans decode-first's has: D's leg, the
+    wait for D's binding, P's leg, each a child of the client's trace, and each engine is sent
+    its own leg's span as ``traceparent``."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # exported within 0.1 s, not 5 s
+    trace_id, parent = 0x5AF1C3D2E4B5A6978877665544332211, 0x1122334455667788
+    with otlp_receiver() as receiver:
+        proxy = await proxy_factory(**_settings(cluster), otlp_traces_endpoint=receiver.url)
+        out = await proxy.client().completions.create(
+            model="fake-model", prompt="hello " * 40, max_tokens=5,
+            extra_headers={"traceparent": format_traceparent(trace_id, parent, 1)},
+        )  # fmt: skip
+        assert out.choices[0].text
+
+        def whole(spans: list[ReceivedSpan]) -> bool:
+            return len(spans) >= 4
+
+        spans = await asyncio.to_thread(receiver.wait, f"{trace_id:032x}", whole)
+    got = {s.name: s for s in spans}
+    assert sorted(got) == [
+        "pdgate.binding_wait", "pdgate.decode", "pdgate.prefill", "pdgate.request"
+    ], [s.name for s in spans]  # fmt: skip
+    root = got["pdgate.request"]
+    assert root.parent_span_id == f"{parent:016x}"
+    assert root.attributes["pdgate.flow"] == FLOW
+    for leg in ("pdgate.decode", "pdgate.binding_wait", "pdgate.prefill"):
+        assert got[leg].parent_span_id == root.span_id, leg
+    (d_req,) = cluster.decode[0].requests()
+    (p_req,) = cluster.prefill[0].requests()
+    for req, leg in ((d_req, "pdgate.decode"), (p_req, "pdgate.prefill")):
+        assert req["traceparent"] == format_traceparent(trace_id, int(got[leg].span_id, 16), 1)
 
 
 async def test_ascend_completions_batch_of_prompts(
