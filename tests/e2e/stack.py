@@ -5,11 +5,14 @@ from __future__ import annotations
 import secrets
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from launch.cli import new_secret_file
@@ -192,9 +195,45 @@ def running(dep: Deployment, what: str) -> Iterator[Deployment]:
             dep.supervisor.wait_ready(READY_TIMEOUT_S)
         except ChildFailed as exc:
             pytest.fail(f"{what} did not start: {exc}")
+        wait_routable(dep, what)
         yield dep
     finally:
         dep.supervisor.stop()
+
+
+# A proxy probes each engine every 5 s and only routes to one its probes saw healthy: an
+# engine that failed the probes while it loaded can answer its own /health well before the
+# proxy's next probe round sees it (30 s after in one run).
+ROUTABLE_TIMEOUT_S = 120
+
+
+def wait_routable(dep: Deployment, what: str, timeout_s: float = ROUTABLE_TIMEOUT_S) -> None:
+    """Wait until each proxy of ``dep`` lists every engine of its plan healthy: a request sent
+    before may find only part of a pool (the corrupting deployment's first request once found
+    only the P it never pairs, and D computed alone)."""
+    engines = sum(1 for c in dep.plan.children if c.name.startswith(("prefill", "decode")))
+    creds = dep.plan.options.credentials_dir
+    key = (Path(creds) / PROXY_ADMIN_KEY).read_text().strip() if creds else None
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    deadline = time.monotonic() + timeout_s
+    for proxy in (c for c in dep.plan.children if c.name.startswith("proxy")):
+        url = proxy.health_url.removesuffix("/health")
+        listed: list[dict[str, Any]] = []
+        while True:
+            try:
+                r = httpx.get(f"{url}/v1/instances", headers=headers, timeout=5)
+            except httpx.HTTPError:
+                listed = []
+            else:
+                if r.status_code == 403:  # no admin key: its view cannot be read
+                    break
+                listed = r.json()["instances"] if r.status_code == 200 else []
+            if len(listed) >= engines and all(i["healthy"] for i in listed):
+                break
+            if time.monotonic() > deadline:
+                seen = {i["url"]: i["healthy"] for i in listed}
+                pytest.fail(f"{what}: {proxy.name} does not route to all {engines} engines: {seen}")
+            time.sleep(0.5)
 
 
 @contextmanager
