@@ -84,7 +84,10 @@ class Attempt:
 
     def leg_span(self, leg: str, url: str) -> LegSpan:
         """A child span of the request for one leg of this attempt."""
-        return self.trace.leg(leg, {"pdgate.transfer_id": self.tid, "server.address": url})
+        trace = self.trace
+        if not trace.recording:  # tracing off: no attributes to build
+            return NO_SPAN
+        return trace.leg(leg, {"pdgate.transfer_id": self.tid, "server.address": url})
 
 
 class Upstream:
@@ -170,89 +173,73 @@ class Legs:
     async def decode(self, a: Attempt, body: bytes, span: LegSpan) -> Upstream:
         """D's leg up to its first byte (its whole answer when not streaming), in ``span``
         (sent to D as ``traceparent``, ended here)."""
-        try:
-            up = await self._decode(a, body, span.traceparent)
-        except BaseException as exc:
-            span.end(exc)
-            raise
-        span.end()
-        return up
-
-    async def _decode(self, a: Attempt, body: bytes, traceparent: str | None) -> Upstream:
         d = a.decode
         t0 = time.perf_counter()
         stream = a.req.stream
         limit = self.timeouts.first_token if stream else self.timeouts.request
-        resp = await self.backend.post(
-            d.url, a.path, body, a.request_id, "decode", limit, traceparent
-        )
         try:
-            if stream:
-                first = await resp.next_chunk(limit - (time.perf_counter() - t0))
-            else:
-                first = await resp.read(limit - (time.perf_counter() - t0))
-        except UpstreamTimeout as exc:
-            resp.close()
-            err = UpstreamTimeout(f"no first byte in {limit}s")
-            raise LegError(err, d.url, "decode") from exc
-        except UpstreamError as exc:
-            resp.close()
-            raise LegError(exc, d.url, "decode") from exc
-        except BaseException:
-            resp.close()
+            resp = await self.backend.post(
+                d.url, a.path, body, a.request_id, "decode", limit, span.traceparent
+            )
+            try:
+                if stream:
+                    first = await resp.next_chunk(limit - (time.perf_counter() - t0))
+                else:
+                    first = await resp.read(limit - (time.perf_counter() - t0))
+            except UpstreamTimeout as exc:
+                resp.close()
+                err = UpstreamTimeout(f"no first byte in {limit}s")
+                raise LegError(err, d.url, "decode") from exc
+            except UpstreamError as exc:
+                resp.close()
+                raise LegError(exc, d.url, "decode") from exc
+            except BaseException:
+                resp.close()
+                raise
+            if not first:
+                resp.close()
+                raise LegError(UpstreamError("empty answer"), d.url, "decode")
+        except BaseException as exc:
+            span.end(exc)
             raise
-        if not first:
-            resp.close()
-            raise LegError(UpstreamError("empty answer"), d.url, "decode")
+        span.end()
         self._ttft.observe(time.perf_counter() - t0)
         return Upstream(resp, first, a.tid)
 
     async def prefill(self, a: Attempt, kv: dict[str, Any], span: LegSpan) -> PrefillAnswer:
         """P's whole answer, in ``span``, whose ``traceparent`` the caller put in ``kv``: sent
         to P as that header too, ended here with P's push report."""
-        try:
-            answer = await self._prefill(a, kv, span.traceparent)
-        except BaseException as exc:
-            span.end(exc)
-            raise
-        if span.recording:
-            report = parse_push_report(bytes(answer.kv_transfer_params))
-            if report is not None and report.push:
-                span.set("pdgate.push", report.push)
-                if report.no_push_reason is not None:
-                    span.set("pdgate.no_push_reason", report.no_push_reason)
-            cached = prefill_cached(answer)
-            if cached is not None:
-                span.set("pdgate.prefill_cached_tokens", cached)
-        span.end()
-        return answer
-
-    async def _prefill(
-        self, a: Attempt, kv: dict[str, Any], traceparent: str | None
-    ) -> PrefillAnswer:
         p = a.prefill
         assert p is not None
         limit = self.timeouts.prefill
         t0 = time.perf_counter()  # P's load is held by the dispatcher for the whole attempt
         # a judged request's first token is compared by id when D's answer shows it
         token_ids = self.guard is not None and judged(a.req.body)
-        body = a.req.for_prefill(kv, token_ids)
-        resp = await self.backend.post(
-            p.url, a.path, body, a.request_id, "prefill", limit, traceparent
-        )
         try:
-            raw = await resp.read(limit - (time.perf_counter() - t0))
-        except UpstreamError as exc:
-            resp.close()
-            raise LegError(exc, p.url, "prefill") from exc
-        except BaseException:
-            resp.close()
+            body = a.req.for_prefill(kv, token_ids)
+            resp = await self.backend.post(
+                p.url, a.path, body, a.request_id, "prefill", limit, span.traceparent
+            )
+            try:
+                raw = await resp.read(limit - (time.perf_counter() - t0))
+            except UpstreamError as exc:
+                resp.close()
+                raise LegError(exc, p.url, "prefill") from exc
+            except BaseException:
+                resp.close()
+                raise
+            resp.release()
+            try:
+                out = _prefill_answer.decode(raw)
+            except msgspec.DecodeError as exc:
+                err = UpstreamError("answer is not a JSON object")
+                raise LegError(err, p.url, "prefill") from exc
+        except BaseException as exc:
+            span.end(exc)
             raise
-        resp.release()
-        try:
-            out = _prefill_answer.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise LegError(UpstreamError("answer is not a JSON object"), p.url, "prefill") from exc
+        if span.recording:
+            _annotate_prefill(span, out)
+        span.end()
         self._prefill_s.observe(time.perf_counter() - t0)
         p.circuit.record(True)
         return out
@@ -294,3 +281,15 @@ class Legs:
 
 def prefill_cached(answer: PrefillAnswer) -> int | None:
     return cached_tokens_of(answer.usage)
+
+
+def _annotate_prefill(span: LegSpan, answer: PrefillAnswer) -> None:
+    """P's push report and cached tokens on its leg's span."""
+    report = parse_push_report(bytes(answer.kv_transfer_params))
+    if report is not None and report.push:
+        span.set("pdgate.push", report.push)
+        if report.no_push_reason is not None:
+            span.set("pdgate.no_push_reason", report.no_push_reason)
+    cached = prefill_cached(answer)
+    if cached is not None:
+        span.set("pdgate.prefill_cached_tokens", cached)
