@@ -21,7 +21,6 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
-from connector.seal import load_keys
 from launch import smollm2
 from launch.plan import (
     ADMIN_TOKEN,
@@ -33,6 +32,7 @@ from launch.plan import (
     write_private,
 )
 from launch.supervisor import ChildFailed, Printer, Supervisor
+from pdservice.keys import load_keys
 
 DESCRIPTION = """\
 Run pdgate on one machine: a metaserver, N prefill and M decode vLLM OpenAI servers with the

@@ -22,7 +22,7 @@ from connector.config import ConnectorSettings, load_settings
 from launch import cli as launch_cli
 from launch import plan as launch_plan
 from metaserver import cli as metaserver_cli
-from pdwire.settings import SettingsParser
+from pdservice.settings import SettingsParser
 from proxy import cli as proxy_cli
 from tests.support.sealing import key_file
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from pdwire.asgi import Message, Scope
+from pdservice.asgi import Message, Scope
 from pdwire.params import push_report
 from proxy.config import Flow, ProxySettings
 from proxy.handler import CompletionsHandler
