@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from launch.plan import ADMIN_TOKEN, LaunchOptions, build_plan
+from launch.credentials import ADMIN_TOKEN
+from launch.options import LaunchOptions
+from launch.plan import build_plan
 from metaserver.access import Access, Role
 from tests.launch.options import KEY_FILE, options
 from tests.support.access import resolved
