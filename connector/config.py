@@ -15,9 +15,9 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import SettingsConfigDict
 
 from connector.errors import ConfigError
-from connector.seal import load_keys
+from pdservice.keys import load_keys
+from pdservice.settings import LayeredSettings
 from pdwire.client.token import FileToken, Token
-from pdwire.settings import LayeredSettings
 
 TOKEN_ENV = "PDGATE_METASERVER_TOKEN"
 TEST_HOOKS_ENV = "PDGATE_ALLOW_TEST_HOOKS"  # must be "1" for any test_* key to be on

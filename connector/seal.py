@@ -28,14 +28,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+
+from pdservice.keys import load_keys
 
 VERSION = 1
 _HEADER = struct.Struct(">B4sd16s16s")  # version, key id, sent_at, nonce, reply_to
 TAG_BYTES = 32
 OVERHEAD = _HEADER.size + TAG_BYTES
 NO_REPLY = bytes(16)
-MIN_KEY_BYTES = 16
 MAX_SKEW_S = 60.0  # a frame this far from the receiver's clock is refused (clocks need NTP)
 
 
@@ -55,25 +55,6 @@ class Opened:
 
 def key_id(key: bytes) -> bytes:
     return hashlib.sha256(b"pdgate side channel key id\0" + key).digest()[:4]
-
-
-def load_keys(path: str | Path) -> list[bytes]:
-    """The keys in ``path``: one per non-empty line, surrounding whitespace stripped; each of
-    at least ``MIN_KEY_BYTES`` bytes. A clear ``ValueError`` otherwise."""
-    try:
-        text = Path(path).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"side_channel_secret_file {path}: {exc.strerror or exc}") from None
-    keys = [line.strip() for line in text.splitlines() if line.strip()]
-    if not keys:
-        raise ValueError(f"side_channel_secret_file {path} holds no key")
-    short = [i + 1 for i, k in enumerate(keys) if len(k) < MIN_KEY_BYTES]
-    if short:
-        raise ValueError(
-            f"side_channel_secret_file {path}: key(s) on line(s) {short} are shorter than "
-            f"{MIN_KEY_BYTES} bytes (make one with: head -c 32 /dev/urandom | base64)"
-        )
-    return keys
 
 
 class ReplayGuard:

@@ -17,6 +17,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 WORKDIR /opt/pdgate-src
 COPY pyproject.toml README.md ./
 COPY pdwire ./pdwire
+COPY pdservice ./pdservice
 COPY metaserver ./metaserver
 COPY proxy ./proxy
 COPY connector ./connector

@@ -15,6 +15,7 @@ RUN apt-get update \
 WORKDIR /opt/pdgate-src
 COPY pyproject.toml README.md ./
 COPY pdwire ./pdwire
+COPY pdservice ./pdservice
 COPY metaserver ./metaserver
 COPY proxy ./proxy
 COPY connector ./connector

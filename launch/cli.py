@@ -21,18 +21,12 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
-from connector.seal import load_keys
 from launch import smollm2
-from launch.plan import (
-    ADMIN_TOKEN,
-    PROXY_ADMIN_KEY,
-    LaunchOptions,
-    LaunchPlan,
-    build_plan,
-    default_flow,
-    write_private,
-)
+from launch.credentials import ADMIN_TOKEN, PROXY_ADMIN_KEY, write_private
+from launch.options import LaunchOptions, LaunchPlan
+from launch.plan import build_plan, default_flow
 from launch.supervisor import ChildFailed, Printer, Supervisor
+from pdservice.keys import load_keys
 
 DESCRIPTION = """\
 Run pdgate on one machine: a metaserver, N prefill and M decode vLLM OpenAI servers with the
@@ -370,7 +364,7 @@ def new_secret_file(directory: Path) -> str:
 
 
 def start_local_redis(log_dir: Path, out: Printer) -> tuple[Supervisor, str]:
-    from launch.plan import Child
+    from launch.options import Child
 
     exe = shutil.which("redis-server")
     if exe is None:

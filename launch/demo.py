@@ -8,7 +8,8 @@ from pathlib import Path
 
 import httpx
 
-from launch.plan import ADMIN_TOKEN, LaunchPlan
+from launch.credentials import ADMIN_TOKEN
+from launch.options import LaunchPlan
 
 
 def metaserver_auth(plan: LaunchPlan) -> dict[str, str]:

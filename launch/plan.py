@@ -1,137 +1,17 @@
-"""What to start: one ``Child`` per process, with its command line, environment and health URL."""
+"""How to start what ``LaunchOptions`` asks for: each engine's, the metaserver's and the proxy's
+command line and environment, checked before anything starts (``build_plan``)."""
 
 from __future__ import annotations
 
 import ipaddress
 import json
-import os
-import secrets
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
+from launch.credentials import CREDENTIALS, give_credentials
+from launch.devices import CPU_SINGLE_PROCESS_WORKER, DEVICES, device_env
+from launch.options import PUSH_FLOWS, Child, Connector, LaunchOptions, LaunchPlan
 from pdwire.compat import pairing_problem
-
-Device = Literal["cpu", "cuda", "npu"]
-# "pdgate": our PdgateConnector (D first: push flows). "nixl": vLLM's own NixlConnector, which
-# pulls KV that P announces in its answer, so the proxy runs the prefill-first flow.
-# "ascend": vllm-ascend's MooncakeLayerwiseConnector, unchanged (npu only): ascend-layerwise flow.
-Connector = Literal["pdgate", "nixl", "ascend"]
-PUSH_FLOWS = ("decode-first", "concurrent")  # need PdgateConnector (bindings in the metaserver)
-
-
-@dataclass(frozen=True)
-class DevicePreset:
-    protocol: str
-    flags: tuple[str, ...] = ()
-    env: dict[str, str] = field(default_factory=dict)
-    # the variable that gives each engine its own devices ("" = engines share the host)
-    visible_devices_env: str = ""
-
-
-# Per device: transfer-engine protocol and extra vLLM flags/environment.
-_DEVICE = {
-    "cpu": DevicePreset(
-        "tcp",
-        ("--gpu-memory-utilization", "0.1", "--dtype", "float32"),
-        # the engines share the host's cores: unbound OpenMP threads, and none of them
-        # spinning at a barrier while another engine (or the metaserver) needs the core; nor
-        # in vLLM's queues between the engine core and its TP workers (connector/shm_wait.py)
-        {
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "OMP_WAIT_POLICY": "PASSIVE",
-            "PDGATE_SHM_WAIT_S": "0.0002",
-        },
-    ),
-    "cuda": DevicePreset("rdma", visible_devices_env="CUDA_VISIBLE_DEVICES"),
-    "npu": DevicePreset("ascend", visible_devices_env="ASCEND_RT_VISIBLE_DEVICES"),
-}
-
-# vllm-cpu gives even a single-rank engine's model worker a process of its own ("mp" executor)
-# unless VLLM_ENABLE_V1_MULTIPROCESSING=0 (vllm/platforms/cpu.py), and each process it starts
-# imports vLLM and torch afresh ("spawn"). With the variable the worker runs inside the engine
-# core's process ("uni" executor); the API server still runs the engine core apart. One engine
-# alone here answered /health after 85 s against 131 s (docs/development.md).
-CPU_SINGLE_PROCESS_WORKER = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-
-def device_env(device: Device, first: int, count: int) -> dict[str, str]:
-    """One engine's devices: ``count`` of them from index ``first`` of the visible list (the
-    parent's ``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES`` when set, else 0, 1, …)."""
-    var = _DEVICE[device].visible_devices_env
-    if not var:
-        return {}
-    visible = [d.strip() for d in os.environ.get(var, "").split(",") if d.strip()]
-    if visible and first + count > len(visible):
-        raise ValueError(f"{var}={','.join(visible)} has too few devices: need {first + count}")
-    ids = (
-        visible[first : first + count] if visible else [str(i) for i in range(first, first + count)]
-    )
-    return {var: ",".join(ids)}
-
-
-@dataclass(frozen=True)
-class Child:
-    name: str
-    argv: list[str]
-    health_url: str
-    env: dict[str, str] = field(default_factory=dict)
-    # "service"; "engine" (slow to load); "gate": healthy only once it sees the others (proxy)
-    kind: str = "service"
-
-
-@dataclass(frozen=True)
-class LaunchOptions:
-    model: str
-    prefill: int = 1
-    decode: int = 1
-    device: Device = "cpu"
-    host: str = "127.0.0.1"
-    proxy_port: int = 8000
-    metaserver_port: int = 8300
-    engine_base_port: int = 8100
-    side_channel_base_port: int = 5600
-    redis_url: str | None = None
-    token: str | None = None  # the metaserver's single token (every part holds it)
-    # roles mode instead: a private directory where the plan writes the metaserver's
-    # credentials file (one engine credential per instance, a proxy's, an admin's)
-    credentials_dir: str = ""
-    # pdgate connector: the side channel's key file (required, unless extra_connector_config
-    # asks for ``insecure_side_channel``)
-    side_channel_secret_file: str = ""
-    flow: str = "decode-first"
-    max_model_len: int = 2048
-    max_num_batched_tokens: int | None = None
-    block_size: int | None = None
-    tp_prefill: int = 1
-    tp_decode: int = 1
-    kv_load_timeout_s: float = 60.0
-    extra_engine_args: tuple[str, ...] = ()
-    extra_proxy_args: tuple[str, ...] = ()
-    transport: str = "mooncake"
-    # merged last into every engine's kv_connector_extra_config (tests: e.g. verify_kv)
-    extra_connector_config: dict[str, object] = field(default_factory=dict)
-    extra_engine_env: dict[str, str] = field(default_factory=dict)
-    connector: Connector = "pdgate"
-    # KV cache events: each engine publishes on base + 2i (replay: + 1), the metaserver follows
-    # them into its index (0: off); ``kv_routing`` also has the proxy route on it (kv policy)
-    kv_events_base_port: int = 0
-    kv_routing: bool = False
-    # engines serve only callers with this key (vLLM's VLLM_API_KEY; the proxy's
-    # PD_PROXY_ENGINE_API_KEY): '' = engines answer anyone
-    engine_api_key: str = ""
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    options: LaunchOptions
-    children: list[Child]
-    proxy_url: str
-    metaserver_url: str
-    prefill_urls: list[str]
-    decode_urls: list[str]
 
 
 def default_flow(connector: Connector) -> str:
@@ -210,7 +90,7 @@ def kv_transfer_config(
         "side_channel_host": o.host,
         "side_channel_port": side_port,
         "transport": o.transport,
-        "mooncake_protocol": _DEVICE[o.device].protocol,
+        "mooncake_protocol": DEVICES[o.device].protocol,
         "device": o.device,
         "kv_load_timeout_s": o.kv_load_timeout_s,
         "heartbeat_s": 2.0,
@@ -290,7 +170,7 @@ def engine_child(
         str(tp),
         "--kv-transfer-config",
         kv_transfer_config(o, role, name, url, side_port),
-        *_DEVICE[o.device].flags,
+        *DEVICES[o.device].flags,
     ]
     if o.max_num_batched_tokens:
         argv += ["--max-num-batched-tokens", str(o.max_num_batched_tokens)]
@@ -299,7 +179,7 @@ def engine_child(
     if events_port:
         argv += ["--kv-events-config", kv_events_config(events_port, o.host)]
     argv += list(o.extra_engine_args)
-    env = dict(_DEVICE[o.device].env)
+    env = dict(DEVICES[o.device].env)
     if o.device == "cpu" and tp <= 1:
         env |= CPU_SINGLE_PROCESS_WORKER
     env |= o.extra_engine_env
@@ -341,43 +221,6 @@ def check_pairing(o: LaunchOptions) -> None:
             f"--tp-prefill {o.tp_prefill} with --tp-decode {o.tp_decode} cannot disaggregate: "
             f"{problem}"
         )
-
-
-CREDENTIALS = "credentials.yaml"
-ADMIN_TOKEN = "admin.token"
-PROXY_ADMIN_KEY = "proxy-admin.key"  # the proxy's /admin and /v1/instances
-
-
-def give_credentials(directory: Path, children: list[Child]) -> None:
-    """Roles mode: a fresh token per engine (bound to its instance id and role), one for the
-    proxy and one for an admin (``ADMIN_TOKEN``), the metaserver's credentials file listing
-    them, and the proxy's admin key (``PROXY_ADMIN_KEY``); each part gets its own in its
-    environment. Files are readable by this user only."""
-    entries = []
-    for child in children:
-        token = secrets.token_urlsafe(24)
-        if child.kind == "engine":
-            role = "prefill" if child.name.startswith("prefill") else "decode"
-            entries.append({"name": child.name, "role": "engine", "instance": child.name,
-                            "engine_role": role, "token": token})  # fmt: skip
-            child.env["PDGATE_METASERVER_TOKEN"] = token
-        elif child.name == "proxy":
-            entries.append({"name": "proxy", "role": "proxy", "token": token})
-            child.env["PD_PROXY_METASERVER_TOKEN"] = token
-            key = secrets.token_urlsafe(24)  # the operator's: drains, what the proxy sees
-            child.env["PD_PROXY_ADMIN_KEYS"] = key
-            write_private(directory / PROXY_ADMIN_KEY, key + "\n")
-    admin = secrets.token_urlsafe(24)
-    entries.append({"name": "admin", "role": "admin", "token": admin})
-    write_private(directory / ADMIN_TOKEN, admin + "\n")
-    write_private(directory / CREDENTIALS, json.dumps({"credentials": entries}, indent=1))  # YAML
-
-
-def write_private(path: Path, text: str, *, new: bool = False) -> None:
-    """Write ``text`` to a file only this user can read (``new``: refuse one that exists)."""
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if new else os.O_TRUNC)
-    with os.fdopen(os.open(path, flags, 0o600), "w") as f:
-        f.write(text)
 
 
 def check_sealing(o: LaunchOptions) -> None:

@@ -14,7 +14,7 @@ from typing import TextIO
 
 import httpx
 
-from launch.plan import Child
+from launch.options import Child
 
 Printer = Callable[[str], None]
 

@@ -38,9 +38,9 @@ from metaserver.routes import (
 )
 from metaserver.store import Store, create_store
 from metaserver.validation import BodyInvalid
+from pdservice.asgi import ASGIApp
+from pdservice.limits import BodySizeLimit
 from pdwire.ascend import AscendBinding
-from pdwire.asgi import ASGIApp
-from pdwire.limits import BodySizeLimit
 from pdwire.models import (
     BatchIn,
     BindingSpec,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from metaserver.config import MetaserverSettings
-from pdwire.settings import SettingsParser, redact_url
+from pdservice.settings import SettingsParser, redact_url
 
 DESCRIPTION = """\
 pdgate metaserver: records which decode instance (KV endpoint, block ids) each transfer must
@@ -178,7 +178,7 @@ def _build(settings: MetaserverSettings) -> Any:
         app = create_app(settings)
     except ValueError as exc:
         build_parser().error(str(exc))
-    # read by the listener's guards (pdwire.guarded_http): a whole request within the
+    # read by the listener's guards (pdservice.listener): a whole request within the
     # deadline (no handler here reads a body as it streams)
     app.receipt_timeout_s = settings.receipt_timeout_s
     app.receipt_whole_request = True

@@ -9,8 +9,8 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from metaserver.kvindex.index import PLACED_S
-from pdwire.settings import LayeredSettings, redact_url
-from pdwire.tls import TlsListener
+from pdservice.settings import LayeredSettings, redact_url
+from pdservice.tls import TlsListener
 
 if TYPE_CHECKING:
     from metaserver.access.kube import KubeReviewer

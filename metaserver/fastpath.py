@@ -22,8 +22,7 @@ from metaserver.context import Context
 from metaserver.errors import MetaserverError, PayloadTooLarge
 from metaserver.problems import render_problem
 from metaserver.validation import BodyInvalid
-from pdwire.ascend import COMPAT_PATH
-from pdwire.asgi import (
+from pdservice.asgi import (
     ASGIApp,
     BodyTooLarge,
     ClientDisconnected,
@@ -32,6 +31,7 @@ from pdwire.asgi import (
     Send,
     read_body,
 )
+from pdwire.ascend import COMPAT_PATH
 from pdwire.ids import TRANSFER_ID_PATTERN
 from pdwire.models import BATCH_PATH, BindingState
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdwire.asgi import ASGIApp, Message, Receive, Scope, Send
+from pdservice.asgi import ASGIApp, Message, Receive, Scope, Send
 from pdwire.models import BindingState
 
 # sub-millisecond resolution: a binding write is ~1 ms end to end, and its tail is what matters

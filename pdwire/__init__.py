@@ -14,8 +14,12 @@ FastAPI, vLLM, torch or Mooncake.
   ids, the body its decode engines post, the params of each leg;
 * ``pdwire.client`` — the metaserver's clients (async, blocking, background writer), retry
   and backoff, ``binding_url``;
-* ``pdwire.settings`` — the layered settings base (flags > env > YAML > defaults) and its CLI;
-* ``pdwire.asgi`` / ``pdwire.limits`` — ASGI types, the request-body reader, the body cap.
+* ``pdwire.origin`` — an instance URL as an origin only; ``pdwire.compat`` — which P can push
+  into which D; ``pdwire.kv_events`` / ``pdwire.block_hash`` — vLLM's KV events and block
+  hashes; ``pdwire.feed`` — the binding feed's frames.
+
+What the processes share beyond the contract (listeners, settings, ASGI, key files) is
+``pdservice``.
 """
 
 from __future__ import annotations

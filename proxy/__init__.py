@@ -4,7 +4,7 @@
 * ``proxy.handler`` — the completion endpoints; ``proxy.dispatch`` — decision, selection,
   retries; ``proxy.flows`` — decode-first / concurrent / prefill-first / direct;
 * ``proxy.backend`` — the data-path HTTP seam, implemented by ``proxy.native`` (default) and
-  ``proxy.aiohttp_backend``; ``proxy.mock`` — an in-memory ``MockBackend`` for tests (wired
+  ``proxy.aiohttp_backend``; ``tests.proxy.mock`` — an in-memory ``MockBackend`` for tests (wired
   with ``Runtime.wire``); ``proxy.server`` — pd-proxy's uvicorn protocol;
 * ``proxy.policies`` — selection policies; ``proxy.instances`` — registry, health, circuit,
   discovery; ``proxy.config`` — settings; ``proxy.errors`` — exception tree.

@@ -17,8 +17,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdwire.asgi import ASGIApp, Receive, Scope, Send
-from pdwire.limits import BodySizeLimit
+from pdservice.asgi import ASGIApp, Receive, Scope, Send
+from pdservice.limits import BodySizeLimit
 from proxy.admin import admin_routes
 from proxy.config import ProxySettings
 from proxy.errors import ProxyError, Unauthorized, error_object
@@ -37,7 +37,7 @@ class ProxyApp:
 
     def __init__(self, runtime: Runtime, hot: CompletionsHandler, rest: ASGIApp) -> None:
         self.runtime = runtime
-        # read by the listener's protocol (pdwire.guarded_http)
+        # read by the listener's protocol (pdservice.listener)
         self.receipt_timeout_s = runtime.settings.receipt_timeout_s
         self.max_client_connections = runtime.settings.max_client_connections
         self.write_timeout_s = runtime.settings.write_timeout_s

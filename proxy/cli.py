@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pdwire.settings import SettingsParser
+from pdservice.settings import SettingsParser
 from proxy.config import Flow, ProxySettings
 from proxy.policies import POLICIES
 

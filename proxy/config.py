@@ -11,8 +11,8 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from pdwire.settings import LayeredSettings, redact_url
-from pdwire.tls import TlsListener
+from pdservice.settings import LayeredSettings, redact_url
+from pdservice.tls import TlsListener
 from proxy.policies.kv import PENDING_S
 
 _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")

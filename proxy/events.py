@@ -25,7 +25,8 @@ NOT_YET_S = (0.1, 0.3, 1.0, 2.0)  # waits before re-posting an event whose bindi
 
 
 class EventClient(Protocol):
-    """Where marks go: ``pdwire.client.AsyncMetaserverClient`` (``proxy.mock`` has a double)."""
+    """Where marks go: ``pdwire.client.AsyncMetaserverClient`` (``tests.proxy.mock`` has a
+    double)."""
 
     async def post_mark(
         self, transfer_id: str, mark: MarkKind, actor: str, detail: MarkDetail | None = None

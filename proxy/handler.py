@@ -16,7 +16,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from pdwire.asgi import (
+from pdservice.asgi import (
     BodyTimeout,
     BodyTooLarge,
     ClientDisconnected,

@@ -173,7 +173,7 @@ class Runtime:
     def wire(self, backend: Backend, events: EventClient | None) -> None:
         """Build the data path on ``backend``: legs, flows, dispatcher; the decode-first flows
         when ``events`` (the metaserver client) is given. ``start`` wires the real HTTP client;
-        tests can wire ``proxy.mock.MockBackend`` into a runtime that is never started."""
+        tests can wire ``tests.proxy.mock.MockBackend`` into a runtime that is never started."""
         s = self.settings
         self.backend = backend
         timeouts = Timeouts(

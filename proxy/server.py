@@ -7,7 +7,7 @@ the first body part right after the start, so the head is held back and written 
 it (one syscall less per response; measured in ``docs/benchmarks.md``). The hot
 requests' scope also gets an ``ON_DISCONNECT`` slot, called from ``connection_lost``, so the
 handler notices a client that went away without a watcher task per request. Other paths are
-left as uvicorn serves them, with ``pdwire.guarded_http``'s receipt deadlines and per-client cap.
+left as uvicorn serves them, with ``pdservice.listener``'s receipt deadlines and per-client cap.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from pdwire.guarded_http import ListenerGuards
+from pdservice.listener import ListenerGuards
 from proxy.handler import HOT_PATHS
 from proxy.watcher import ON_DISCONNECT
 
@@ -58,7 +58,7 @@ class _HeldHead:
 class CoalescingHttpToolsProtocol(ListenerGuards, HttpToolsProtocol):
     """The hot paths' head held for their first body part, and their client's disconnect
     reported to the handler; receipt deadlines (the head only: the handler bounds the body)
-    and the per-client cap from ``pdwire.guarded_http``."""
+    and the per-client cap from ``pdservice.listener``."""
 
     def on_headers_complete(self) -> None:
         before = self.cycle

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from pdwire.asgi import Send
+from pdservice.asgi import Send
 from proxy.errors import UpstreamError, UpstreamTimeout, sse_error_event
 from proxy.flows import Upstream
 from proxy.rewrite import decode, encode, merge_usage

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pdwire.asgi import Receive, Scope
+from pdservice.asgi import Receive, Scope
 
 ON_DISCONNECT = "pdgate.on_disconnect"  # scope slot: called by proxy.server on disconnect
 

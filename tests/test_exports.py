@@ -146,10 +146,24 @@ def test_pdwire_imports_no_part_and_nothing_heavy() -> None:
     crossing = {f: sorted(t & banned) for f, t in _imports("pdwire").items() if t & banned}
     assert not crossing, crossing
     code = (
-        "import sys, pdwire, pdwire.client, pdwire.settings, pdwire.asgi, pdwire.limits; "
+        "import sys, pdwire, pdwire.client, pdservice.settings, pdservice.asgi, pdservice.limits; "
         f"print([m for m in {(*HEAVY, *PARTS)!r} if m in sys.modules])"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_pdservice_imports_no_part_nor_the_contract() -> None:
+    """What the processes share beyond the contract stands below every part and pdwire."""
+    banned = set(PARTS) | {"launch", "pdwire"}
+    crossing = {f: sorted(t & banned) for f, t in _imports("pdservice").items() if t & banned}
+    assert not crossing, crossing
+
+
+def test_launch_imports_no_part() -> None:
+    """pd-launch plans and starts the parts; it reads their files through pdwire and
+    pdservice, never through a part's internals."""
+    crossing = {f: sorted(t & set(PARTS)) for f, t in _imports("launch").items() if t & set(PARTS)}
+    assert not crossing, crossing

@@ -59,8 +59,8 @@ from metaserver.store.base import (
 )
 from metaserver.store.redis_batch import ScriptBatcher
 from metaserver.store.redis_pool import close_pool, make_pool
+from pdservice.settings import redact_url
 from pdwire.models import BindingState, MarkKind
-from pdwire.settings import redact_url
 
 log = logging.getLogger("pdgate.metaserver.redis")
 _LATENCY_SAMPLES = 1000

@@ -39,7 +39,8 @@ sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
 
-from launch.plan import Child, build_plan  # noqa: E402
+from launch.options import Child  # noqa: E402
+from launch.plan import build_plan  # noqa: E402
 from launch.supervisor import Supervisor  # noqa: E402
 from launch.tiny_model import make_small_model, make_tiny_model  # noqa: E402
 from metaserver.breakdown import STAGES  # noqa: E402

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launch.plan import LaunchOptions, build_plan
+from launch.options import LaunchOptions
+from launch.plan import build_plan
 from tests.bench import corecpu
 from tests.bench.ttft_bench import MONO, pin_plan, pinned, table
 from tests.bench.ttft_client import Cell, Sample

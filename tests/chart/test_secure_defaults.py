@@ -13,7 +13,7 @@ from typing import Any
 import helm_python as helm
 import pytest
 
-from connector.seal import load_keys
+from pdservice.keys import load_keys
 from tests.chart.fake_kube_api import FakeKubeAPI, serve
 from tests.chart.rendering import (
     FULLNAME,

@@ -30,9 +30,9 @@ from connector.seal import (
     Sealer,
     Unsealed,
     channel_of,
-    load_keys,
 )
 from connector.worker.side_channel import SideChannelServer, SignalClient, handshake
+from pdservice.keys import load_keys
 from tests.support.procs import free_port, until
 
 KEY = b"k" * 32

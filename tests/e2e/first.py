@@ -17,7 +17,8 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from launch.plan import Child, build_plan
+from launch.options import Child
+from launch.plan import build_plan
 from launch.supervisor import Supervisor, group_members
 from tests.e2e.stack import (
     ENGINE_ARGS,

@@ -16,15 +16,10 @@ import httpx
 import pytest
 
 from launch.cli import new_secret_file
-from launch.plan import (
-    ADMIN_TOKEN,
-    CPU_SINGLE_PROCESS_WORKER,
-    PROXY_ADMIN_KEY,
-    Child,
-    LaunchOptions,
-    LaunchPlan,
-    build_plan,
-)
+from launch.credentials import ADMIN_TOKEN, PROXY_ADMIN_KEY
+from launch.devices import CPU_SINGLE_PROCESS_WORKER
+from launch.options import Child, LaunchOptions, LaunchPlan
+from launch.plan import build_plan
 from launch.supervisor import ChildFailed, Supervisor
 from tests.e2e.observe import CREDENTIALS
 from tests.support.procs import free_port, free_port_block

@@ -39,7 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from connector.config import ConnectorSettings
 from connector.config import load_settings as load_connector_settings
 from connector.transport.mooncake import DEADLINE_ENV, late_landing_s
-from launch.plan import Child
+from launch.options import Child
 from proxy.cli import load_settings as load_proxy_settings
 from proxy.config import ProxySettings
 from tests.e2e.chaos import (

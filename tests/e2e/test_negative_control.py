@@ -30,7 +30,8 @@ from typing import Any
 
 import pytest
 
-from launch.plan import Child, build_plan
+from launch.options import Child
+from launch.plan import build_plan
 from launch.tiny_model import RECIPE, make_model
 from tests.e2e.client import Generation, client, complete
 from tests.e2e.conftest import LOG_DIR, Monolithic

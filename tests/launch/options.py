@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from launch.plan import LaunchOptions
+from launch.options import LaunchOptions
 
 KEY_FILE = "/run/pdgate/side-channel.key"
 

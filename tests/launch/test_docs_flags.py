@@ -20,9 +20,9 @@ import pytest
 
 from connector.config import ConnectorSettings, load_settings
 from launch import cli as launch_cli
-from launch import plan as launch_plan
+from launch import devices as launch_devices
 from metaserver import cli as metaserver_cli
-from pdwire.settings import SettingsParser
+from pdservice.settings import SettingsParser
 from proxy import cli as proxy_cli
 from tests.support.sealing import key_file
 
@@ -98,7 +98,7 @@ def test_docs_connector_page_explains_every_extra_config_key() -> None:
 
 def test_docs_launch_page_lists_every_device_preset() -> None:
     text = (DOCS / "launch.md").read_text()
-    for device, preset in launch_plan._DEVICE.items():
+    for device, preset in launch_devices.DEVICES.items():
         row = f"| `{device}` | `{preset.protocol}` |"
         assert row in text, f"docs/launch.md has no preset row starting {row!r}"
         if preset.visible_devices_env:

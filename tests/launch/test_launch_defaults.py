@@ -15,7 +15,9 @@ import pytest
 
 from connector.config import local_ip
 from launch import cli
-from launch.plan import CREDENTIALS, LaunchOptions, build_plan, kv_events_config
+from launch.credentials import CREDENTIALS
+from launch.options import LaunchOptions
+from launch.plan import build_plan, kv_events_config
 from tests.support.procs import free_port_block
 
 

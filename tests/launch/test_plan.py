@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from launch.plan import ADMIN_TOKEN, LaunchOptions, build_plan
+from launch.credentials import ADMIN_TOKEN
+from launch.options import LaunchOptions
+from launch.plan import build_plan
 from metaserver.access import Access, Role
 from tests.launch.options import KEY_FILE, options
 from tests.support.access import resolved
@@ -256,8 +258,8 @@ def test_plan_refuses_pdgate_engines_without_a_side_channel_key() -> None:
 def test_pd_launch_makes_a_private_key_or_refuses_a_bad_one_before_starting(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from connector.seal import load_keys
     from launch import cli
+    from pdservice.keys import load_keys
 
     made = Path(cli.new_secret_file(tmp_path))
     assert made.stat().st_mode & 0o777 == 0o600 and len(load_keys(made)) == 1

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from launch.plan import Child, build_plan
+from launch.options import Child
+from launch.plan import build_plan
 from tests.launch.options import options
 
 

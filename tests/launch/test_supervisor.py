@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.plan import Child
+from launch.options import Child
 from launch.supervisor import ChildFailed, Supervisor
 from tests.support.procs import free_port
 
@@ -164,7 +164,7 @@ def test_supervisor_children_die_with_a_killed_supervisor(tmp_path: Path) -> Non
     script = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from launch.plan import Child\n"
+        "from launch.options import Child\n"
         "from launch.supervisor import Supervisor\n"
         f"child = Child('c', [sys.executable, '-c', 'import time; time.sleep(600)'], 'http://x')\n"
         f"sup = Supervisor([child], Path({str(tmp_path)!r}), lambda s: None)\n"

@@ -13,7 +13,7 @@ import pytest
 
 from metaserver.cli import load_settings
 from metaserver.store.redis import RedisStore
-from pdwire.settings import redact_url
+from pdservice.settings import redact_url
 from tests.metaserver.conftest import binding_spec, decode_instance
 from tests.support.certs import self_signed
 from tests.support.procs import VENV_BIN, Process, free_port, wait_http

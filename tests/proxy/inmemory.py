@@ -1,4 +1,4 @@
-"""The proxy in memory: a ``Runtime`` that is never started, wired to ``proxy.mock``'s
+"""The proxy in memory: a ``Runtime`` that is never started, wired to ``tests.proxy.mock``'s
 doubles and driven through ``CompletionsHandler`` as an ASGI server would — no processes, no
 sockets. ``settle()`` then checks that nothing was left behind."""
 
@@ -10,12 +10,14 @@ from typing import Any
 
 import msgspec
 
-from pdwire.asgi import Message, Scope
+from pdservice.asgi import Message, Scope
 from pdwire.params import push_report
 from proxy.config import Flow, ProxySettings
 from proxy.handler import CompletionsHandler
 from proxy.instances import Instance, Role
-from proxy.mock import (
+from proxy.runtime import Runtime
+from proxy.watcher import ON_DISCONNECT
+from tests.proxy.mock import (
     MockBackend,
     MockEventClient,
     Outcome,
@@ -23,8 +25,6 @@ from proxy.mock import (
     RecordedMark,
     Reply,
 )
-from proxy.runtime import Runtime
-from proxy.watcher import ON_DISCONNECT
 
 P_URL = "http://p0:8100"
 D_URL = "http://d0:8200"

@@ -1,4 +1,4 @@
-"""decode-first through ``proxy.mock``: the happy paths and every cancel path of
+"""decode-first through ``tests.proxy.mock``: the happy paths and every cancel path of
 ``proxy/flows/decode_first.py`` (D failing or answering during the binding wait and during P's
 leg, P refusing the push, the client hanging up at each point), in memory, in milliseconds."""
 
@@ -14,7 +14,6 @@ from proxy.config import Flow
 from proxy.errors import UpstreamTimeout
 from proxy.flows import bindings
 from proxy.flows.bindings import ANSWER_MARGIN_S, POLL_S, TAKEN_READ_S
-from proxy.mock import Call, MockBackend, Outcome, RecordedAbandon, Reply
 from tests.proxy.inmemory import (
     BINDING,
     D_URL,
@@ -28,6 +27,7 @@ from tests.proxy.inmemory import (
     sse_text,
     wait_until,
 )
+from tests.proxy.mock import Call, MockBackend, Outcome, RecordedAbandon, Reply
 from tests.proxy.test_pairing_unit import registered
 
 ABORTED, FAILED = BindingState.ABORTED, BindingState.FAILED

@@ -1,4 +1,4 @@
-"""The client hanging up at each point of a request, through ``proxy.mock``: every running leg
+"""The client hanging up at each point of a request, through ``tests.proxy.mock``: every running leg
 is cancelled or closed, load and in-flight counts go back to zero, the binding is marked
 ``aborted``, the request is counted as 499. Both ways a disconnect is noticed are covered: the
 hook ``proxy.server``'s protocol calls, and a watcher on ``receive()`` (other servers)."""
@@ -12,8 +12,8 @@ import pytest
 
 from pdwire.models import BindingState
 from proxy.config import Flow
-from proxy.mock import Call, MockBackend, Outcome, RecordedAbandon, Reply
 from tests.proxy.inmemory import BINDING, PUSHED, InMemoryProxy, legs, never, wait_until
+from tests.proxy.mock import Call, MockBackend, Outcome, RecordedAbandon, Reply
 
 HOOK = pytest.mark.parametrize("hook", [True, False], ids=["server-hook", "receive"])
 HELD = pytest.mark.parametrize("in_body", [False, True], ids=["before-headers", "in-body"])

@@ -1,4 +1,4 @@
-"""Drains in memory: the registry's drain rules, selection through ``proxy.mock``, and the
+"""Drains in memory: the registry's drain rules, selection through ``tests.proxy.mock``, and the
 ``/admin`` calls over ASGI (a runtime that is never started: local drains only). The drain
 through a real metaserver, seen by a second proxy replica, is in ``test_drain.py``."""
 
@@ -16,8 +16,8 @@ from proxy import ProxySettings, create_app
 from proxy.config import Flow
 from proxy.errors import BadRequest, NotFound
 from proxy.instances import Registry, Role
-from proxy.mock import MockBackend, Outcome, Reply
 from tests.proxy.inmemory import D_URL, SSE, InMemoryProxy, sse_text
+from tests.proxy.mock import MockBackend, Outcome, Reply
 
 D2_URL = "http://d1:8201"
 

@@ -1,5 +1,5 @@
-"""prefill-first and direct through ``proxy.mock``, and what reaches the client when D's stream
-breaks: in memory, in milliseconds (``test_flows.py`` runs the same flows over real HTTP)."""
+"""prefill-first and direct through ``tests.proxy.mock``, and what reaches the client when D's
+stream breaks: in memory, in milliseconds (``test_flows.py`` runs the same flows over real HTTP)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from proxy.config import Flow
 from proxy.errors import UpstreamError
 from proxy.flows.prefill_first import PREFILL_PARAMS
-from proxy.mock import MockBackend, Outcome, Reply
 from tests.proxy.inmemory import D_URL, P_URL, InMemoryProxy, sse_text
+from tests.proxy.mock import MockBackend, Outcome, Reply
 
 # what a pull connector's P answers; D must get it byte for byte
 PULL_KV: dict[str, Any] = {

@@ -1,4 +1,4 @@
-"""The first-token check (``proxy.integrity``) through ``proxy.mock``: on a greedy request P's
+"""The first-token check (``proxy.integrity``) through ``tests.proxy.mock``: on a greedy request P's
 first token and D's must agree; a mismatch quarantines the pair, D computes the prompt itself,
 and the client gets only the recomputed answer."""
 
@@ -14,7 +14,6 @@ from proxy.config import Flow
 from proxy.errors import UpstreamError
 from proxy.integrity import First, PairGuard, StreamText, Verdict, judge, judged
 from proxy.metrics import Metrics
-from proxy.mock import MockBackend, Outcome, Reply
 from proxy.rewrite import epoch_salt
 from tests.proxy.inmemory import (
     BINDING,
@@ -26,6 +25,7 @@ from tests.proxy.inmemory import (
     sse_text,
     wait_until,
 )
+from tests.proxy.mock import MockBackend, Outcome, Reply
 
 GREEDY = {"temperature": 0}
 REPORT = push_report(None, None)

@@ -20,10 +20,10 @@ from proxy.config import Flow
 from proxy.instances import CircuitBreaker, Instance, Role
 from proxy.kvroute.lookup import KVLookup
 from proxy.kvroute.tokens import token_ids_of
-from proxy.mock import MockBackend, Reply
 from proxy.policies.base import KVMatch, RequestInfo
 from proxy.policies.kv import KVAware
 from tests.proxy.inmemory import BINDING, D_URL, P_URL, PUSHED, InMemoryProxy
+from tests.proxy.mock import MockBackend, Reply
 
 P2_URL = "http://p1:8101"
 D2_URL = "http://d1:8201"

@@ -1,5 +1,5 @@
 """The proxy's binding marks (``first_token``, ``end``, with ``--binding-marks``) through
-``proxy.mock``: off by default, posted for decode-first requests only, with the proxy's own
+``tests.proxy.mock``: off by default, posted for decode-first requests only, with the proxy's own
 timings, in the background — a metaserver that never answers them does not hold the client's
 answer."""
 
@@ -10,8 +10,8 @@ import asyncio
 from pdwire.models import BindingState, MarkDetail, MarkKind
 from pdwire.params import push_report
 from proxy.config import Flow
-from proxy.mock import MockBackend, RecordedAbandon, Reply
 from tests.proxy.inmemory import BINDING, PUSHED, SSE, InMemoryProxy, never
+from tests.proxy.mock import MockBackend, RecordedAbandon, Reply
 
 FIRST, END = MarkKind.FIRST_TOKEN, MarkKind.END
 

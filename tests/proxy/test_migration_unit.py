@@ -16,8 +16,8 @@ from pdwire.models import MarkKind
 from proxy.config import Flow
 from proxy.errors import UpstreamError
 from proxy.migration import Tape, hide_ids
-from proxy.mock import MockBackend, Outcome, Reply, Step
 from tests.proxy.inmemory import BINDING, D_URL, P_URL, PUSHED, InMemoryProxy, never
+from tests.proxy.mock import MockBackend, Outcome, Reply, Step
 
 D2_URL = "http://d1:8201"
 PROMPT_IDS = [101, 102, 103, 104]

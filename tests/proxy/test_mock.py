@@ -1,4 +1,5 @@
-"""``proxy.mock`` itself: it must fail, time out and record the way the flows' tests rely on."""
+"""``tests.proxy.mock`` itself: it must fail, time out and record the way the flows' tests
+rely on."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pdwire.models import BindingState
 from proxy.backend import Backend, LegError
 from proxy.errors import UpstreamError, UpstreamRejected, UpstreamTimeout, error_json
 from proxy.events import EventSink
-from proxy.mock import Call, MockBackend, MockEventClient, Outcome, RecordedAbandon, Reply
+from tests.proxy.mock import Call, MockBackend, MockEventClient, Outcome, RecordedAbandon, Reply
 
 D = "http://d0:8200"
 

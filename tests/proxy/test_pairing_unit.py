@@ -1,5 +1,5 @@
 """Only compatible P and D are paired (revision, KV identity, TP), from their registrations in
-the metaserver, in memory through ``proxy.mock``. A D whose revision has no P left is served
+the metaserver, in memory through ``tests.proxy.mock``. A D whose revision has no P left is served
 alone (D computes the prompt) rather than paired across revisions."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 from pdwire.models import Instance as Registered
 from pdwire.models import KVIdentity
 from proxy.config import Flow
-from proxy.mock import MockBackend, Reply
 from tests.proxy.inmemory import D_URL, P_URL, InMemoryProxy
+from tests.proxy.mock import MockBackend, Reply
 from tests.support.identity import KV
 
 P2_URL = "http://p1:8101"

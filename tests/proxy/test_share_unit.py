@@ -11,11 +11,11 @@ from metaserver.loadboard import MemoryLoadBoard
 from pdwire.models import LoadReport, LoadView
 from proxy.instances import Instance, Registry, Role
 from proxy.instances.share import WAIT_S, LoadShare
-from proxy.mock import MockBackend, Reply
 from proxy.policies import RequestInfo, make_policy
 from proxy.policies.base import KVMatch
 from proxy.policies.kv import KVAware
 from tests.proxy.inmemory import BINDING, PUSHED, InMemoryProxy
+from tests.proxy.mock import MockBackend, Reply
 from tests.support.clock import virtual_time
 
 P = ["http://p0:1", "http://p1:1"]

@@ -1,5 +1,5 @@
-"""The proxy's spans through ``proxy.mock`` and the SDK's ``InMemorySpanExporter``: their tree,
-what each engine is sent (header and ``kv_transfer_params``), continuing a client's trace,
+"""The proxy's spans through ``tests.proxy.mock`` and the SDK's ``InMemorySpanExporter``: their
+tree, what each engine is sent (header and ``kv_transfer_params``), continuing a client's trace,
 failures, and tracing off (no header, no params key, no OpenTelemetry imported)."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from pdwire.trace import format_traceparent, parse_traceparent
 from proxy.config import Flow, ProxySettings
-from proxy.mock import MockBackend, Reply
 from proxy.tracing import ProxyTracer, build_tracer
 from tests.proxy.inmemory import BINDING, D_URL, MS_URL, P_URL, PUSHED, SSE, InMemoryProxy, never
+from tests.proxy.mock import MockBackend, Reply
 from tests.support.otlp import otlp_receiver
 
 ROOT = Path(__file__).resolve().parents[2]

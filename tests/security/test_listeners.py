@@ -1,7 +1,7 @@
 """Slow senders, stalled readers and connection hogs against the real listeners (issue 29,
 item 4): a ``pd-metaserver`` process, whose requests must arrive whole within
 ``--receipt-timeout``; the proxy's ``--write-timeout``; both ``--max-client-connections``.
-Before the listeners' guards (``pdwire.guarded_http``) the metaserver served plain uvicorn: a
+Before the listeners' guards (``pdservice.listener``) the metaserver served plain uvicorn: a
 request head trickled one byte every 0.1 s was held for as long as the sender liked, and one
 address could open any number of connections. Each attack is cut here while an ordinary
 request beside it is answered."""

@@ -6,7 +6,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from pdwire.asgi import ASGIApp, Message, Receive, Scope, Send
+from pdservice.asgi import ASGIApp, Message, Receive, Scope, Send
 
 ErrorBody = Callable[[str], dict[str, Any]]
 
