@@ -18,7 +18,9 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from launch.plan import ADMIN_TOKEN, Child, build_plan
+from launch.credentials import ADMIN_TOKEN
+from launch.options import Child
+from launch.plan import build_plan
 from tests.e2e.stack import BLOCK_SIZE, base_options
 from tests.support.procs import free_port
 
