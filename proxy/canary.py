@@ -15,7 +15,6 @@ import asyncio
 import logging
 
 from pdwire.ids import IdMaker
-from proxy.dispatch import pairs
 from proxy.errors import ProxyError
 from proxy.flows import Attempt, Flow
 from proxy.instances import Instance, Registry, Role
@@ -23,6 +22,7 @@ from proxy.integrity import PairGuard, Verdict
 from proxy.metrics import Metrics
 from proxy.policies import RequestInfo
 from proxy.rewrite import ClientRequest
+from proxy.routing.pairing import Pairing
 
 log = logging.getLogger("pdgate.proxy.canary")
 
@@ -39,6 +39,7 @@ class Canaries:
         registry: Registry,
         flow: Flow,
         guard: PairGuard,
+        pairing: Pairing,
         metrics: Metrics,
         ids: IdMaker,
         interval_s: float,
@@ -46,6 +47,7 @@ class Canaries:
         self._registry = registry
         self._flow = flow
         self._guard = guard
+        self._pairing = pairing
         self._ids = ids
         self.interval_s = interval_s
         self._outcomes = {
@@ -71,7 +73,7 @@ class Canaries:
         return sent
 
     def _due(self, p: Instance, d: Instance) -> bool:
-        if not pairs(p, d, self._guard):
+        if not self._pairing.allows(p, d):
             return False
         last = self._guard.last_judged(p, d)
         return last is None or self._guard.now - last[0] >= self.interval_s

@@ -79,7 +79,6 @@ def build_parser() -> SettingsParser[ProxySettings]:
     opt("--decode-policy", "decode_policy", choices=policies)
     opt("--tokenizer", "tokenizer")
     opt("--kv-hash-seed", "kv_hash_seed")
-    opt("--kv-memory", "kv_memory_s", float)
     p.switch("--share-load", "share_load")
     opt("--replica-id", "replica_id")
     opt("--share-interval", "share_interval_s", float)

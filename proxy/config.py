@@ -13,7 +13,6 @@ from pydantic_settings import NoDecode, SettingsConfigDict
 
 from pdservice.settings import LayeredSettings, redact_url
 from pdservice.tls import TlsListener
-from proxy.policies.kv import PENDING_S
 
 _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 
@@ -139,13 +138,6 @@ class ProxySettings(LayeredSettings, TlsListener):
     kv_hash_seed: str = Field(
         "vllm-none-hash",
         description="the engines' PYTHONHASHSEED when they set one (vLLM's default seed if not)",
-    )
-    kv_memory_s: float = Field(
-        PENDING_S,
-        gt=0,
-        le=600,
-        description="the kv policy counts a prompt's blocks as held where it sent them this "
-        "long, until the engines' events say so (this replica's own memory)",
     )
 
     # resilience

@@ -22,7 +22,6 @@ from proxy.aiohttp_backend import AiohttpBackend
 from proxy.backend import Backend
 from proxy.canary import Canaries
 from proxy.config import Discovery, Flow, HttpClient, ProxySettings
-from proxy.dispatch import Decider, Dispatcher
 from proxy.events import NO_EVENTS, EventClient, EventSink, NoEvents
 from proxy.flows import AscendLayerwise, DecodeFirst, Direct, Legs, PrefillFirst, Timeouts
 from proxy.flows.base import Flow as FlowImpl
@@ -40,18 +39,31 @@ from proxy.instances import (
     refresh,
     run_discovery,
 )
-from proxy.instances.share import LoadShare
+from proxy.instances.share import LoadShare, LoadSync
 from proxy.integrity import PairGuard
 from proxy.metrics import Metrics
 from proxy.native import NativeBackend, Pools
 from proxy.policies import make_policy
 from proxy.policies.prefix import PrefixAware
+from proxy.routing import (
+    Decider,
+    Dispatcher,
+    Pairing,
+    Policies,
+    RouteListener,
+    Selector,
+    SharedLoad,
+)
+from proxy.routing.kv import KVAnnotator, KVPlacement
+from proxy.routing.select import NO_ANNOTATION, Annotator
 from proxy.tracing import ProxyTracer, build_tracer
 
 if TYPE_CHECKING:
     from proxy.kvroute.lookup import KVLookup
 
 log = logging.getLogger("pdgate.proxy")
+NO_RETRY = RetryPolicy(retries=0)  # the routing calls: an answer late is an answer useless
+SHARE_TIMEOUT_S = 1.0
 
 
 def replica_name(given: str | None, workers: int) -> str:
@@ -69,9 +81,8 @@ class Runtime:
         )
         self.metrics = Metrics(self.registry.instances)
         self.admission = Admission(settings.max_inflight)
-        memory = settings.kv_memory_s
-        self.prefill_policy = make_policy(settings.prefill_policy, kv_memory_s=memory)
-        self.decode_policy = make_policy(settings.decode_policy, kv_memory_s=memory)
+        self.prefill_policy = make_policy(settings.prefill_policy)
+        self.decode_policy = make_policy(settings.decode_policy)
         self.api_keys = frozenset(k.get_secret_value().encode() for k in settings.api_keys)
         # never the API keys: any client could then drain the whole fleet
         self.admin_keys = frozenset(k.get_secret_value().encode() for k in settings.admin_keys)
@@ -88,7 +99,7 @@ class Runtime:
         self.bindings: BindingSource | None = None
         self.canaries: Canaries | None = None  # wired with --canary-interval > 0
         self.kv: KVLookup | None = None  # the kv policy's index lookups (built by ``start``)
-        self.share: LoadShare | None = None  # --share-load (built by ``start``)
+        self.share: LoadSync | None = None  # --share-load (built by ``start``)
 
     async def start(self) -> None:
         s = self.settings
@@ -124,19 +135,14 @@ class Runtime:
             from proxy.kvroute.tokens import HFTokenizer
 
             tok = await asyncio.to_thread(HFTokenizer, s.tokenizer)
-            matcher = AsyncMetaserverClient(
-                s.metaserver, token=token, session=self.session, timeout_s=MATCH_TIMEOUT_S,
-                retry=RetryPolicy(retries=0),
-            )  # fmt: skip
+            matcher = self.metaserver.with_policy(timeout_s=MATCH_TIMEOUT_S, retry=NO_RETRY)
             self.kv = KVLookup(tok, matcher, s.kv_hash_seed, self.metrics.kv_lookups.labels)
+        share: LoadShare | None = None
         if s.share_load and self.share is None:
-            assert s.metaserver is not None
-            exchange = AsyncMetaserverClient(
-                s.metaserver, token=token, session=self.session, timeout_s=1.0,
-                retry=RetryPolicy(retries=0),
-            )  # fmt: skip
+            assert self.metaserver is not None
+            exchange = self.metaserver.with_policy(timeout_s=SHARE_TIMEOUT_S, retry=NO_RETRY)
             name = replica_name(s.replica_id, s.workers)
-            self.share = LoadShare(self.registry, exchange, name, s.share_interval_s)
+            self.share = share = LoadShare(self.registry, exchange, name, s.share_interval_s)
         self.wire(backend, self.metaserver)
         source = self._discovery_source()
         try:
@@ -163,8 +169,8 @@ class Runtime:
             except Exception as exc:
                 log.warning("first registry poll for drains failed (will retry): %s", exc)
             self._tasks.append(loop.create_task(watch.run(s.discovery_interval_s)))
-        if self.share is not None:
-            self._tasks.append(loop.create_task(self.share.run(), name="load-share"))
+        if share is not None:
+            self._tasks.append(loop.create_task(share.run(), name="load-share"))
         checker = HealthChecker(self.registry, self.session, interval_s=s.health_interval_s)
         self._tasks.append(loop.create_task(checker.run()))
         if self.canaries is not None:
@@ -184,6 +190,7 @@ class Runtime:
             s.prefill_grace_s,
         )
         guard = PairGuard(s.pair_quarantine_s, self.metrics) if s.first_token_check else None
+        pairing = Pairing(guard)
         legs = Legs(backend, timeouts, self.metrics, guard)
         flows: dict[Flow, FlowImpl] = {
             Flow.DIRECT: Direct(legs),
@@ -201,23 +208,29 @@ class Runtime:
         if guard is not None and s.canary_interval_s > 0 and canary_flow is not None:
             if canary_flow.needs_prefill:
                 self.canaries = Canaries(
-                    self.registry, canary_flow, guard, self.metrics, self.ids, s.canary_interval_s
-                )
+                    self.registry, canary_flow, guard, pairing, self.metrics, self.ids,
+                    s.canary_interval_s,
+                )  # fmt: skip
         prefix = self.decode_policy if isinstance(self.decode_policy, PrefixAware) else None
         decider = Decider(s.disagg_min_tokens, s.cached_skip_ratio, prefix, self.metrics)
+        annotator: Annotator = NO_ANNOTATION
+        listeners: list[RouteListener] = []
+        if self.kv is not None:  # first: its ``choosing`` never waits
+            annotator = KVAnnotator(self.kv, self.registry)
+            listeners.append(KVPlacement(self.kv))
+        if self.share is not None:
+            listeners.append(SharedLoad(self.share))
+        policies = Policies(self.prefill_policy, self.decode_policy)
+        selector = Selector(
+            self.registry, flows, policies, decider, pairing, self.metrics, annotator
+        )
         self.dispatcher = Dispatcher(
-            self.registry,
-            flows,
-            self.prefill_policy,
-            self.decode_policy,
-            decider,
+            selector,
+            listeners,
             self.metrics,
             retries=s.retries,
             backoff=Backoff(base=s.backoff_base_s, cap=s.backoff_cap_s),
             ids=self.ids,
-            guard=guard,
-            kv=self.kv,
-            share=self.share,
         )
 
     def _discovery_source(self) -> DiscoverySource:

@@ -8,6 +8,7 @@ typed errors of ``pdwire.client.errors`` at once.
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Sequence
 from types import TracebackType
 
@@ -58,6 +59,17 @@ class AsyncMetaserverClient:
             connector = aiohttp.TCPConnector(limit=self._max_connections, ttl_dns_cache=300)
             self._session = aiohttp.ClientSession(connector=connector)
         return self._session
+
+    def with_policy(self, *, timeout_s: float, retry: RetryPolicy) -> AsyncMetaserverClient:
+        """This client — its session, credentials and address — with another timeout and
+        retry policy for the calls made through what it returns (closing that closes
+        nothing): one client per process, each caller's calls as patient as they need."""
+        view = copy.copy(self)
+        view._session = self._get_session()
+        view._own_session = False
+        view._timeout = timeout_s
+        view._retry = retry
+        return view
 
     def _fresh_headers(self) -> dict[str, str]:
         assert self._token is not None

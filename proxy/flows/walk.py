@@ -150,7 +150,7 @@ class Walk:
                 up = await d_task
         except BaseException as exc:
             watch.disarm()
-            if isinstance(exc, MetaserverUnavailable) and not d_task.done():
+            if fall.unreadable and isinstance(exc, MetaserverUnavailable) and not d_task.done():
                 return await self._decode_alone(a, ids, d_task, exc.message, Without.UNREADABLE)
             if fall.p_failed and await self._p_failed_after_taking(a, ids, d_task, exc):
                 assert isinstance(exc, LegError)

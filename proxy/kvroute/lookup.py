@@ -11,7 +11,11 @@ without the index (counted as ``too_large``, ``busy``, ``timeout``). The match i
 
 Once the pair is chosen, ``placed`` tells the index where the prompt went (``POST
 /v1/kv/placed``, in the background: sent at once, the choices made meanwhile batched into the
-next call), so every proxy replica counts it as held there until the engines' events say so.
+next call), so every proxy replica, this one included, counts it as held there until the
+engines' events say so (the metaserver's ``--kv-placed``: the one memory of where prompts just
+went). Until the index can have shown a placement to this replica's match — it is still being
+sent, or it landed while the match was out — ``pending`` counts it here (``Unseen``); a
+placement the metaserver did not take is not counted after its call ended.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from pdwire.block_hash import BlockHasher
@@ -55,6 +60,70 @@ class Matcher(Protocol):
         ...
 
 
+@dataclass(slots=True)
+class Placed:
+    """Where one prompt was sent: its block keys on one instance."""
+
+    instance_id: str
+    keys: Sequence[int]
+    taken: int | None = None  # the matches asked when the index had taken it (None: not yet)
+
+
+class Unseen:
+    """Placements this replica's matches may not show yet: from ``placed`` until the index has
+    taken them and every request whose match was asked before that has made its first choice
+    (placement calls end in the order they were sent)."""
+
+    def __init__(self) -> None:
+        self._entries: deque[Placed] = deque()
+        self.asked = 0  # matches asked so far (their numbers)
+        self._out: set[int] = set()  # matches asked and not answered
+
+    def add(self, placed: Placed) -> None:
+        self._entries.append(placed)
+
+    def ended(self, batch: Sequence[Placed], taken: bool) -> None:
+        """A placement call ended: the index has ``batch`` (``taken``) or never will."""
+        for placed in batch:
+            placed.taken = self.asked
+        if not taken:
+            drop = {id(p) for p in batch}
+            self._entries = deque(p for p in self._entries if id(p) not in drop)
+        self._prune()
+
+    def asking(self) -> int:
+        self.asked += 1
+        self._out.add(self.asked)
+        return self.asked
+
+    def answered(self, number: int) -> None:
+        """The match numbered ``number`` failed, or its request made its first choice."""
+        self._out.discard(number)
+        self._prune()
+
+    def _prune(self) -> None:
+        oldest = min(self._out, default=self.asked + 1)
+        entries = self._entries
+        while entries and entries[0].taken is not None and entries[0].taken < oldest:
+            entries.popleft()  # every match that could miss it has been answered
+        while len(entries) > PLACED_QUEUE + KV_PLACED_MAX:
+            entries.popleft()
+
+    def held(self, instance_id: str, keys: Sequence[int], asked: int) -> int:
+        """How many of ``keys``, from the first, were placed on ``instance_id`` out of sight
+        of the match numbered ``asked``."""
+        placed: set[int] = set()
+        for p in self._entries:
+            if p.instance_id == instance_id and (p.taken is None or p.taken >= asked):
+                placed.update(p.keys)
+        n = 0
+        for key in keys:
+            if key not in placed:
+                break
+            n += 1
+        return n
+
+
 @dataclass(frozen=True, slots=True)
 class _Scheme:
     block_size: int
@@ -81,8 +150,9 @@ class KVLookup:
         # tokenizer releases the GIL: a few threads keep requests from queueing behind one
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="pdgate-kv")
         self._counts = counts  # metrics: outcome -> counter (None in tests)
-        self._placed: list[tuple[str, Sequence[int]]] = []
+        self._placed: list[Placed] = []  # to send
         self._placing: asyncio.Task[None] | None = None
+        self.unseen = Unseen()
 
     def _count(self, outcome: str) -> None:
         if self._counts is not None:
@@ -124,6 +194,7 @@ class KVLookup:
         count, keys = keyed
         info.tokens = count  # exact now
         matched: dict[str, KVMatch] = {}
+        asked = self.unseen.asking()
         try:
             for scheme, members in by_scheme.items():
                 got = await self._matcher.kv_match(keys[scheme], [m.id for m in members])
@@ -132,11 +203,15 @@ class KVLookup:
                     mine = keys[scheme]
                     bs = scheme.block_size
                     matched[m.url] = KVMatch(n, len(mine), n * bs, mine, bs, m.id)
-        except Exception as exc:
+        except BaseException as exc:
+            self.unseen.answered(asked)
+            if not isinstance(exc, Exception):
+                raise
             log.debug("KV index not asked: %s", exc)
             self._count("failed")
             return
         info.kv = matched
+        info.kv_asked = asked  # outstanding until the request's first choice (``pending``)
         self._count("matched" if any(m.blocks for m in matched.values()) else "no_match")
 
     def _finished(self, work: asyncio.Future[Any]) -> None:
@@ -144,13 +219,30 @@ class KVLookup:
         if not work.cancelled():
             work.exception()  # retrieved: a late failure after a timeout is nobody's
 
+    def pending(self, info: RequestInfo) -> None:
+        """Before a choice: count the placements the request's match could not show as held
+        (a burst sharing a new prefix follows the first of its requests)."""
+        if info.kv is None:
+            return
+        for url, m in info.kv.items():
+            if not m.keys or not m.instance_id:
+                continue
+            n = self.unseen.held(m.instance_id, m.keys, info.kv_asked)
+            if n > m.blocks:
+                info.kv[url] = replace(m, blocks=n, tokens=n * m.block_size)
+        self.unseen.answered(info.kv_asked)
+
     def placed(self, inst: Instance, info: RequestInfo) -> None:
         """The prompt goes to ``inst``: tell the index (in the background)."""
         m = None if info.kv is None else info.kv.get(inst.url)
         if m is None or not m.keys or not m.instance_id:
             return
-        self._placed.append((m.instance_id, m.keys))
-        del self._placed[:-PLACED_QUEUE]
+        placed = Placed(m.instance_id, m.keys)
+        self.unseen.add(placed)
+        self._placed.append(placed)
+        if len(self._placed) > PLACED_QUEUE:  # the oldest go unsent
+            self.unseen.ended(self._placed[:-PLACED_QUEUE], taken=False)
+            del self._placed[:-PLACED_QUEUE]
         if self._placing is None or self._placing.done():
             self._placing = asyncio.ensure_future(self._send_placed())
 
@@ -160,13 +252,16 @@ class KVLookup:
             while n < min(len(self._placed), KV_PLACED_MAX) and (
                 n == 0 or keys < PLACED_BATCH_KEYS
             ):
-                keys += len(self._placed[n][1])
+                keys += len(self._placed[n].keys)
                 n += 1
             batch, self._placed = self._placed[:n], self._placed[n:]
             try:
-                await self._matcher.kv_placed(batch)
+                await self._matcher.kv_placed([(p.instance_id, p.keys) for p in batch])
             except Exception as exc:  # the index learns them from the engines, later
                 log.debug("placements not sent: %s", exc)
+                self.unseen.ended(batch, taken=False)
+            else:
+                self.unseen.ended(batch, taken=True)
 
     def _keys(
         self, body: dict[str, Any], chat: bool, schemes: list[_Scheme]

@@ -1,7 +1,7 @@
 """Selection policies: one small module each, one interface (``Policy``), one registry.
 
 ``make_policy("least_load")``; names: round_robin, random, power_of_two, least_load, prefix,
-kv (``kv_memory_s``: how long it counts a prompt's blocks as held where it sent them).
+kv.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from proxy.policies.base import KVMatch, Policy, RequestInfo
-from proxy.policies.kv import PENDING_S, KVAware
+from proxy.policies.kv import KVAware
 from proxy.policies.least_load import LeastLoad
 from proxy.policies.power_of_two import PowerOfTwo
 from proxy.policies.prefix import PrefixAware
@@ -26,9 +26,7 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 }
 
 
-def make_policy(name: str, *, kv_memory_s: float = PENDING_S) -> Policy:
-    if name == KVAware.name:
-        return KVAware(memory_s=kv_memory_s)
+def make_policy(name: str) -> Policy:
     try:
         return POLICIES[name]()
     except KeyError:

@@ -25,7 +25,7 @@ class RequestInfo:
     """What policies may look at: prompt tokens (estimated, exact once tokenized), prefix block
     hashes of the text (lazy), and with KV-event routing each candidate's real cache hits."""
 
-    __slots__ = ("_hashes", "kv", "prompt", "tokens")
+    __slots__ = ("_hashes", "kv", "kv_asked", "prompt", "tokens")
 
     BLOCK_CHARS = 256  # ≈ 64 tokens per hashed block
 
@@ -34,6 +34,7 @@ class RequestInfo:
         self.tokens = tokens
         self._hashes: list[int] | None = None
         self.kv: dict[str, KVMatch] | None = None  # by instance url
+        self.kv_asked = 0  # the number of the index match ``kv`` came from (``proxy.kvroute``)
 
     def uncached(self, inst: Instance) -> int:
         """The prompt tokens ``inst`` would compute (all of them when its cache is unknown)."""

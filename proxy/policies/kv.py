@@ -15,54 +15,38 @@ of the prompt (its hits are blocks P does not push); decode load matters first, 
 stream's ITL.
 
 The index learns a block once an engine has computed it and published the event: seconds
-after the choice for a long prompt. So the policy also remembers, for ``memory_s``
-(``--kv-memory``, ``PENDING_S`` by default), where it chose to send each prompt's blocks (at
-most ``MAX_PENDING`` keys, oldest dropped) and counts them as held there; the index's own count
-wins where larger. A choice is remembered as it is made, so the requests of a burst that share
-a prefix follow the first of them. A choice whose attempt fails is remembered all the same (for
-``memory_s`` at most). This memory is the replica's own; the dispatcher also places the choice
-in the index (``KVLookup.placed``), which is how the other replicas learn it.
+after the choice for a long prompt. Until then the blocks count as held where a proxy chose to
+send them: each choice is placed in the index (``proxy.routing.kv``), whose matches count it for
+``--kv-placed``, and counted here before then (``KVLookup.pending``), so the requests of a burst
+that share a prefix follow the first of them. The policy itself keeps no memory.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 from proxy.instances import Instance, Role
 from proxy.policies.base import RequestInfo
 from proxy.policies.least_load import LeastLoad
 
 RECOMPUTE_WEIGHT = 2
-PENDING_S = 10.0
-MAX_PENDING = 200_000
 
 
 class KVAware:
     name = "kv"
 
-    def __init__(
-        self,
-        slack: int = 2,
-        clock: Callable[[], float] = time.monotonic,
-        *,
-        memory_s: float = PENDING_S,
-    ) -> None:
+    def __init__(self, slack: int = 2, clock: Callable[[], float] = time.monotonic) -> None:
         self._slack = slack
-        self._memory_s = memory_s
         self._fallback = LeastLoad()
         self._clock = clock
-        self._pending: OrderedDict[int, tuple[str, float]] = OrderedDict()  # key: (url, until)
 
     def choose(self, candidates: Sequence[Instance], req: RequestInfo) -> Instance:
         kv = req.kv
         if kv is None or len(candidates) == 1:
             return self._fallback.choose(candidates, req)
         now = self._clock()
-        self._add_pending(candidates, req, now)
         if candidates[0].role is Role.DECODE:
             least = min(c.load[0] for c in candidates)
             near = [c for c in candidates if c.load[0] <= least + self._slack]
@@ -78,40 +62,10 @@ class KVAware:
                 ),
             )
             chosen.work.add(req.uncached(chosen), now)
-        self._remember(chosen, req, now)
         return chosen
 
     def on_routed(self, inst: Instance, req: RequestInfo) -> None:
-        pass  # remembered when chosen
-
-    def _remember(self, inst: Instance, req: RequestInfo, now: float) -> None:
-        assert req.kv is not None
-        m = req.kv.get(inst.url)
-        if m is None or not m.keys:
-            return
-        until = now + self._memory_s
-        pending = self._pending
-        for key in m.keys:
-            pending[key] = (inst.url, until)
-            pending.move_to_end(key)
-        while len(pending) > MAX_PENDING:
-            pending.popitem(last=False)
-
-    def _add_pending(self, candidates: Sequence[Instance], req: RequestInfo, now: float) -> None:
-        """Count the blocks this policy sent to a candidate lately as held there."""
-        assert req.kv is not None
-        for c in candidates:
-            m = req.kv.get(c.url)
-            if m is None or not m.keys:
-                continue
-            n = 0
-            for key in m.keys:
-                sent = self._pending.get(key)
-                if sent is None or sent[0] != c.url or sent[1] < now:
-                    break
-                n += 1
-            if n > m.blocks:
-                req.kv[c.url] = replace(m, blocks=n, tokens=n * m.block_size)
+        pass  # placed in the index when chosen (``proxy.routing.kv``)
 
 
 def _spread(req: RequestInfo, inst: Instance) -> bytes:

@@ -23,7 +23,7 @@ from launch.supervisor import Supervisor, group_members
 from tests.e2e.stack import (
     ENGINE_ARGS,
     KV_EVENTS_AT,
-    KV_MEMORY_S,
+    KV_PLACED_S,
     PROXY_ARGS,
     Deployment,
     base_options,
@@ -80,7 +80,7 @@ class First:
         opts = replace(opts, kv_events_base_port=opts.proxy_port + KV_EVENTS_AT)
         plan = build_plan(opts)
         next(c for c in plan.children if c.name == "metaserver").argv.extend(
-            ["--kv-placed", str(KV_MEMORY_S)]
+            ["--kv-placed", str(KV_PLACED_S)]
         )
         next(c for c in plan.children if c.name == "proxy").env.update(quick)
         plan.children[:] = [lowest(c) for c in plan.children]

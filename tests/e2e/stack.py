@@ -40,10 +40,9 @@ PROXY_ARGS = ("--disagg-min-tokens", "0", "--decode-policy", "prefix", "--bindin
 
 KV_EVENTS_AT = 48  # kv_events_base_port = proxy_port + this
 # How long a proxy's choice counts as held before the engines' events say so: the shared
-# deployment's metaserver runs with this --kv-placed (its placements) and
-# tests/e2e/test_kv_routing.py's proxy with this --kv-memory (its own), so that test can wait
-# both out and see routing follow the engines' events alone (10 s each by default).
-KV_MEMORY_S = 1.0
+# deployment's metaserver runs with this --kv-placed (10 s by default), so
+# tests/e2e/test_kv_routing.py can wait it out and see routing follow the engines' events alone.
+KV_PLACED_S = 1.0
 
 _SECRET: list[str] = []
 

@@ -3,8 +3,8 @@ events and its metaserver (on Redis) indexes them; a proxy of this module's own 
 ``kv`` policy. The index's entries for a prompt are exactly the block keys pdgate computes for
 it (any difference in algorithm, seed or block size would match nothing), and requests sharing
 a prefix go to the prefill instance whose cache holds it, as the engines' events say: each one
-sent only once both memories of where the last went (the proxy's ``--kv-memory``, the
-metaserver's ``--kv-placed``: ``KV_MEMORY_S`` here) have lapsed."""
+sent only once the memory of where the last went (the metaserver's ``--kv-placed``:
+``KV_PLACED_S`` here) has lapsed."""
 
 from __future__ import annotations
 
@@ -20,24 +20,20 @@ from tests.e2e.client import client, complete
 from tests.e2e.conftest import LOG_DIR, Engines
 from tests.e2e.engine_metrics import prompt_tokens_by_source, samples
 from tests.e2e.observe import observer
-from tests.e2e.stack import BLOCK_SIZE, KV_MEMORY_S, own_proxy
+from tests.e2e.stack import BLOCK_SIZE, KV_PLACED_S, own_proxy
 from tests.e2e.test_equality import prompt_ids
 
 pytestmark = pytest.mark.e2e
 INDEXED_WITHIN_S = 30.0  # events reach the index in well under a second; a loaded CI is slower
-# after an answer, until both memories of its choice have lapsed: the proxy's counts from the
-# choice, before the answer; the metaserver's from the placement, sent at the choice (in the
-# background: the margin)
-LAPSED_AFTER_S = KV_MEMORY_S + 0.5
+# after an answer, until the memory of its choice has lapsed: the metaserver's counts from the
+# placement, sent at the choice (in the background: the margin)
+LAPSED_AFTER_S = KV_PLACED_S + 0.5
 
 
 @pytest.fixture(scope="module")
 def kv_proxy(engines: Engines) -> Iterator[str]:
     model = str(engines.pd.plan.options.model)
-    kv = (
-        *("--prefill-policy", "kv", "--decode-policy", "kv", "--tokenizer", model),
-        *("--kv-memory", str(KV_MEMORY_S)),
-    )
+    kv = ("--prefill-policy", "kv", "--decode-policy", "kv", "--tokenizer", model)
     with own_proxy(engines.pd, "proxy-kv", kv, LOG_DIR / "kv-routing") as url:
         yield url
 
@@ -143,7 +139,7 @@ async def test_e2e_a_shared_prefix_goes_where_it_is_cached(engines: Engines, kv_
     await place(engines, other, probe)
     placed = time.monotonic()
     counted = (await matched(engines, probe, [other], placed=True))[other]
-    if time.monotonic() - sent < KV_MEMORY_S:  # else the machine stalled: this says nothing
+    if time.monotonic() - sent < KV_PLACED_S:  # else the machine stalled: this says nothing
         assert counted == 22, counted
     before = {name: await prompt_tokens_by_source(url) for name, url in urls.items()}
     for i in range(3):  # one after another: each P is idle when the next is chosen

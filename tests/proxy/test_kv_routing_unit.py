@@ -18,7 +18,7 @@ from pdwire.models import KV_PLACED_MAX, KVEvents, MarkKind
 from pdwire.models import Instance as Registered
 from proxy.config import Flow
 from proxy.instances import CircuitBreaker, Instance, Role
-from proxy.kvroute.lookup import KVLookup
+from proxy.kvroute.lookup import KVLookup, Placed, Unseen
 from proxy.kvroute.tokens import token_ids_of
 from proxy.policies.base import KVMatch, RequestInfo
 from proxy.policies.kv import KVAware
@@ -48,7 +48,8 @@ class IndexMatcher:
         self.fail = False
         self.placed: list[str] = []
         self.batches: list[int] = []
-        self.placing = True  # False: placements are lost (a metaserver before /v1/kv/placed)
+        self.gate: asyncio.Event | None = None  # set: placements wait for it
+        self.fail_placing = False
 
     async def kv_match(self, keys: Sequence[int], instance_ids: Sequence[str]) -> dict[str, int]:
         self.calls += 1
@@ -57,10 +58,13 @@ class IndexMatcher:
         return await self.index.match(keys, instance_ids)
 
     async def kv_placed(self, placed: Sequence[tuple[str, Sequence[int]]]) -> None:
+        if self.gate is not None:
+            await self.gate.wait()
         self.placed += [i for i, _ in placed]
         self.batches.append(len(placed))
-        if self.placing:
-            await self.index.place([Placement(i, keys) for i, keys in placed])
+        if self.fail_placing:
+            raise ConnectionError("metaserver unreachable")
+        await self.index.place([Placement(i, keys) for i, keys in placed])
 
 
 def keys_of(text: str) -> list[int]:
@@ -116,6 +120,15 @@ def proxy(
     return px, matcher, backend
 
 
+async def placed(m: IndexMatcher, n: int) -> None:
+    """Until ``n`` placements reached the index double (they are sent in the background)."""
+    for _ in range(200):
+        if len(m.placed) >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{len(m.placed)} placements, not {n}")
+
+
 def inst(px: InMemoryProxy, url: str) -> Instance:
     (found,) = [i for i in px.runtime.registry.instances() if i.url == url]
     return found
@@ -160,11 +173,12 @@ async def test_prefill_with_the_prefix_wins_while_it_is_not_busier() -> None:
     await px.settle()
 
 
-async def test_a_prompt_just_sent_counts_as_held_there() -> None:
-    """Before the index learns a prompt's blocks, the policy remembers where it sent them:
-    a burst sharing a new prefix goes to one P. (Here the index loses the placements too.)"""
+async def test_a_prompt_just_sent_counts_as_held_there_before_the_index_has_it() -> None:
+    """Until the index has taken a placement (its call still out here), this replica counts it
+    itself: a burst sharing a new prefix goes to one P. Then the index's placement is what
+    counts (the metaserver's ``--kv-placed``: the one memory of where prompts went)."""
     px, m, backend = proxy()
-    m.placing = False
+    m.gate = asyncio.Event()  # placements wait: the index knows nothing yet
     inst(px, P_URL).acquire(1)  # by load p1 first
     assert (await px.send()).status == 200
     assert urls(backend, "prefill") == [P2_URL]
@@ -174,32 +188,49 @@ async def test_a_prompt_just_sent_counts_as_held_there() -> None:
         assert (await px.send()).status == 200
     assert urls(backend, "prefill") == [P2_URL] * 3
     assert lookups(px) == {"no_match": 3.0}  # the index itself still knows nothing
+    m.gate.set()
+    await placed(m, 6)
+    assert (await m.index.match(keys_of(PROMPT), ["p1"])) == {"p1": 40}
+    assert (await px.send()).status == 200
+    assert urls(backend, "prefill") == [P2_URL] * 4
+    assert lookups(px) == {"no_match": 3.0, "matched": 1.0}
     inst(px, P2_URL).release(100)
     await px.settle()
 
 
-async def test_the_memory_of_a_choice_lasts_kv_memory() -> None:
-    """``--kv-memory``: the prompt counts as held where it went for that long, then no more
-    (the index, which lost the placement, knows nothing: its P is merely busier)."""
-    px, m, backend = proxy(kv_memory_s=2.0)
-    m.placing = False
-    now = [1000.0]
-    policy = px.runtime.prefill_policy
-    assert isinstance(policy, KVAware)
-    policy._clock = lambda: now[0]
+async def test_a_placement_the_index_did_not_take_counts_no_more() -> None:
+    """A placement call that failed is not counted here after it ended (the engines' events
+    will say where the blocks are): the prompt's P is then merely busier."""
+    px, m, backend = proxy()
+    m.fail_placing = True
     inst(px, P_URL).acquire(1)  # by load p1 first
     assert (await px.send()).status == 200
+    await placed(m, 2)
     inst(px, P_URL).release(1)
-    inst(px, P2_URL).acquire(100)  # 100 < 2 x 160: held, p1 still gets it
-    now[0] += 1.5
+    inst(px, P2_URL).acquire(100)
     assert (await px.send()).status == 200
-    now[0] += 1.0  # 2.5 s after the first choice, 1 s after the second
-    assert (await px.send()).status == 200
-    now[0] += 2.5  # every one lapsed: p0, idle, takes it
-    assert (await px.send()).status == 200
-    assert urls(backend, "prefill") == [P2_URL, P2_URL, P2_URL, P_URL]
+    assert urls(backend, "prefill") == [P2_URL, P_URL]
     inst(px, P2_URL).release(100)
     await px.settle()
+
+
+def test_a_placement_taken_while_a_match_was_out_counts_for_that_match() -> None:
+    """The index may have answered a match before it took a placement whose call ended while
+    the match was out: for that request the placement counts here; for a match asked after
+    the call ended it does not (the index shows it), and it is forgotten once every earlier
+    request has chosen."""
+    unseen = Unseen()
+    unseen.add(first := Placed("p1", [1, 2, 3]))
+    before = unseen.asking()  # a match asked while the placement is being sent
+    assert unseen.held("p1", [1, 2, 9], before) == 2
+    unseen.ended([first], taken=True)
+    after = unseen.asking()
+    assert unseen.held("p1", [1, 2, 3], before) == 3
+    assert unseen.held("p1", [1, 2, 3], after) == 0
+    assert unseen.held("p0", [1, 2, 3], before) == 0
+    unseen.answered(before)
+    unseen.answered(after)
+    assert unseen.held("p1", [1, 2, 3], before) == 0  # forgotten
 
 
 async def test_a_prompt_another_replica_just_sent_counts_as_held_there() -> None:
