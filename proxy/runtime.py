@@ -1,6 +1,12 @@
 """Everything one proxy process holds, built from settings and started inside the event loop:
 the pooled HTTP session, the instance registry and its discovery / health tasks, policies,
-flows and the metaserver client."""
+flows, routing and the metaserver client.
+
+One metaserver client (``metaserver``) makes every JSON call — discovery, drains, marks, and,
+through ``with_policy``, the routing calls that must not wait (the KV index's match and
+placements, the shared load: short timeouts, no retries). D's binding is read on the data path
+instead, as raw bytes embedded in P's request unparsed: the long-poll on the legs' HTTP client,
+the binding feed on the pooled session (``proxy.flows.bindings``, ``proxy.flows.feed``)."""
 
 from __future__ import annotations
 
