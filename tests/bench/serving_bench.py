@@ -4,6 +4,7 @@ cores aggregated (``tests/bench/serving/``: workload, client, systems, report).
     .venv/bin/python tests/bench/serving_bench.py [--model smollm2|tiny|small] \
         [--rates 0.05,0.1,0.2,0.4] [--duration 120] [--pattern poisson|bursty] [--runs 3] \
         [--systems aggregated,pd,conditional] [--slo-ttft 4.0] [--slo-itl 0.15] \
+        [--also-slo TTFT_S:ITL_S ...] \
         [--disagg-min-tokens N] [--cached-skip-ratio 0.5] [--eager] [--seed 1] [--out DIR]
 
 For each run, each system in turn is started (engines pinned, ``systems.py``), swept through
@@ -15,8 +16,11 @@ prompts of its own (no prefix-cache hit carries over from the previous point).
 ``conditional`` uses ``--disagg-min-tokens`` when given, else the metaserver's suggestion after
 the run's ``pd`` sweep (``/v1/breakdown``'s ``disaggregation.suggested_min_tokens``), else 1024.
 
-Output: the table of every point, goodput's spread over the runs, ``goodput.png`` and ``itl.png``
-under ``--out`` (default ``.cache/serving-bench``), and ``points.json`` there.
+Output: the table of every point, goodput's spread over the runs (at ``--slo-ttft``/``--slo-itl``
+and at each ``--also-slo``), ``goodput.png`` and ``itl.png`` under ``--out`` (default
+``.cache/serving-bench``), and ``points.json`` there: every point with each request's kind,
+prompt length, TTFT, mean ITL and tokens, and every inter-token gap, so goodput at another SLO
+can be computed afterwards.
 """
 
 from __future__ import annotations
@@ -85,6 +89,16 @@ def suggested_min_tokens(system: systems.System) -> int | None:
     return None if value is None else int(value)
 
 
+def also_slo(text: str) -> Slo:
+    try:
+        ttft, itl = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want TTFT_S:ITL_S, e.g. 4:0.15") from None
+    if ttft <= 0 or itl <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: both must be > 0")
+    return Slo(ttft, itl)
+
+
 def sweep(a: argparse.Namespace, system: systems.System, run: int, model: str) -> list[Point]:
     points = []
     for k, rate in enumerate(a.rates):
@@ -110,6 +124,8 @@ def main() -> None:
     ap.add_argument("--systems", type=lambda s: s.split(","), default=list(systems.SYSTEMS))
     ap.add_argument("--slo-ttft", type=float, default=4.0)
     ap.add_argument("--slo-itl", type=float, default=0.15)
+    ap.add_argument("--also-slo", type=also_slo, action="append", default=[],
+                    metavar="TTFT_S:ITL_S", help="another SLO to report goodput at")  # fmt: skip
     ap.add_argument("--disagg-min-tokens", type=int, default=None)
     ap.add_argument("--cached-skip-ratio", type=float, default=0.5)
     ap.add_argument("--eager", action="store_true", help="engines with --enforce-eager")
@@ -152,12 +168,18 @@ def main() -> None:
                 sup.stop()
     print(report.table(points, slo))
     print()
-    print(report.spread(points, slo))
+    for each in (slo, *a.also_slo):
+        print(f"\nTTFT <= {each.ttft_s:g} s, mean ITL <= {each.itl_s * 1000:g} ms:")
+        print(report.spread(points, each))
     pictures = report.pictures(points, slo, a.out)
     dump = [
-        {"system": p.system, "rate": p.rate, "run": p.run, "goodput": p.goodput(slo),
-         "throughput": p.throughput(), "disaggregated": p.disaggregated,
-         "ttft": p.ttfts(), "itl_count": len(p.itls()), "failed": len(p.results) - len(p.ok())}
+        {"system": p.system, "rate": p.rate, "run": p.run, "duration_s": p.duration_s,
+         "goodput": p.goodput(slo), "throughput": p.throughput(),
+         "disaggregated": p.disaggregated, "failed": len(p.results) - len(p.ok()),
+         "requests": [{"kind": r.req.kind, "prompt": len(r.req.prompt), "ok": r.ok,
+                       "ttft": r.ttft_s, "mean_itl": r.mean_itl(), "tokens": r.tokens}
+                      for r in p.results],
+         "itls": p.itls()}
         for p in points
     ]  # fmt: skip
     (a.out / "points.json").write_text(json.dumps(dump, indent=1))
