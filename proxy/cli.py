@@ -70,6 +70,7 @@ def build_parser() -> SettingsParser[ProxySettings]:
     p.switch("--binding-marks", "binding_marks")
     p.unswitch("--no-binding-feed", "binding_feed")
     p.unswitch("--no-first-token-check", "first_token_check")
+    p.unswitch("--no-early-first-token", "early_first_token")
     opt("--pair-quarantine", "pair_quarantine_s", float)
     opt("--canary-interval", "canary_interval_s", float)
     opt("--disagg-min-tokens", "disagg_min_tokens", int)

@@ -95,6 +95,11 @@ class ProxySettings(LayeredSettings, TlsListener):
         description="on greedy requests compare P's first token with D's before D's answer "
         "goes out; a mismatch quarantines the pair and D computes the prompt itself",
     )
+    early_first_token: bool = Field(
+        True,
+        description="decode-first and concurrent: a streamed greedy request's first token goes "
+        "to the client from P's answer, without waiting for D's (proxy.early)",
+    )
     canary_interval_s: float = Field(
         0.0,
         ge=0,

@@ -30,6 +30,7 @@ from pdwire.models import BindingState, MarkKind
 from proxy.answers import EVENT_STREAM, JSON, not_a_completion, not_an_event_stream
 from proxy.backend import LegError
 from proxy.config import Flow
+from proxy.early import EarlyFirst
 from proxy.errors import (
     BadRequest,
     PayloadTooLarge,
@@ -44,7 +45,7 @@ from proxy.instances import Instance, Role
 from proxy.migration import COMPLETIONS, Migrator, Splicer, Tape
 from proxy.rewrite import ClientRequest
 from proxy.runtime import Runtime
-from proxy.sse import end_broken, fix_body, relay_stream
+from proxy.sse import EventHook, end_broken, fix_body, relay_stream
 from proxy.tracing import NO_SPAN
 from proxy.watcher import Watcher
 
@@ -80,6 +81,7 @@ class CompletionsHandler:
         self._marks = rt.settings.binding_marks  # the timeline's first_token / end marks
         self._counters: dict[tuple[str, Flow, str, int], Any] = {}
         self._migrator = Migrator(rt.settings.migration_limit, rt.metrics)
+        self._early = rt.settings.early_first_token
         self._histograms: dict[Flow, Any] = {}
 
     async def _relay(
@@ -92,12 +94,15 @@ class CompletionsHandler:
         flow: Flow,
         t0: float,
         span: RequestSpan,
+        hook: EventHook | None = None,
     ) -> bool:
         """Stream D's answer to the client; when D breaks mid-stream, go on from another pair
         while the migrator allows (``proxy.migration``), else end with an error event.
-        Returns whether the client got the whole answer."""
+        ``hook``: the first answer's (P's first token went out: ``proxy.early``). Returns
+        whether the client got the whole answer."""
         assert at.up is not None and at.d is not None
-        hook = self._migrator.hook(req, tape) if tape is not None else None
+        if hook is None and tape is not None:
+            hook = self._migrator.hook(req, tape)
         broken = await relay_stream(at.up, send, req.include_usage, watcher.finish, hook)
         gone: set[str] = set()  # the D that broke, each time: never asked again
         while broken is not None:
@@ -247,11 +252,20 @@ class CompletionsHandler:
         started = complete = False
         outcome, status = "ok", 200
         tape = self._migrator.tape(req)
+        stream_headers = [(b"content-type", EVENT_STREAM), *extra, (b"cache-control", b"no-cache")]
+        early = (
+            EarlyFirst.of(req, tape, flow, send, stream_headers, rt.metrics)
+            if self._early
+            else None
+        )
         try:
-            first, at.d, used = await rt.dispatcher.open(req, scope["path"], flow, span)
+            first, at.d, used = await rt.dispatcher.open(
+                req, scope["path"], flow, span, early=early
+            )
             at.up, at.held = first, req.tokens  # exact once the kv policy tokenized it
+            started = early is not None and early.sent
             if self._marks and first.binding_tracked:  # posted in the background
-                since = time.perf_counter() - t0
+                since = (early.at if started and early is not None else time.perf_counter()) - t0
                 rt.events.mark(first.tid, MarkKind.FIRST_TOKEN, since, kv_held=first.kv_held)
             if not req.stream:
                 wrong = not_a_completion(first.first)
@@ -271,10 +285,13 @@ class CompletionsHandler:
                 if wrong is not None:
                     assert at.d is not None
                     raise LegError(UpstreamError(wrong), at.d.url, "decode")
-                headers = [(b"content-type", EVENT_STREAM), *extra, (b"cache-control", b"no-cache")]
-                await send({"type": "http.response.start", "status": 200, "headers": headers})
-                started = True
-                complete = await self._relay(at, req, tape, send, watcher, flow, t0, span)
+                if not started:
+                    await send(
+                        {"type": "http.response.start", "status": 200, "headers": stream_headers}
+                    )
+                    started = True
+                hook = early.hook if early is not None and early.sent else None
+                complete = await self._relay(at, req, tape, send, watcher, flow, t0, span, hook)
                 if not complete:
                     outcome = "stream_error"
                 watcher.cancel()
@@ -282,6 +299,8 @@ class CompletionsHandler:
             outcome, status = exc.kind, exc.status
             span.set("error.message", exc.message[:500])
             watcher.cancel()
+            if early is not None and early.sent:
+                started = True  # P's first token is out: the failure ends the stream
             if not started:
                 await _send_error(send, exc, extra)
             else:

@@ -336,6 +336,14 @@ class Metrics:
             ["reason", "outcome"],
             registry=r,
         )
+        self.early_first_tokens = counter(
+            "pd_early_first_tokens_total",
+            "streamed greedy answers whose first token went out from P's answer (sent), whose "
+            "P answer showed no token text to send (unsent), and whose D then went on from "
+            "another token (diverged: continued elsewhere as a break)",
+            ["outcome"],
+            registry=r,
+        )
         self.binding_waits = InFlight(
             "pd_binding_waits",
             "requests waiting now for D's binding (D has not scheduled them yet)",

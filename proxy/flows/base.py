@@ -54,7 +54,9 @@ class Timeouts:
 class Attempt:
     """One try of one client request: a fresh transfer id, a chosen D (and P)."""
 
-    __slots__ = ("request_id", "decode", "info", "path", "prefill", "req", "tid", "trace")
+    __slots__ = (
+        "decode", "early", "info", "path", "prefill", "req", "request_id", "tid", "trace",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -65,6 +67,7 @@ class Attempt:
         prefill: Instance | None,
         tid: str,
         trace: RequestSpan = NO_SPAN,
+        early: FirstSink | None = None,
     ) -> None:
         self.req = req
         self.info = info
@@ -77,6 +80,7 @@ class Attempt:
         # client name its transfer (a flow whose engines key transfers by it sets it so)
         self.request_id = f"pdr-{os.urandom(RANDOM_BYTES).hex()}"
         self.trace = trace  # the request's span (``NO_SPAN``: tracing off)
+        self.early = early  # where P's first token may go before D's (``proxy.early``)
 
     def decode_body(self, kv: dict[str, Any] | msgspec.Raw | None) -> bytes:
         """The request for D (``kv``: its ``kv_transfer_params``), in D's cache epoch."""
@@ -129,6 +133,12 @@ class Upstream:
         self.resp.release()
 
 
+class FirstSink(Protocol):
+    async def offer(self, answer: PrefillAnswer) -> None:
+        """P answered before D's first token: the client may have P's first token now."""
+        ...
+
+
 class Flow(Protocol):
     name: str
     needs_prefill: bool
@@ -139,6 +149,9 @@ class Flow(Protocol):
 class PrefillAnswer(msgspec.Struct):
     """What the proxy reads from P's answer; everything else is skipped unparsed."""
 
+    id: Any = None
+    created: Any = None
+    model: Any = None
     kv_transfer_params: msgspec.Raw = msgspec.Raw()  # empty when absent
     usage: Any = None
     choices: list[PrefillChoice] | None = None  # P's one token (``proxy.integrity``)
@@ -213,8 +226,9 @@ class Legs:
         assert p is not None
         limit = self.timeouts.prefill
         t0 = time.perf_counter()  # P's load is held by the dispatcher for the whole attempt
-        # a judged request's first token is compared by id when D's answer shows it
-        token_ids = self.guard is not None and judged(a.req.body)
+        # a judged request's first token is compared by id when D's answer shows it (and is
+        # the client's first, before D's, when ``a.early`` takes it)
+        token_ids = (self.guard is not None or a.early is not None) and judged(a.req.body)
         try:
             body = a.req.for_prefill(kv, token_ids)
             resp = await self.backend.post(

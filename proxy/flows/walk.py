@@ -6,6 +6,8 @@
    wait (cancel + ``uncancel``: ``DecodeWatch``) and D's answer is the attempt's.
 3. P's leg, with the binding(s) as its parameters: D's failure interrupts it at once, D's answer
    after the grace (P's report may still come; a P that hangs must not hold D's answer).
+   When P answers first and the request takes it (``Attempt.early``), P's first token goes to
+   the client at once (``proxy.early``); D's stream follows without it.
 4. Any failure drops the other leg (closing D's connection aborts its request, so nothing waits
    for KV that will never come) and marks each binding ``failed`` (P's leg failed) or
    ``aborted`` (anything else), fire-and-forget.
@@ -145,6 +147,8 @@ class Walk:
                 await d_task  # raises D's error
                 raise
             watch.disarm()
+            if a.early is not None and not answered(d_task):
+                await a.early.offer(answer)  # the client's first token: P's, D's to follow
             why = no_push_reason(answer) if fall.no_push else None
             if why is None or answered(d_task):
                 up = await d_task

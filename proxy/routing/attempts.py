@@ -21,6 +21,7 @@ from pdwire.ids import IdMaker
 from proxy.backend import LegError
 from proxy.config import Flow as FlowName
 from proxy.flows import Attempt, Upstream
+from proxy.flows.base import FirstSink
 from proxy.instances import Instance
 from proxy.metrics import Metrics
 from proxy.rewrite import ClientRequest
@@ -66,10 +67,12 @@ class Dispatcher:
         flow: FlowName,
         trace: RequestSpan = NO_SPAN,
         avoiding: frozenset[str] = frozenset(),
+        early: FirstSink | None = None,
     ) -> Opened:
         """Run attempts until D's first byte is in. ``trace``: the request's span; each
         attempt's legs become its children. ``avoiding``: instance URLs not to choose while
-        others are available."""
+        others are available. ``early``: where P's first token may go first (every attempt's
+        P may offer it; ``proxy.early`` takes one)."""
         info = await self._selector.annotate(req, trace)
         avoid = set(avoiding)
         attempt = 0
@@ -78,7 +81,7 @@ class Dispatcher:
                 await listener.choosing(info)
             sel = self._selector.select(info, flow, avoid)
             d, p = sel.decode, sel.prefill
-            a = Attempt(req, info, path, d, p, self._ids.next(), trace)
+            a = Attempt(req, info, path, d, p, self._ids.next(), trace, early)
             d.acquire(info.tokens)
             p_load = 0 if p is None else info.uncached(p)  # P's load: the tokens it computes
             if p is not None:  # reserved now, so a burst's later picks already see it

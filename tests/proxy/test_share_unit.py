@@ -281,7 +281,7 @@ async def test_the_dispatcher_asks_before_choosing_and_tells_every_change() -> N
     )
     px = InMemoryProxy(backend)
     spy = Spy(px)
-    px.runtime.share = spy  # type: ignore[assignment]
+    px.runtime.share = spy
     px.runtime.wire(backend, px.event_client)
     assert (await px.send()).status == 200
     assert spy.seen == [("fresh", 0, 0), ("changed", 1, 1), ("changed", 0, 1), ("changed", 0, 0)]
