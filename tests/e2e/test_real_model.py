@@ -118,6 +118,49 @@ async def test_e2e_real_model_first_tokens_judged_as_text(smollm2: RealStack) ->
     assert moved == {"match": 1.0, "mismatch": 0.0, "unjudged": 0.0}, moved
 
 
+async def streamed(url: str, model: str, chat: bool, prompt: str) -> tuple[str, set[str]]:
+    """A greedy stream's text and its chunks' ids (no logprobs: they keep P's token back)."""
+    c = client(url)
+    text, ids = "", set[str]()
+    if chat:
+        stream = await c.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=16,
+            temperature=0, stream=True,
+        )  # fmt: skip
+        async for chunk in stream:
+            ids.add(chunk.id)
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+    else:
+        pieces = await c.completions.create(
+            model=model, prompt=prompt, max_tokens=16, temperature=0, stream=True
+        )
+        async for piece in pieces:
+            ids.add(piece.id)
+            if piece.choices:
+                text += piece.choices[0].text or ""
+    return text, ids
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+async def test_e2e_real_model_first_token_from_p(smollm2: RealStack, chat: bool) -> None:
+    """A streamed greedy request gets P's first token before D's (``proxy.early``): the text
+    the client reads is the monolithic engine's, D's first token not repeated, one answer id."""
+    sent = "pd_early_first_tokens_total{sent}"
+    before = (await samples(smollm2.pd.proxy)).get(sent, 0.0)
+    prompt = QUESTION if chat else PASSAGE
+    ref, _ = await streamed(smollm2.mono_url, smollm2.model, chat, prompt)
+    got, ids = await streamed(smollm2.pd.proxy, smollm2.model, chat, prompt)
+    after = (await samples(smollm2.pd.proxy)).get(sent, 0.0)
+    assert got == ref and english_text(got), got
+    assert len(ids) == 1
+    assert after == before + 1
+
+
+def english_text(text: str) -> bool:
+    return len(re.findall(r"[A-Za-z]{2,}", text)) >= 4
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 async def test_e2e_real_model_long_prompt_is_pushed_and_equal(
     smollm2: RealStack, stream: bool
