@@ -11,7 +11,7 @@ import pytest
 
 from metaserver.errors import Conflict, Forbidden, NotFound, Unprocessable
 from metaserver.store import Store
-from metaserver.store.base import (
+from metaserver.store.records import (
     MAX_EVENTS,
     BindingPut,
     EventPut,
