@@ -1,6 +1,6 @@
-"""The quantile of the breakdown's figures (``/v1/breakdown``'s stages, TTFT and ITL, the
-advice's floors): nearest rank, so every figure is a value that was measured, never one made up
-between two."""
+"""The one quantile of the metaserver's figures (``/v1/breakdown``'s stages, TTFT and ITL, the
+advice's floors, ``/v1/stats``'s bound→done latency): nearest rank, so every figure is a value
+that was measured, never one made up between two."""
 
 from __future__ import annotations
 
