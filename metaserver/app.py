@@ -1,4 +1,6 @@
-"""``create_app``: the metaserver as a FastAPI app around an injected ``Store``."""
+"""``create_app``: the metaserver as a FastAPI app around a backend (``metaserver.backend``: the
+store, the KV index and the load board), assembled from the subsystems' routers, the fast path
+in front, the middleware and the error handlers."""
 
 from __future__ import annotations
 
@@ -7,73 +9,47 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 
-from metaserver.advisor import refresh
-from metaserver.ascend import DecodeEndpoints
+from metaserver import openapi
+from metaserver.ascend import routes as ascend
+from metaserver.ascend.pool import DecodeEndpoints
+from metaserver.backend import Backend, create_backend
+from metaserver.bindings import routes as bindings
+from metaserver.bindings.fastpath import FastPath
+from metaserver.bindings.feeds import FeedHub
+from metaserver.capacity import routes as capacity
+from metaserver.capacity.advisor import refresh
 from metaserver.config import MetaserverSettings
 from metaserver.context import Context
 from metaserver.errors import MetaserverError
-from metaserver.fastpath import FastPath
-from metaserver.feeds import FeedHub
+from metaserver.instances import routes as instances
+from metaserver.kvindex import routes as kv
+from metaserver.load import routes as load
 from metaserver.metrics import Metrics, MetricsMiddleware
+from metaserver.ops import page
+from metaserver.ops import routes as ops
 from metaserver.problems import render_problem
 from metaserver.responses import JSON
-from metaserver.routes import (
-    ascend,
-    batch,
-    bindings,
-    breakdown,
-    feeds,
-    instances,
-    kv,
-    load,
-    ops,
-    ui,
-)
-from metaserver.store import Store, create_store
 from metaserver.validation import BodyInvalid
 from pdservice.asgi import ASGIApp
 from pdservice.limits import BodySizeLimit
-from pdwire.ascend import AscendBinding
-from pdwire.models import (
-    BatchIn,
-    BindingSpec,
-    EventIn,
-    InstanceSpec,
-    KVMatchIn,
-    KVPlacedIn,
-    LoadReport,
-    MarkIn,
-)
 
 log = logging.getLogger("pdgate.metaserver")
-_BODY_MODELS = (
-    BindingSpec,
-    EventIn,
-    InstanceSpec,
-    AscendBinding,
-    MarkIn,
-    BatchIn,
-    KVMatchIn,
-    KVPlacedIn,
-    LoadReport,
-)
 
 
 def create_app(
     settings: MetaserverSettings | None = None,
     *,
-    store: Store | None = None,
+    backend: Backend | None = None,
     clock: Callable[[], float] = time.time,
 ) -> FastAPI:
+    """``backend``: the one the settings name (``--store``) unless given."""
     settings = settings or MetaserverSettings()
-    store = store or create_store(
+    backend = backend or create_backend(
         settings.store,
         namespace=settings.namespace,
         binding_ttl_s=settings.binding_ttl_s,
@@ -84,8 +60,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await store.start()
-        log.info("metaserver store: %s", store.description)
+        await backend.start()
+        log.info("metaserver store: %s", backend.description)
         loop = asyncio.get_running_loop()
         tasks = []
         if settings.ttft_target_p90_s is not None or settings.itl_target_p90_s is not None:
@@ -94,7 +70,7 @@ def create_app(
             from metaserver.kvindex.manager import KVEventManager  # needs pyzmq
 
             context.kv_events = KVEventManager(
-                store, store.kv_index(), interval_s=settings.kv_events_interval_s
+                backend.store, backend.kv_index, interval_s=settings.kv_events_interval_s
             )
             tasks.append(loop.create_task(context.kv_events.run()))
         try:
@@ -105,7 +81,7 @@ def create_app(
             await asyncio.gather(*tasks, return_exceptions=True)
             assert context.access is not None
             await context.access.close()
-            await store.close()
+            await backend.close()
 
     app = _MetaserverApp(
         title="pdgate metaserver",
@@ -115,20 +91,30 @@ def create_app(
     )
     pool = DecodeEndpoints(
         settings.ascend_decode,
-        store,
+        backend.store,
         use_registry=settings.ascend_registry,
         refresh_s=settings.ascend_refresh_s,
     )
-    hub = FeedHub(store, metrics)
-    context = Context(settings, store, metrics, clock, ascend=pool, feeds=hub)
+    hub = FeedHub(backend.store, metrics)
+    context = Context(settings, backend, metrics, clock, ascend=pool, feeds=hub)
     app.state.ctx = context
-    for module in (bindings, batch, breakdown, feeds, instances, kv, load, ops, ascend):
-        app.include_router(module.router)
-    app.include_router(ui.make_router())
+    for router in (
+        bindings.router,
+        bindings.batch_router,
+        capacity.router,
+        bindings.feed_router,
+        instances.router,
+        kv.router,
+        load.router,
+        ops.router,
+        ascend.router,
+    ):
+        app.include_router(router)
+    app.include_router(page.make_router())
     _install_error_handlers(app, metrics)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.openapi = lambda: openapi.schema(app)  # type: ignore[method-assign]
     return app
 
 
@@ -153,20 +139,3 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     app.add_exception_handler(MetaserverError, on_problem)
     app.add_exception_handler(BodyInvalid, on_problem)
     app.add_exception_handler(RequestValidationError, on_params)
-
-
-def _openapi(app: FastAPI) -> dict[str, Any]:
-    if app.openapi_schema:
-        return app.openapi_schema
-    schema = get_openapi(
-        title=app.title, version=app.version, description=app.description, routes=app.routes
-    )
-    components = schema.setdefault("components", {})
-    schemas = components.setdefault("schemas", {})
-    for model in _BODY_MODELS:
-        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        schemas.update(body.pop("$defs", {}))
-        schemas[model.__name__] = body
-    components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-    app.openapi_schema = schema
-    return schema

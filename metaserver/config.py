@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
+from metaserver.access.kube import IN_CLUSTER, KubeReviewer, in_cluster_url
+from metaserver.ascend.pool import PoolEntry
 from metaserver.kvindex.index import PLACED_S
 from pdservice.settings import LayeredSettings, redact_url
 from pdservice.tls import TlsListener
-
-if TYPE_CHECKING:
-    from metaserver.access.kube import KubeReviewer
 
 
 class MetaserverSettings(LayeredSettings, TlsListener):
@@ -152,16 +151,12 @@ class MetaserverSettings(LayeredSettings, TlsListener):
     @field_validator("ascend_decode")
     @classmethod
     def _pool_entries(cls, value: list[str]) -> list[str]:
-        from metaserver.ascend import PoolEntry
-
         for entry in value:
             PoolEntry.parse(entry)
         return value
 
     def kube_reviewer(self) -> KubeReviewer:
         """The reviewer of pods' tokens these settings name (in-cluster defaults)."""
-        from metaserver.access.kube import IN_CLUSTER, KubeReviewer, in_cluster_url
-
         url = self.kube_api_url or in_cluster_url()
         if not url:
             raise ValueError(

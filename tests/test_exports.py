@@ -1,6 +1,7 @@
 """Each package's public surface is pinned (like httpx's ``test_exported_members``), and the
 layering the contract package exists for holds: proxy, connector and metaserver import pdwire
-and never each other; pdwire imports none of them, nor FastAPI, vLLM, torch or Mooncake."""
+and never each other; pdwire imports none of them, nor FastAPI, vLLM, torch or Mooncake. Inside
+a package, modules import each other without a circle."""
 
 from __future__ import annotations
 
@@ -167,3 +168,96 @@ def test_launch_imports_no_part() -> None:
     pdservice, never through a part's internals."""
     crossing = {f: sorted(t & set(PARTS)) for f, t in _imports("launch").items() if t & set(PARTS)}
     assert not crossing, crossing
+
+
+# packages whose modules import each other without a circle (connector: connector.worker.traces
+# and connector.worker.transfer still import each other, one of them under TYPE_CHECKING)
+ACYCLIC = ("metaserver",)
+
+
+def _module_graph(package: str, root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports: every ``import`` and ``from`` statement,
+    at any depth (inside functions, under ``TYPE_CHECKING``), relative ones resolved; ``from p
+    import m`` names module ``m`` when ``p.m`` is one. Importing a submodule also runs its
+    parent package's ``__init__``: that implicit edge is not counted."""
+    files = {
+        ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): path
+        for path in sorted((root / package).rglob("*.py"))
+    }
+
+    def owner(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        here = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        targets: list[str] = []
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = here.rsplit(".", node.level - 1)[0] if node.level > 1 else here
+                    base = f"{up}.{base}" if base else up
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    targets.append(full if full in files else base)
+        graph[module] = {t for t in map(owner, targets) if t is not None and t != module}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+@pytest.mark.parametrize("package", ACYCLIC)
+def test_modules_import_each_other_without_a_circle(package: str) -> None:
+    assert _circles(_module_graph(package)) == []
+
+
+def test_the_circle_check_sees_imports_in_functions_and_relative_ones(tmp_path: Path) -> None:
+    (tmp_path / "p" / "sub").mkdir(parents=True)
+    files = {
+        "p/__init__.py": "from p.a import A\n",  # the package's __init__: no circle with a
+        "p/a.py": "from p.sub import b\nA = 1\n",
+        "p/sub/__init__.py": "",
+        "p/sub/b.py": "def f():\n    from ..c import C  # deferred\n",
+        "p/c.py": "import typing\nif typing.TYPE_CHECKING:\n    from p import a\nC = 1\n",
+        "p/d.py": "from . import c\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    graph = _module_graph("p", tmp_path)
+    assert graph["p.sub.b"] == {"p.c"} and graph["p.d"] == {"p.c"}
+    assert _circles(graph) == [["p.a", "p.c", "p.sub.b"]]

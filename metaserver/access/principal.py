@@ -82,7 +82,7 @@ class Principal:
 
     def may_post_event(self, actor: str) -> None:
         """Post a binding event as ``actor``: an admin, or an engine as itself (the store then
-        checks that the step is the actor's, ``store.base.owner_problem``). The proxy posts
+        checks that the step is the actor's, ``store.rules.owner_problem``). The proxy posts
         marks, not events: it reports what it saw, it does not move a transfer."""
         if self.role is Role.ADMIN or (self.role is Role.ENGINE and self.covers(actor)):
             return

@@ -7,7 +7,8 @@ nobody follows any more expires by itself. Placed keys (``KVIndex.place``) go in
 set per instance (``<ns>:kvp:<instance>``), scored by the wall time until which they count
 (every metaserver replica compares alike), lapsed ones trimmed on each placement. A match is one
 script call: the prompt's keys sent once, each candidate's lookup stopping at its first key it
-neither holds nor had placed (a made-up prompt costs one lookup per candidate).
+neither holds nor had placed (a made-up prompt costs one lookup per candidate). The scripts are
+``kvindex.redis_scripts``.
 """
 
 from __future__ import annotations
@@ -19,49 +20,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from metaserver.errors import StoreUnavailable
+from metaserver.kvindex import redis_scripts as lua
 from metaserver.kvindex.index import DEFAULT_MAX_BLOCKS, PLACED_S, Change, KVIndex, Op, Placement
 
 _CHUNK = 1000  # keys per command (Lua's stack bounds the script's arguments)
-_STORE = """
-local room = tonumber(ARGV[1]) - redis.call('SCARD', KEYS[1])
-local n = #ARGV - 2
-if room > 0 then
-  local last = math.min(n, room) + 2
-  redis.call('SADD', KEYS[1], unpack(ARGV, 3, last))
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return n - (last - 2)
-end
-return n
-"""
-
-# KEYS: per candidate its block set and its placed set; ARGV: now, '1' to count placements,
-# then the prompt's keys, first block first. Answers the leading keys each candidate holds.
-_MATCH = """
-local now, placed = tonumber(ARGV[1]), ARGV[2] == '1'
-local out = {}
-for i = 1, #KEYS, 2 do
-  local n = 0
-  for j = 3, #ARGV do
-    if redis.call('SISMEMBER', KEYS[i], ARGV[j]) == 0 then
-      if not placed then break end
-      local until_at = redis.call('ZSCORE', KEYS[i + 1], ARGV[j])
-      if (not until_at) or tonumber(until_at) < now then break end
-    end
-    n = n + 1
-  end
-  out[#out + 1] = n
-end
-return out
-"""
-
-_LEAD = """
-local holder = redis.call('GET', KEYS[1])
-if holder == false or holder == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
-end
-return 0
-"""
 
 
 def _member(key: int) -> bytes:
@@ -85,9 +47,9 @@ class RedisKVIndex(KVIndex):
         self._ttl_ms = int(ttl_s * 1000)
         self._max = max_blocks
         self._placed_s = placed_s
-        self._store = r.register_script(_STORE)
-        self._lead = r.register_script(_LEAD)
-        self._match = r.register_script(_MATCH)
+        self._store = r.register_script(lua.STORE)
+        self._lead = r.register_script(lua.LEAD)
+        self._match = r.register_script(lua.MATCH)
         self._dropped = 0
         self._clock = clock  # wall time: every metaserver replica buckets alike
 

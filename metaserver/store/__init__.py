@@ -1,36 +1,11 @@
-"""Stores behind one interface: ``create_store("memory")`` or ``create_store("redis://…")``."""
+"""Bindings and the instance registry behind one interface (``base.Store``), in memory
+(``memory``) or in Redis (``redis``, with its scripts, connection, listener and pipelining in the
+``redis_*`` modules). ``records``: what is stored and the writes that store it; ``rules``: what
+every store checks atomically; ``waiters``: the long-polls and feeds a store wakes. The backend
+(``metaserver.backend``) builds a store, with the KV index and the load board beside it."""
 
-from __future__ import annotations
-
-from metaserver.kvindex.index import PLACED_S
-from metaserver.store.base import Store, StoredBinding, StoredInstance
+from metaserver.store.base import Store
 from metaserver.store.memory import MemoryStore
+from metaserver.store.records import StoredBinding, StoredInstance
 
-__all__ = ["MemoryStore", "Store", "StoredBinding", "StoredInstance", "create_store"]
-
-
-def create_store(
-    url: str,
-    *,
-    namespace: str = "pdgate",
-    binding_ttl_s: float = 600.0,
-    retain_s: float = 900.0,
-    kv_placed_s: float = PLACED_S,
-) -> Store:
-    if url in ("memory", "memory://"):
-        return MemoryStore(binding_ttl_s=binding_ttl_s, retain_s=retain_s, kv_placed_s=kv_placed_s)
-    if url.startswith(
-        ("redis://", "rediss://", "unix://", "redis+sentinel://", "rediss+sentinel://")
-    ):
-        from metaserver.store.redis import RedisStore
-
-        return RedisStore(
-            url,
-            namespace=namespace,
-            binding_ttl_s=binding_ttl_s,
-            retain_s=retain_s,
-            kv_placed_s=kv_placed_s,
-        )
-    raise ValueError(
-        f"unknown store {url!r}: use 'memory', a redis:// URL or a redis+sentinel:// URL"
-    )
+__all__ = ["MemoryStore", "Store", "StoredBinding", "StoredInstance"]

@@ -16,27 +16,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from metaserver.errors import Conflict, Forbidden, NotFound, Unprocessable
-from metaserver.kvindex.index import PLACED_S, KVIndex, MemoryKVIndex
-from metaserver.loadboard import LoadBoard, MemoryLoadBoard
-from metaserver.store.base import (
+from metaserver.store.base import ChangeSubscription, CreatedListener, Store
+from metaserver.store.records import (
     MAX_EVENTS,
     BindingPut,
-    ChangeSubscription,
-    CreatedListener,
     EventPut,
     InstancePut,
-    LocalWaiters,
     OpenTransfers,
     PutOutcome,
-    Store,
     StoredBinding,
     StoredInstance,
     StoreStats,
-    check_transition,
-    decode_instance_problem,
     open_transfers_of,
-    owner_problem,
 )
+from metaserver.store.rules import check_transition, decode_instance_problem, owner_problem
+from metaserver.store.waiters import LocalWaiters
 from pdwire.models import BindingState, MarkKind
 
 Clock = Callable[[], float]
@@ -71,7 +65,6 @@ class MemoryStore(Store):
         binding_ttl_s: float,
         retain_s: float,
         clock: Clock = time.time,
-        kv_placed_s: float = PLACED_S,
     ) -> None:
         self._binding_ttl = binding_ttl_s
         self._retain = retain_s
@@ -87,17 +80,14 @@ class MemoryStore(Store):
         self._writes = 0
         self._due: list[tuple[float, str]] = []  # a heap: the bindings by (past) expiry
         self._waiters = LocalWaiters()
-        self._kv_index = MemoryKVIndex(placed_s=kv_placed_s)
-        self._load_board = MemoryLoadBoard(clock)
+
+    @property
+    def clock(self) -> Clock:
+        """The time its TTLs run on (the memory backend's load board lapses reports on it too)."""
+        return self._clock
 
     async def ping(self) -> None:
         return None
-
-    def kv_index(self) -> KVIndex:
-        return self._kv_index
-
-    def load_board(self) -> LoadBoard:
-        return self._load_board
 
     # ---- bindings -------------------------------------------------------------------------
     def _live_binding(self, transfer_id: str) -> _Binding | None:

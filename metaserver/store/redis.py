@@ -4,65 +4,52 @@
 * Keys live under one namespace (``<ns>:b:<id>`` binding hash, ``<ns>:e:<id>`` its events,
   ``<ns>:bidx`` creation index, ``<ns>:i:<id>`` instances, ``<ns>:iidx``, ``<ns>:lat``).
 * TTLs are Redis's own (PEXPIRE), so records expire even when no metaserver runs.
-* Each write is one Lua script: check, change, publish — atomic across replicas.
-* Connection errors are retried with exponential backoff + jitter inside redis-py; if Redis stays
-  unreachable the call raises ``StoreUnavailable`` (HTTP 503) and later calls recover by
-  themselves once Redis is back.
-* Long-polls: one pub/sub connection per process listens on ``<ns>:changes`` and wakes local
-  waiters; after a reconnect every waiter is woken to re-read (no change is missed).
-* Binding feeds: the same connection listens on ``<ns>:created``, where a new binding is
-  published whole (``_created``), so a feed sends it without reading it back; a lost
-  subscription tells the feeds (they end, and their readers fall back to long-polls).
+* Each write is one Lua script (redis_scripts.py): check, change, publish — atomic across
+  replicas; script calls of one event-loop turn share a pipeline (redis_batch.py).
+* Connection errors are retried with exponential backoff + jitter inside redis-py
+  (``RedisLink``); if Redis stays unreachable the call raises ``StoreUnavailable`` (HTTP 503)
+  and later calls recover by themselves once Redis is back.
+* Long-polls and binding feeds: one pub/sub connection per process (redis_listener.py) wakes
+  local waiters on ``<ns>:changes`` and hands new bindings, published whole on ``<ns>:created``,
+  to the feeds.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from metaserver.errors import Conflict, Forbidden, NotFound, StoreUnavailable, Unprocessable
-from metaserver.kvindex.index import PLACED_S, KVIndex
-from metaserver.kvindex.redis_index import RedisKVIndex
-from metaserver.loadboard import LoadBoard, RedisLoadBoard
 from metaserver.store import redis_scripts as lua
-from metaserver.store.base import (
+from metaserver.store.base import ChangeSubscription, CreatedListener, Store
+from metaserver.store.records import (
     MAX_EVENTS,
     BindingPut,
-    ChangeSubscription,
-    CreatedListener,
     EventPut,
     InstancePut,
-    LocalWaiters,
     OpenTransfers,
     PutOutcome,
-    Store,
     StoredBinding,
     StoredInstance,
     StoreStats,
-    decode_instance_problem,
-    not_its_step,
-    not_prefill,
     open_transfers_of,
-    taken,
 )
 from metaserver.store.redis_batch import ScriptBatcher
-from metaserver.store.redis_pool import close_pool, make_pool
+from metaserver.store.redis_codec import INSTANCE_FIELDS, binding_of, instance_of
+from metaserver.store.redis_listener import ChangeListener
+from metaserver.store.redis_pool import RedisLink
+from metaserver.store.rules import decode_instance_problem, not_its_step, not_prefill, taken
+from metaserver.store.waiters import LocalWaiters
 from pdservice.settings import redact_url
 from pdwire.models import BindingState, MarkKind
 
-log = logging.getLogger("pdgate.metaserver.redis")
 _LATENCY_SAMPLES = 1000
 _LIST_PAGE = 256
 
@@ -75,34 +62,17 @@ class RedisStore(Store):
         namespace: str,
         binding_ttl_s: float,
         retain_s: float,
-        max_connections: int = 64,
-        retries: int = 3,
-        socket_timeout_s: float = 2.0,
-        kv_placed_s: float = PLACED_S,
+        link: RedisLink | None = None,
     ) -> None:
+        """``link``: the connection to ``url`` (the backend's, which its KV index and load board
+        share); one of its own by default. The store closes it either way."""
         self.description = f"redis ({redact_url(url)}, namespace {namespace!r})"
         self._ns = namespace
         self._ttl_ms = str(int(binding_ttl_s * 1000))
         self._retain_ms = str(int(retain_s * 1000))
         self._max_age_s = binding_ttl_s + retain_s
-        self._channel = f"{namespace}:changes"
-        self._created_channel = f"{namespace}:created"
-        self._created_raw = self._created_channel.encode()
-        retry = Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.25), retries)
-        self._pool = make_pool(
-            url,
-            max_connections=max_connections,
-            timeout=socket_timeout_s,
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=socket_timeout_s,
-            retry=retry,
-            retry_on_error=[RedisConnectionError, RedisTimeoutError],
-            health_check_interval=10,
-        )
-        self._r = aioredis.Redis(connection_pool=self._pool)
-        self._kv_index: RedisKVIndex | None = None
-        self._kv_placed_s = kv_placed_s
-        self._load_board = RedisLoadBoard(self._r, namespace)
+        self._link = link or RedisLink(url)
+        self._r = self._link.client
         self._put_binding = self._r.register_script(lua.PUT_BINDING)
         self._add_event = self._r.register_script(lua.ADD_EVENT)
         self._read_binding = self._r.register_script(lua.READ_BINDING)
@@ -113,9 +83,19 @@ class RedisStore(Store):
         self._set_drain = self._r.register_script(lua.SET_DRAIN)
         self._batch = ScriptBatcher(self._r)
         self._waiters = LocalWaiters()
-        self._listener: asyncio.Task[None] | None = None
-        self.subscribed = asyncio.Event()  # set once Redis confirms the change subscription
-        self.bad_messages = 0  # change messages that could not be read (dropped, logged)
+        self._listener = ChangeListener(self._r, namespace, self._waiters)
+        self._channel = self._listener.channel
+        self._created_channel = self._listener.created_channel
+
+    @property
+    def subscribed(self) -> asyncio.Event:
+        """Set once Redis confirms the change subscription."""
+        return self._listener.subscribed
+
+    @property
+    def bad_messages(self) -> int:
+        """Change messages that could not be read (dropped, logged)."""
+        return self._listener.bad_messages
 
     # ---- keys -----------------------------------------------------------------------------
     def _bkey(self, transfer_id: str) -> str:
@@ -137,21 +117,11 @@ class RedisStore(Store):
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
-        self._listener = asyncio.create_task(self._listen(), name="metaserver-pubsub")
+        self._listener.start()
 
     async def close(self) -> None:
-        if self._listener is not None:
-            await _cancel_until_done(self._listener)
-        await self._r.aclose()
-        await close_pool(self._pool)
-
-    def load_board(self) -> LoadBoard:
-        return self._load_board
-
-    def kv_index(self) -> KVIndex:
-        if self._kv_index is None:
-            self._kv_index = RedisKVIndex(self._r, self._ns, placed_s=self._kv_placed_s)
-        return self._kv_index
+        await self._listener.close()
+        await self._link.close()
 
     async def ping(self) -> None:
         await self._call(self._r.ping)
@@ -163,65 +133,6 @@ class RedisStore(Store):
             raise StoreUnavailable(f"redis unreachable: {exc}") from exc
         except RedisError as exc:
             raise StoreUnavailable(f"redis error: {exc}") from exc
-
-    async def _listen(self) -> None:
-        """Feed local waiters from the change channel; reconnect forever with backoff."""
-        delay = 0.05
-        while True:
-            pubsub = self._r.pubsub()
-            try:
-                # SUBSCRIBE is only sent here; Redis may still run a PUBLISH from another
-                # connection before it. The subscription is live at its confirmation message.
-                await pubsub.subscribe(self._channel, self._created_channel)
-                confirmed = 0
-                async for message in pubsub.listen():
-                    kind = message.get("type")
-                    if kind == "message":
-                        self._deliver(message)
-                    elif kind == "subscribe" and (confirmed := confirmed + 1) == 2:
-                        self.subscribed.set()
-                        if delay > 0.05:
-                            log.info("change subscription restored")
-                        delay = 0.05
-                        self._waiters.notify_all()  # anything may have changed while away
-                    elif kind == "subscribe" and confirmed > 2:
-                        # redis-py reconnected and subscribed again by itself: what was
-                        # published meanwhile is gone
-                        log.warning("change subscription re-established; waking every waiter")
-                        self._waiters.lost()
-                        self._waiters.notify_all()
-            except asyncio.CancelledError:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-                raise
-            except (RedisError, OSError) as exc:
-                self.subscribed.clear()
-                self._waiters.lost()
-                log.warning("change subscription lost (%s); retrying in %.2fs", exc, delay)
-            except Exception:  # a bug here must not end every long-poll's wake-ups for good
-                self.subscribed.clear()
-                self._waiters.lost()
-                log.exception("change listener failed; subscribing again in %.2fs", delay)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-            self._waiters.notify_all()
-
-    def _deliver(self, message: dict[str, Any]) -> None:
-        """Wake the waiters a change message names. Anyone who can PUBLISH on the channel can
-        send anything: a message that cannot be read is counted and logged, and every waiter
-        is woken to read its binding again (a wake-up it needed may have been in it)."""
-        try:
-            if message["channel"] == self._created_raw:
-                self._waiters.created(_created(message["data"]))
-            else:
-                self._waiters.notify(message["data"].decode())
-        except Exception as exc:
-            self.bad_messages += 1
-            log.warning("unreadable change message %.80r dropped (%r)", message.get("data"), exc)
-            self._waiters.notify_all()
 
     # ---- bindings -------------------------------------------------------------------------
     async def put_binding(self, put: BindingPut, now: float) -> tuple[PutOutcome, StoredBinding]:
@@ -264,13 +175,13 @@ class RedisStore(Store):
                 found = ("decode", (res[1].decode(), int(res[2])))
             raise Unprocessable(decode_instance_problem(put, found) or status)
         outcome = PutOutcome.CREATED if status == "created" else PutOutcome.SAME
-        return outcome, _binding(tid, res)
+        return outcome, binding_of(tid, res)
 
     async def get_binding(self, transfer_id: str) -> StoredBinding | None:
         res = await self._batch.call(
             self._read_binding, [self._bkey(transfer_id), self._ekey(transfer_id)], []
         )
-        return None if res[0] == b"notfound" else _binding(transfer_id, res)
+        return None if res[0] == b"notfound" else binding_of(transfer_id, res)
 
     async def delete_binding(self, transfer_id: str) -> bool:
         n = await self._call(
@@ -303,7 +214,7 @@ class RedisStore(Store):
             for raw, res in zip(ids, results, strict=True):
                 if res[0] == b"notfound":
                     continue
-                rec = _binding(raw.decode(), res)
+                rec = binding_of(raw.decode(), res)
                 if state is not None and rec.state is not state:
                     continue
                 if instance_id is not None and rec.decode_instance_id != instance_id:
@@ -340,7 +251,7 @@ class RedisStore(Store):
             raise Conflict(
                 f"binding {transfer_id} is {res[1].decode()}; cannot become {state.value}"
             )
-        return _binding(transfer_id, res)
+        return binding_of(transfer_id, res)
 
     async def add_mark(self, transfer_id: str, kind: MarkKind, mark_json: bytes) -> bool:
         res = await self._batch.call(
@@ -376,28 +287,27 @@ class RedisStore(Store):
         )
 
     async def get_instance(self, instance_id: str) -> StoredInstance | None:
-        h = await self._call(self._r.hmget, self._ikey(instance_id), _INSTANCE_FIELDS)
-        return _instance(instance_id, h)
+        h = await self._call(self._r.hmget, self._ikey(instance_id), INSTANCE_FIELDS)
+        return instance_of(instance_id, h)
 
     async def set_draining(self, instance_id: str, draining: bool) -> StoredInstance | None:
         res = await self._call(
             self._set_drain, keys=[self._ikey(instance_id)], args=["1" if draining else ""]
         )
-        return None if res[0] == b"notfound" else _instance(instance_id, res[1:])
+        return None if res[0] == b"notfound" else instance_of(instance_id, res[1:])
 
     async def list_instances(self, role: str | None) -> list[StoredInstance]:
-
         idx = f"{self._ns}:iidx"
         await self._call(self._r.zremrangebyscore, idx, "-inf", repr(time.time()))
         ids = await self._call(self._r.zrange, idx, 0, -1)
         async with self._r.pipeline(transaction=False) as pipe:
             for raw in ids:
-                pipe.hmget(self._ikey(raw.decode()), _INSTANCE_FIELDS)
+                pipe.hmget(self._ikey(raw.decode()), INSTANCE_FIELDS)
             rows = await self._call(pipe.execute)
         out = [
             inst
             for raw, h in zip(ids, rows, strict=True)
-            if (inst := _instance(raw.decode(), h)) is not None
+            if (inst := instance_of(raw.decode(), h)) is not None
             and (role is None or inst.role == role)
         ]
         return sorted(out, key=lambda r: r.instance_id)
@@ -446,58 +356,3 @@ class RedisStore(Store):
 
     async def notifications_live(self) -> None:
         await self.subscribed.wait()
-
-
-def _created(data: bytes) -> StoredBinding:
-    """A ``<ns>:created`` message (PUT_BINDING): id, instance, time, first event, spec."""
-    tid, inst, created, event, spec = data.split(b"\n", 4)
-    at = float(created)
-    return StoredBinding(tid.decode(), spec, BindingState.BOUND, inst.decode(), at, at, (event,))
-
-
-_MARKS = len(MarkKind)
-
-
-def _binding(transfer_id: str, res: list[Any]) -> StoredBinding:
-    _, spec, state, inst, created, updated, *rest = res
-    marks = tuple(m for m in rest[:_MARKS] if m is not None)
-    events = rest[_MARKS:]
-    return StoredBinding(
-        transfer_id=transfer_id,
-        spec_json=spec,
-        state=BindingState(state.decode()),
-        decode_instance_id=inst.decode(),
-        created_at=float(created),
-        updated_at=float(updated),
-        events=tuple(events),
-        marks=marks,
-    )
-
-
-_INSTANCE_FIELDS = ["spec", "role", "reg", "hb", "exp", "drain"]
-
-
-def _instance(instance_id: str, h: list[Any]) -> StoredInstance | None:
-    spec, role, reg, hb, exp, drain = h
-    if spec is None:
-        return None
-    return StoredInstance(
-        instance_id, spec, role.decode(), float(reg), float(hb), float(exp), bool(drain)
-    )
-
-
-_RECANCEL_S = 0.1
-
-
-async def _cancel_until_done(task: asyncio.Task[None]) -> None:
-    """Cancel ``task`` and wait for it to end, cancelling again while it runs on. On Python
-    3.11 ``asyncio.wait_for`` loses a cancel that lands as the call it waits on completes
-    (CPython gh-86296, fixed in 3.12); redis-py sends commands through it, so a listener
-    cancelled while it subscribed went on to read its subscription for good, and ``close``
-    waited for it for ever (a hung CI run; 5 of 120 closes that came 0-30 ms after the start
-    hung in ``tests/metaserver/test_redis_store.py`` before this)."""
-    while not task.done():
-        task.cancel()
-        await asyncio.wait((task,), timeout=_RECANCEL_S)
-    with contextlib.suppress(asyncio.CancelledError):
-        await task

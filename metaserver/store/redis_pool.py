@@ -9,6 +9,7 @@ parameter authenticates to the Sentinels. ``rediss+sentinel://`` uses TLS to the
 the CA file of a ``ssl_ca_certs`` query parameter (as ``rediss://`` URLs do) or the system's.
 
 Either way the pool blocks (``timeout``) rather than fail when its ``max_connections`` are in use.
+``RedisLink`` is that pool and its client, as the Redis backend opens it once for all its parts.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 
@@ -105,3 +110,34 @@ async def close_pool(pool: aioredis.ConnectionPool) -> None:
     manager = getattr(pool, "sentinel_manager", None)
     for sentinel in getattr(manager, "sentinels", ()):
         await sentinel.aclose()
+
+
+class RedisLink:
+    """One client and its pool, with the store's retries and timeouts: the connection the Redis
+    backend's store, KV index and load board share (``metaserver.backend``). Whoever opened it
+    closes it: the store does, at its ``close``."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_connections: int = 64,
+        retries: int = 3,
+        socket_timeout_s: float = 2.0,
+    ) -> None:
+        retry = Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.25), retries)
+        self.pool = make_pool(
+            url,
+            max_connections=max_connections,
+            timeout=socket_timeout_s,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            retry=retry,
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+            health_check_interval=10,
+        )
+        self.client = aioredis.Redis(connection_pool=self.pool)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        await close_pool(self.pool)

@@ -17,7 +17,7 @@
    client's own timing (p90 nearest-rank, as the metaserver takes it: of 8, the slowest), the
    bottleneck stage and its share, and for run 2 the p90 the model had predicted for the counts
    that ran (the advice's own figure when they are the recommended counts; else the same model,
-   ``metaserver.advice``, fed run 1's bindings).
+   ``metaserver.capacity.advice``, fed run 1's bindings).
 
 Each run also reports how many threads of each P did the compute during the burst (per-thread
 CPU time from /proc) and the torch thread count its engine log states: on a shared host a
@@ -45,9 +45,10 @@ import httpx  # noqa: E402
 from launch.plan import build_plan  # noqa: E402
 from launch.supervisor import ChildFailed, Supervisor, group_members  # noqa: E402
 from launch.tiny_model import make_tiny_model  # noqa: E402
-from metaserver.advice import Model, Pools  # noqa: E402
-from metaserver.breakdown import Breakdown, quantile, timeline_of  # noqa: E402
-from metaserver.store.base import StoredBinding  # noqa: E402
+from metaserver.capacity.advice import Model, Pools  # noqa: E402
+from metaserver.capacity.breakdown import Breakdown, timeline_of  # noqa: E402
+from metaserver.capacity.quantile import quantile  # noqa: E402
+from metaserver.store.records import StoredBinding  # noqa: E402
 from pdwire.models import BindingState  # noqa: E402
 from tests.bench.corecpu import cpu_ticks, stat_fields  # noqa: E402
 from tests.bench.ttft_client import StreamError, prompt, ttft  # noqa: E402
@@ -147,7 +148,7 @@ def stored(d: dict[str, Any]) -> StoredBinding:
 
 
 def rebuilt_model(metaserver: str, window_s: float, asked_at: float, now: Pools) -> Model:
-    """The advice's model (``metaserver.advisor.advise``) over the same window, from the
+    """The advice's model (``metaserver.capacity.advisor.advise``) over the same window, from the
     bindings the metaserver lists: to predict counts other than the recommended ones."""
     with httpx.Client(base_url=metaserver, timeout=30) as ms:
         r = ms.get("/v1/bindings", params={"state": "done", "limit": 1000})

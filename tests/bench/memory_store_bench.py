@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from metaserver.store.base import BindingPut, InstancePut
 from metaserver.store.memory import MemoryStore
+from metaserver.store.records import BindingPut, InstancePut
 from pdwire.models import InstanceSpec
 from tests.bench.metaserver_bench import INSTANCE, SPEC  # the same binding and instance
 

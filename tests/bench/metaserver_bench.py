@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 import uvloop
 
 from metaserver.store import redis_scripts as lua
-from metaserver.store.base import BindingPut
+from metaserver.store.records import BindingPut
 from pdwire.models import BindingSpec, KVEndpoint
 from tests.bench.httpload import Connection, Latencies, build, closed_loop, open_loop
 from tests.support.procs import VENV_BIN, Process, free_port, wait_http

@@ -43,7 +43,7 @@ from launch.options import Child  # noqa: E402
 from launch.plan import build_plan  # noqa: E402
 from launch.supervisor import Supervisor  # noqa: E402
 from launch.tiny_model import make_small_model, make_tiny_model  # noqa: E402
-from metaserver.breakdown import STAGES  # noqa: E402
+from metaserver.capacity.breakdown import STAGES  # noqa: E402
 from tests.bench.ttft_client import percentile  # noqa: E402
 from tests.e2e.stack import BLOCK_SIZE, KV_EVENTS_AT, base_options, with_port  # noqa: E402
 from tests.support.procs import free_port  # noqa: E402

@@ -11,7 +11,7 @@ from typing import Any
 import helm_python as helm
 from vllm.config import KVTransferConfig
 
-from metaserver.ascend import PoolEntry
+from metaserver.ascend.pool import PoolEntry
 from metaserver.cli import load_settings as load_metaserver_settings
 from proxy.cli import load_settings as load_proxy_settings
 from tests.chart.rendering import FULLNAME, NAMESPACE, SCENARIOS, arg_after, container, render

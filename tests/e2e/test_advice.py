@@ -5,11 +5,11 @@ grows D, not P, for a TTFT target; many streams at once slow every stream's toke
 inter-token latency target it grows D and keeps only the P it needs. Each phase reads only its
 own window.
 
-The TTFT targets are a quarter below the window's p90: by the model (``metaserver/advice.py``,
-docs/operating.md) the starved pool alone then meets them with one instance or two more, so
-advice that also grows the other pool is wrong. (At half the p90, P alone reaches the P phase's
-target only if P's wait is over half its p90: the recorded run had 54%, and D's stages would
-then be grown by the model too.)
+The TTFT targets are a quarter below the window's p90: by the model
+(``metaserver/capacity/advice.py``, docs/operating.md) the starved pool alone then meets them with
+one instance or two more, so advice that also grows the other pool is wrong. (At half the p90, P
+alone reaches the P phase's target only if P's wait is over half its p90: the recorded run had
+54%, and D's stages would then be grown by the model too.)
 
 With ``PDGATE_RECORD_TIMELINES=DIR`` each phase's finished bindings are written to
 ``DIR/advice_<phase>.json``: the recorded timelines ``tests/metaserver/test_advice_recorded.py``
@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from metaserver.advice import BUSY_CAP
-from metaserver.breakdown import DECODE_STAGES, PREFILL_STAGES
+from metaserver.capacity.advice import BUSY_CAP
+from metaserver.capacity.breakdown import DECODE_STAGES, PREFILL_STAGES
 from tests.e2e.client import client, complete
 from tests.e2e.conftest import Engines
 from tests.e2e.observe import observer

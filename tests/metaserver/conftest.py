@@ -1,4 +1,5 @@
-"""Fixtures: each store implementation, and the app served in-process over ASGI."""
+"""Fixtures: each backend (store, KV index and load board: memory, Redis, Sentinel), and the app
+served in-process over ASGI."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import httpx
 import pytest
 
 from metaserver import MetaserverSettings, create_app
+from metaserver.backend import Backend, memory_backend, redis_backend
 from metaserver.store import MemoryStore, Store
-from metaserver.store.redis import RedisStore
 from pdwire.models import BindingSpec, InstanceSpec, KVEndpoint
 from tests.support.clock import FakeClock
 from tests.support.services import RedisServer
@@ -49,12 +50,13 @@ class StoreTime:
             self.fake.advance(seconds)
 
 
-def make_store(url: str, clock: StoreTime | None = None, **ttl: float) -> Store:
+def make_backend(url: str, clock: StoreTime | None = None, **ttl: float) -> Backend:
     binding_ttl = ttl.get("binding_ttl_s", 60.0)
     retain = ttl.get("retain_s", 120.0)
     if url == "memory":
-        return MemoryStore(binding_ttl_s=binding_ttl, retain_s=retain, clock=clock or time.time)
-    return RedisStore(url, namespace=f"t{next(_ns)}", binding_ttl_s=binding_ttl, retain_s=retain)
+        store = MemoryStore(binding_ttl_s=binding_ttl, retain_s=retain, clock=clock or time.time)
+        return memory_backend(store)
+    return redis_backend(url, namespace=f"t{next(_ns)}", binding_ttl_s=binding_ttl, retain_s=retain)
 
 
 @pytest.fixture(params=STORES)
@@ -77,18 +79,31 @@ def store_time(store_kind: str) -> StoreTime:
 
 
 @pytest.fixture
-async def store_factory(store_url: str, store_time: StoreTime) -> AsyncIterator[Callable[..., Any]]:
-    opened: list[Store] = []
+async def backend_factory(
+    store_url: str, store_time: StoreTime
+) -> AsyncIterator[Callable[..., Any]]:
+    opened: list[Backend] = []
 
-    async def make(**ttl: float) -> Store:
-        store = make_store(store_url, store_time, **ttl)
-        await store.start()
-        opened.append(store)
-        return store
+    async def make(**ttl: float) -> Backend:
+        backend = make_backend(store_url, store_time, **ttl)
+        await backend.start()
+        opened.append(backend)
+        return backend
 
     yield make
-    for store in opened:
-        await store.close()
+    for backend in opened:
+        await backend.close()
+
+
+@pytest.fixture
+def store_factory(backend_factory: Callable[..., Any]) -> Callable[..., Any]:
+    """Stores alone: each the store of a fresh backend."""
+
+    async def make(**ttl: float) -> Store:
+        backend: Backend = await backend_factory(**ttl)
+        return backend.store
+
+    return make
 
 
 @pytest.fixture
@@ -103,30 +118,35 @@ def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 @pytest.fixture
-async def store(store_factory: Callable[..., Any]) -> Store:
-    s: Store = await store_factory()
-    return s
+async def backend(backend_factory: Callable[..., Any]) -> Backend:
+    b: Backend = await backend_factory()
+    return b
+
+
+@pytest.fixture
+def store(backend: Backend) -> Store:
+    return backend.store
 
 
 @pytest.fixture
 async def api_factory(store_url: str, store_time: StoreTime) -> AsyncIterator[Callable[..., Any]]:
     """Build the app around a fresh store (on ``store_time``) and return an httpx client
     speaking ASGI to it."""
-    opened: list[tuple[Store, httpx.AsyncClient]] = []
+    opened: list[tuple[Backend, httpx.AsyncClient]] = []
 
     async def make(**settings: Any) -> httpx.AsyncClient:
         ttl = {k: settings[k] for k in ("binding_ttl_s", "retain_s") if k in settings}
-        store = make_store(store_url, store_time, **ttl)
-        await store.start()
-        app = create_app(MetaserverSettings(**settings), store=store)
+        backend = make_backend(store_url, store_time, **ttl)
+        await backend.start()
+        app = create_app(MetaserverSettings(**settings), backend=backend)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ms")
-        opened.append((store, client))
+        opened.append((backend, client))
         return client
 
     yield make
-    for store, client in opened:
+    for backend, client in opened:
         await client.aclose()
-        await store.close()
+        await backend.close()
 
 
 @pytest.fixture

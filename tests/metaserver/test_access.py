@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from metaserver import MetaserverSettings, create_app
+from metaserver.backend import memory_backend
 from metaserver.cli import _build
 from metaserver.store import MemoryStore
 from tests.metaserver.conftest import TOKENS, at, binding_spec, decode_instance, write_credentials
@@ -26,7 +27,7 @@ async def roles(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     settings = MetaserverSettings(credentials_file=write_credentials(tmp_path), protect_reads=True)
     store = MemoryStore(binding_ttl_s=60, retain_s=60)
     await store.start()
-    app = create_app(settings, store=store)
+    app = create_app(settings, backend=memory_backend(store))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ms") as c:
         yield c
     await store.close()

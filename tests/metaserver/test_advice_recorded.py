@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from metaserver.advice import Model, Pools, recommend
-from metaserver.breakdown import (
+from metaserver.capacity.advice import Model, Pools, recommend
+from metaserver.capacity.breakdown import (
     DECODE_STAGES,
     PREFILL_STAGES,
     STAGES,
@@ -24,7 +24,7 @@ from metaserver.breakdown import (
     Timeline,
     timeline_of,
 )
-from metaserver.store.base import StoredBinding
+from metaserver.store.records import StoredBinding
 from pdwire.models import BindingState
 
 DATA = Path(__file__).parent / "data"

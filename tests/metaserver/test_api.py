@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from metaserver import MetaserverSettings, create_app
+from metaserver.backend import memory_backend
 from metaserver.store import MemoryStore
 from pdwire.models import Binding, Instance
 from tests.metaserver.conftest import at, binding_spec, decode_instance
@@ -223,7 +224,7 @@ async def test_api_long_poll_lasts_what_it_asked() -> None:
     loop = asyncio.get_running_loop()
     store = MemoryStore(binding_ttl_s=60.0, retain_s=120.0, clock=time.time)
     await store.start()
-    app = create_app(MetaserverSettings(max_wait_s=5.0), store=store)
+    app = create_app(MetaserverSettings(max_wait_s=5.0), backend=memory_backend(store))
     try:
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app), base_url="http://ms"

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from metaserver.ascend import DecodeEndpoints, PoolEntry
+from metaserver.ascend.pool import DecodeEndpoints, PoolEntry
 from metaserver.store import MemoryStore
 from pdwire.ascend import COMPAT_PATH, binding_of_record, callback_urls, x_request_id_of
 from tests.metaserver.conftest import TOKENS, decode_instance, write_credentials

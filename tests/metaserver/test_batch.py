@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from metaserver import MetaserverSettings, create_app
+from metaserver.backend import memory_backend
 from metaserver.store import MemoryStore
 from pdwire.models import BATCH_MAX_CALLS
 from tests.metaserver.test_api import AUTH, TOKEN, register, spec_json
@@ -148,7 +149,11 @@ async def test_batch_needs_the_write_token(api_factory: Callable[..., Any]) -> N
 async def test_batch_fast_path_and_route_agree_and_count_calls() -> None:
     settings = MetaserverSettings()
     apps = [
-        create_app(settings, store=MemoryStore(binding_ttl_s=60, retain_s=60), clock=lambda: 1e9)
+        create_app(
+            settings,
+            backend=memory_backend(MemoryStore(binding_ttl_s=60, retain_s=60)),
+            clock=lambda: 1e9,
+        )
         for _ in (0, 1)
     ]
     without_fast_path(apps[1])

@@ -11,8 +11,9 @@ import httpx
 import pytest
 
 from metaserver import MetaserverSettings, create_app
-from metaserver.advice import Model, Pools, busy_s, erlang_wait, recommend, served_alone
-from metaserver.breakdown import STAGES, Breakdown, Timeline
+from metaserver.backend import memory_backend
+from metaserver.capacity.advice import Model, Pools, busy_s, erlang_wait, recommend, served_alone
+from metaserver.capacity.breakdown import STAGES, Breakdown, Timeline
 from metaserver.store import MemoryStore
 from tests.metaserver.conftest import at, binding_spec, decode_instance
 
@@ -36,7 +37,7 @@ async def ms() -> AsyncIterator[Ms]:
     clock = Clock()
     store = MemoryStore(binding_ttl_s=3600, retain_s=3600)
     await store.start()
-    app = create_app(MetaserverSettings(), store=store, clock=clock)
+    app = create_app(MetaserverSettings(), backend=memory_backend(store), clock=clock)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ms") as c:
         for iid, role in (("decode-0", "decode"), ("prefill-0", "prefill")):
             spec = decode_instance(role=role, **at(iid)).model_dump(mode="json")

@@ -10,7 +10,8 @@ import pytest
 from fastapi import FastAPI
 
 from metaserver import MetaserverSettings, create_app
-from metaserver.fastpath import FastPath
+from metaserver.backend import memory_backend
+from metaserver.bindings.fastpath import FastPath
 from metaserver.store import MemoryStore
 from tests.metaserver.test_api import instance_json, spec_json
 
@@ -72,8 +73,16 @@ async def run_script(app: FastAPI) -> list[tuple[int, Any, str | None]]:
 @pytest.fixture
 async def apps() -> AsyncIterator[tuple[FastAPI, FastAPI]]:
     settings = MetaserverSettings(token="t", max_body_bytes=4096)
-    fast = create_app(settings, store=MemoryStore(binding_ttl_s=60, retain_s=60), clock=lambda: 1e9)
-    slow = create_app(settings, store=MemoryStore(binding_ttl_s=60, retain_s=60), clock=lambda: 1e9)
+    fast = create_app(
+        settings,
+        backend=memory_backend(MemoryStore(binding_ttl_s=60, retain_s=60)),
+        clock=lambda: 1e9,
+    )
+    slow = create_app(
+        settings,
+        backend=memory_backend(MemoryStore(binding_ttl_s=60, retain_s=60)),
+        clock=lambda: 1e9,
+    )
     without_fast_path(slow)
     yield fast, slow
 
@@ -90,7 +99,9 @@ async def test_fastpath_matches_documented_routes(apps: tuple[FastAPI, FastAPI])
 
 
 def test_fastpath_takes_the_hot_calls_and_leaves_the_rest() -> None:
-    app = create_app(MetaserverSettings(), store=MemoryStore(binding_ttl_s=60, retain_s=60))
+    app = create_app(
+        MetaserverSettings(), backend=memory_backend(MemoryStore(binding_ttl_s=60, retain_s=60))
+    )
     fp = FastPath(app, app.state.ctx)
 
     def match(method: str, path: str, query: bytes = b"") -> bool:

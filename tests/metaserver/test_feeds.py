@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import httpx
 import pytest
 
-from metaserver.feeds import Feed
+from metaserver.bindings.feeds import Feed
 from pdwire.feed import LIVE_LINE, Signal, feed_url, parse_line
 from tests.metaserver.test_api import instance_json, spec_json
 from tests.support.services import MetaserverProcess, RedisServer
@@ -176,7 +176,7 @@ async def test_feed_needs_the_token_when_reads_are_protected(
 
 
 async def test_feed_of_a_reader_too_slow_ends_lost(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("metaserver.feeds.MAX_BUFFERED", 3)
+    monkeypatch.setattr("metaserver.bindings.feeds.MAX_BUFFERED", 3)
     f = Feed(("pd-eeee-",))
     for i in range(3):
         f.push(b"%d\n" % i)

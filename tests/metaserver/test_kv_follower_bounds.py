@@ -14,9 +14,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from metaserver.backend import Backend
 from metaserver.kvindex import follower
 from metaserver.kvindex.follower import Follower, Source
-from metaserver.store import Store
 from pdwire.kv_events import seq_frame
 from tests.metaserver.test_kvindex import _h, batch, free_port, stored
 
@@ -27,13 +27,13 @@ def test_the_cap_holds_a_step_of_a_million_tokens_and_not_much_more() -> None:
     assert 1 << 20 <= follower.MAX_EVENT_BYTES // 16 <= 4 << 20
 
 
-async def test_a_frame_over_the_cap_never_reaches_the_follower(store: Store) -> None:
+async def test_a_frame_over_the_cap_never_reaches_the_follower(backend: Backend) -> None:
     ctx = zmq.asyncio.Context()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
     port = free_port()
     pub.bind(f"tcp://127.0.0.1:{port}")
-    index = store.kv_index()
+    index = backend.kv_index
     f = Follower("e1", Source(f"tcp://127.0.0.1:{port}", None, "kv"), index, ctx)
     task = asyncio.create_task(f.run())
     small = msgspec.msgpack.encode(batch(stored(1)))

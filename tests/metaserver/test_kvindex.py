@@ -16,13 +16,13 @@ from vllm.distributed import kv_events as vllm_events
 
 import metaserver.app
 from metaserver.app import create_app
+from metaserver.backend import Backend, create_backend
 from metaserver.cli import load_settings
 from metaserver.kvindex import Change, KVIndex, Op, Placement
 from metaserver.kvindex.follower import Follower, Source
 from metaserver.kvindex.index import PLACED_S
 from metaserver.kvindex.manager import KVEventManager
-from metaserver.store import Store, create_store
-from metaserver.store.base import InstancePut
+from metaserver.store.records import InstancePut
 from pdwire.kv_events import block_key
 from pdwire.models import InstanceSpec, KVEvents
 from tests.metaserver.conftest import at, decode_instance
@@ -127,8 +127,8 @@ async def held(index: KVIndex, iid: str, *ids: int) -> int:
     return (await index.match(keys(*ids), [iid]))[iid]
 
 
-async def test_index_contract(store: Store) -> None:
-    index = store.kv_index()
+async def test_index_contract(backend: Backend) -> None:
+    index = backend.kv_index
     await index.apply("a", [Change(Op.STORE, [1, 2, 3, 4]), Change(Op.REMOVE, [3])])
     await index.apply("b", [Change(Op.STORE, [1, 2, 3])])
     assert await index.match([1, 2, 3, 4], ["a", "b", "c"]) == {"a": 2, "b": 3, "c": 0}
@@ -142,10 +142,10 @@ async def test_index_contract(store: Store) -> None:
     assert await index.lead("me", 5.0)
 
 
-async def test_placed_keys_count_until_they_lapse_or_the_engine_clears(store: Store) -> None:
+async def test_placed_keys_count_until_they_lapse_or_the_engine_clears(backend: Backend) -> None:
     """A proxy's placement counts as held beside the engine's own blocks, for PLACED_S; a CLEAR
     or a drop forgets it."""
-    index = store.kv_index()
+    index = backend.kv_index
     now = [1_000_000.0]
     index._clock = lambda: now[0]  # type: ignore[attr-defined]
     await index.apply("a", [Change(Op.STORE, [1, 2])])
@@ -168,20 +168,20 @@ async def test_placed_keys_count_until_they_lapse_or_the_engine_clears(store: St
 async def test_placements_last_the_kv_placed_setting(
     store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``--kv-placed`` reaches the store the app builds, and a placement lapses after it."""
-    built: list[Store] = []
+    """``--kv-placed`` reaches the KV index the app builds, and a placement lapses after it."""
+    built: list[Backend] = []
 
-    def create(url: str, **kw: Any) -> Store:
-        built.append(create_store(url, **kw))
+    def create(url: str, **kw: Any) -> Backend:
+        built.append(create_backend(url, **kw))
         return built[-1]
 
-    monkeypatch.setattr(metaserver.app, "create_store", create)
+    monkeypatch.setattr(metaserver.app, "create_backend", create)
     ns = f"placed-{secrets.token_hex(4)}"
     create_app(load_settings(["--store", store_url, "--namespace", ns, "--kv-placed", "2.5"]))
-    (store,) = built
-    await store.start()
+    (backend,) = built
+    await backend.start()
     try:
-        index = store.kv_index()
+        index = backend.kv_index
         now = [1_000_000.0]
         index._clock = lambda: now[0]  # type: ignore[attr-defined]
         await index.place([Placement("a", [1, 2])])
@@ -190,11 +190,11 @@ async def test_placements_last_the_kv_placed_setting(
         now[0] += 1.0
         assert await index.match([1, 2], ["a"]) == {"a": 0}
     finally:
-        await store.close()
+        await backend.close()
 
 
-async def test_index_bound(store: Store) -> None:
-    index = store.kv_index()
+async def test_index_bound(backend: Backend) -> None:
+    index = backend.kv_index
     index._max = 3  # type: ignore[attr-defined]
     await index.apply("a", [Change(Op.STORE, [1, 2]), Change(Op.STORE, [3, 4, 5])])
     assert (await index.sizes())["a"] == 3
@@ -203,12 +203,12 @@ async def test_index_bound(store: Store) -> None:
 
 
 async def test_follower_applies_live_and_buffered_events(
-    engines: Callable[..., Engine], store: Store, zctx: zmq.asyncio.Context
+    engines: Callable[..., Engine], backend: Backend, zctx: zmq.asyncio.Context
 ) -> None:
     engine = engines()
     engine.publish(stored(1, 2, 3))  # before the follower: it replays them at start
     await engine.drained()
-    index = store.kv_index()
+    index = backend.kv_index
     f = Follower("e1", engine.source, index, zctx)
     task = asyncio.create_task(f.run())
     try:
@@ -229,11 +229,11 @@ async def _eq(value: Any, expected: Any) -> bool:
 
 
 async def test_gap_is_replayed(
-    engines: Callable[..., Engine], store: Store, zctx: zmq.asyncio.Context
+    engines: Callable[..., Engine], backend: Backend, zctx: zmq.asyncio.Context
 ) -> None:
     """A batch the SUB socket never delivered comes from the replay socket."""
     engine = engines()
-    index = store.kv_index()
+    index = backend.kv_index
     f = Follower("e1", engine.source, index, zctx)
     task = asyncio.create_task(f.run())
     try:
@@ -260,12 +260,12 @@ def _payload(*events: Any) -> bytes:
 
 
 async def test_lost_beyond_the_buffer_rebuilds_without_stale_blocks(
-    engines: Callable[..., Engine], store: Store, zctx: zmq.asyncio.Context
+    engines: Callable[..., Engine], backend: Backend, zctx: zmq.asyncio.Context
 ) -> None:
     """The engine's buffer moved past the gap: entries are dropped and rebuilt from what
     replay holds, so a block evicted during the gap is not reported."""
     engine = engines(buffer_steps=2)
-    index = store.kv_index()
+    index = backend.kv_index
     f = Follower("e1", engine.source, index, zctx)
     await f._rebuild(first=True)  # nothing buffered yet
     await f._on_batch(0, _payload(stored(1, 2)))
@@ -282,10 +282,10 @@ async def test_lost_beyond_the_buffer_rebuilds_without_stale_blocks(
 
 
 async def test_without_replay_a_gap_drops_the_entries(
-    engines: Callable[..., Engine], store: Store, zctx: zmq.asyncio.Context
+    engines: Callable[..., Engine], backend: Backend, zctx: zmq.asyncio.Context
 ) -> None:
     engine = engines(replay=False)
-    index = store.kv_index()
+    index = backend.kv_index
     f = Follower("e1", engine.source, index, zctx)
     await f._on_batch(0, _payload(stored(1)))
     await f._on_batch(2, _payload(stored(3)))
@@ -293,8 +293,8 @@ async def test_without_replay_a_gap_drops_the_entries(
     assert await held(index, "e1", 1) == 0 and await held(index, "e1", 3) == 1
 
 
-async def test_restarted_engine_starts_over(store: Store, zctx: zmq.asyncio.Context) -> None:
-    index = store.kv_index()
+async def test_restarted_engine_starts_over(backend: Backend, zctx: zmq.asyncio.Context) -> None:
+    index = backend.kv_index
     f = Follower("e1", Source("tcp://127.0.0.1:1", None, ""), index, zctx)
     sent = [_payload(stored(seq + 1)) for seq in range(5)]
     for seq in range(5):
@@ -307,15 +307,17 @@ async def test_restarted_engine_starts_over(store: Store, zctx: zmq.asyncio.Cont
     assert f.stats.last_seq == 2
 
 
-async def test_bad_payload_is_counted_not_fatal(store: Store, zctx: zmq.asyncio.Context) -> None:
-    f = Follower("e1", Source("tcp://127.0.0.1:1", None, ""), store.kv_index(), zctx)
+async def test_bad_payload_is_counted_not_fatal(
+    backend: Backend, zctx: zmq.asyncio.Context
+) -> None:
+    f = Follower("e1", Source("tcp://127.0.0.1:1", None, ""), backend.kv_index, zctx)
     await f._on_batch(0, b"\x00garbage")
     await f._on_batch(1, _payload(stored(1)))
-    assert f.stats.bad == 1 and await held(store.kv_index(), "e1", 1) == 1
+    assert f.stats.bad == 1 and await held(backend.kv_index, "e1", 1) == 1
 
 
 async def test_manager_follows_registered_engines(
-    engines: Callable[..., Engine], store: Store
+    engines: Callable[..., Engine], backend: Backend
 ) -> None:
     engine = engines()
     spec = InstanceSpec(
@@ -330,16 +332,16 @@ async def test_manager_follows_registered_engines(
     )
     plain = InstanceSpec(role="prefill", url="http://127.0.0.1:10")
     now = time.time()
-    await store.put_instance(InstancePut.of("d1", spec, 30), now)
-    await store.put_instance(InstancePut.of("p1", plain, 30), now)
+    await backend.store.put_instance(InstancePut.of("d1", spec, 30), now)
+    await backend.store.put_instance(InstancePut.of("p1", plain, 30), now)
     engine.publish(stored(1, 2))
-    manager = KVEventManager(store, store.kv_index(), interval_s=0.05)
+    manager = KVEventManager(backend.store, backend.kv_index, interval_s=0.05)
     task = asyncio.create_task(manager.run())
-    index = store.kv_index()
+    index = backend.kv_index
     try:
         await until(lambda: _eq(held(index, "d1", 1, 2), 2))
         assert [f.instance_id for f in manager.followers] == ["d1"] and manager.leading
-        await store.delete_instance("d1")
+        await backend.store.delete_instance("d1")
         await until(lambda: _eq(index.sizes(), {}))
         assert manager.followers == []
     finally:
@@ -349,10 +351,10 @@ async def test_manager_follows_registered_engines(
 
 # replicas share a Redis; a memory store is one process, which always leads (test_index_contract)
 @pytest.mark.parametrize("store_kind", ["redis", "sentinel"])
-async def test_one_replica_follows(store_kind: str, store_factory: Callable[..., Any]) -> None:
-    a, b = await store_factory(), await store_factory()
-    b._ns = a._ns  # the same namespace on the same Redis: two replicas
-    ia, ib = a.kv_index(), b.kv_index()
+async def test_one_replica_follows(store_kind: str, backend_factory: Callable[..., Any]) -> None:
+    a, b = await backend_factory(), await backend_factory()
+    ia, ib = a.kv_index, b.kv_index
+    ib._ns = ia._ns  # the same namespace on the same Redis: two replicas
     assert await ia.lead("a", 1.0) and not await ib.lead("b", 1.0)
     assert await ia.lead("a", 0.2)  # the leader renews
     await asyncio.sleep(0.3)  # its lease lapses: the other takes over

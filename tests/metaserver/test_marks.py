@@ -14,7 +14,7 @@ import pytest
 
 from metaserver.errors import NotFound
 from metaserver.store import Store
-from metaserver.store.base import mark_json
+from metaserver.store.records import mark_json
 from pdwire.client import AsyncMetaserverClient
 from pdwire.models import Binding, BindingState, MarkDetail, MarkKind
 from tests.metaserver.conftest import SHORT_TTL_S, StoreTime, binding_spec, decode_instance

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from metaserver.store.base import BindingPut, EventPut, InstancePut, event_json
 from metaserver.store.memory import MemoryStore
+from metaserver.store.records import BindingPut, EventPut, InstancePut, event_json
 from pdwire.models import BindingState
 from tests.metaserver.conftest import binding_spec, decode_instance
 

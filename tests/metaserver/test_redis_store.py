@@ -11,8 +11,10 @@ import httpx
 import redis.asyncio as aioredis
 
 from metaserver.app import create_app
+from metaserver.backend import redis_backend
 from metaserver.config import MetaserverSettings
-from metaserver.store.redis import RedisStore, _cancel_until_done
+from metaserver.store.redis import RedisStore
+from metaserver.store.redis_listener import _cancel_until_done
 from tests.metaserver.test_api import register, spec_json
 from tests.support.clock import virtual_time
 from tests.support.services import RedisServer
@@ -68,11 +70,13 @@ async def test_redis_change_listener_outlives_unreadable_messages(
     # before: a message the listener could not parse (a transfer id ending in a newline broke
     # the "created" message) ended the listener without a word, and from then on every
     # long-poll on a binding written meanwhile waited its whole wait
-    store = RedisStore(
+    backend = redis_backend(
         str(redis_server.url), namespace="garbage", binding_ttl_s=60.0, retain_s=120.0
     )
-    await store.start()
-    app = create_app(MetaserverSettings(), store=store)
+    store = backend.store
+    assert isinstance(store, RedisStore)
+    await backend.start()
+    app = create_app(MetaserverSettings(), backend=backend)
     raw = aioredis.from_url(str(redis_server.url))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ms") as api:
         try:
@@ -94,4 +98,4 @@ async def test_redis_change_listener_outlives_unreadable_messages(
             assert store.bad_messages >= 3
         finally:
             await raw.aclose()
-            await store.close()
+            await backend.close()

@@ -11,13 +11,15 @@ from schemathesis.checks import not_a_server_error, status_code_conformance
 from schemathesis.core.result import Ok
 
 from metaserver import MetaserverSettings, create_app
+from metaserver.backend import memory_backend
 from metaserver.store import MemoryStore
 from pdwire.feed import FEED_PATH
 
 pytestmark = pytest.mark.slow  # schemathesis over every route: not in `make test-fast`
 
 APP = create_app(
-    MetaserverSettings(max_wait_s=0.05), store=MemoryStore(binding_ttl_s=60, retain_s=60)
+    MetaserverSettings(max_wait_s=0.05),
+    backend=memory_backend(MemoryStore(binding_ttl_s=60, retain_s=60)),
 )
 SCHEMA = schemathesis.openapi.from_asgi("/openapi.json", APP)
 _RESULTS = list(SCHEMA.get_all_operations())

@@ -1,4 +1,6 @@
-"""One contract, every store: the memory store and the Redis store must behave alike."""
+"""One contract, every backend: memory and Redis (one server, or Sentinel's master) must behave
+alike, in the store (bindings, instances), the KV index and the load board the backend builds
+beside it."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ from typing import Any
 
 import pytest
 
+from metaserver.backend import Backend
 from metaserver.errors import Conflict, Forbidden, NotFound, Unprocessable
+from metaserver.kvindex.index import Change, Op, Placement
 from metaserver.store import Store
-from metaserver.store.base import (
+from metaserver.store.records import (
     MAX_EVENTS,
     BindingPut,
     EventPut,
@@ -21,7 +25,7 @@ from metaserver.store.base import (
     StoredBinding,
     event_json,
 )
-from pdwire.models import Binding, BindingState, Instance, KVEndpoint
+from pdwire.models import Binding, BindingState, Instance, KVEndpoint, LoadReport
 from tests.metaserver.conftest import (
     SHORT_TTL_S,
     StoreTime,
@@ -485,3 +489,110 @@ async def test_store_watch_created_hands_over_each_new_binding_once(store: Store
     await bind(store, "w3")
     await asyncio.sleep(0.1)
     assert len(seen) == 2
+
+
+# ---- the KV index -------------------------------------------------------------------------
+
+
+async def test_kv_index_matches_the_leading_keys_each_instance_holds(backend: Backend) -> None:
+    index = backend.kv_index
+    await index.apply("a", [Change(Op.STORE, [1, 2, 3, 4]), Change(Op.REMOVE, [3])])
+    await index.apply("b", [Change(Op.STORE, [1, 2, 3])])
+    # from the first key, up to the first one not held: a holds 1 2 (not 3), b 1 2 3, c nothing
+    assert await index.match([1, 2, 3, 4], ["a", "b", "c"]) == {"a": 2, "b": 3, "c": 0}
+    assert await index.match([2, 1], ["a"]) == {"a": 2}
+    assert await index.match([9, 1], ["a"]) == {"a": 0}
+    assert await index.match([], ["a", "b"]) == {"a": 0, "b": 0}
+    assert await index.match([1], []) == {}
+    assert await index.sizes() == {"a": 3, "b": 3}
+    assert index.dropped == 0
+
+
+async def test_kv_index_clear_and_drop_forget_an_instance(backend: Backend) -> None:
+    index = backend.kv_index
+    await index.apply("a", [Change(Op.STORE, [1, 2])])
+    await index.apply("b", [Change(Op.STORE, [1, 2, 3])])
+    await index.apply("b", [Change(Op.CLEAR), Change(Op.STORE, [9])])  # in order, one batch
+    assert await index.match([9, 1], ["b"]) == {"b": 1}
+    assert await index.match([1], ["b"]) == {"b": 0}
+    await index.drop("a")
+    assert await index.sizes() == {"b": 1}
+    assert await index.match([1, 2], ["a"]) == {"a": 0}
+    await index.drop("ghost")  # nothing there: nothing happens
+    await index.touch("b")
+    assert await index.sizes() == {"b": 1}
+
+
+async def test_kv_index_placements_count_until_the_engine_clears(backend: Backend) -> None:
+    index = backend.kv_index
+    await index.apply("a", [Change(Op.STORE, [1, 2])])
+    await index.place([Placement("a", [1, 2, 3, 4]), Placement("b", [1, 2]), Placement("c", [])])
+    assert await index.match([1, 2, 3, 4, 5], ["a", "b", "c"]) == {"a": 4, "b": 2, "c": 0}
+    assert await index.match([1, 2, 3, 4], ["a", "b"], placed=False) == {"a": 2, "b": 0}
+    assert await index.sizes() == {"a": 2}  # the engines' blocks only
+    await index.apply("a", [Change(Op.CLEAR)])  # a reset cache forgets what was placed too
+    assert await index.match([1, 2, 3], ["a"]) == {"a": 0}
+    await index.drop("b")
+    assert await index.match([1], ["b"]) == {"b": 0}
+
+
+async def test_kv_index_one_leader_renews_its_lease(backend: Backend) -> None:
+    index = backend.kv_index
+    assert await index.lead("me", 5.0)
+    assert await index.lead("me", 5.0)  # renewed
+
+
+# ---- the load board -------------------------------------------------------------------------
+
+
+def _report(ttl_s: float = 30.0, **figures: Any) -> LoadReport:
+    return LoadReport.model_validate({"ttl_s": ttl_s, **figures})
+
+
+async def test_load_board_answers_the_others_summed(backend: Backend) -> None:
+    board = backend.load_board
+    a: dict[str, Any] = {"instances": {"http://p0": [2, 500]}, "open_circuits": ["http://p2"]}
+    first = await board.report("a", _report(**a))
+    assert first.others == {} and first.open_circuits == [] and first.recent == {}
+    assert first.replicas == 1
+    b: dict[str, Any] = {"instances": {"http://p0": [1, 100], "http://p1": [4, 40]}}
+    b["recent"] = {"http://p0": 7}
+    await board.report("b", _report(**b, open_circuits=["http://p2", "http://p1"]))
+    c: dict[str, Any] = {
+        "instances": {},
+        "recent": {"http://p0": 3},
+        "open_circuits": ["http://p3"],
+    }
+    view = await board.report("c", _report(**c))  # c's own figures are not counted for c
+    assert view.others == {"http://p0": (3, 600), "http://p1": (4, 40)}
+    assert view.open_circuits == ["http://p1", "http://p2"]  # each once, sorted
+    assert view.recent == {"http://p0": 7}
+    assert view.replicas == 3
+    again = await board.report("a", _report(instances={"http://p0": [1, 1]}))  # replaces a's
+    assert again.others == {"http://p0": (1, 100), "http://p1": (4, 40)}
+    assert again.open_circuits == ["http://p1", "http://p2", "http://p3"]
+    assert again.recent == {"http://p0": 10} and again.replicas == 3
+    seen = await board.view("b")
+    assert seen.others == {"http://p0": (1, 1)} and seen.open_circuits == ["http://p3"]
+
+
+async def test_load_board_view_records_nothing(backend: Backend) -> None:
+    board = backend.load_board
+    await board.report("a", _report(instances={"http://p0": [2, 500]}))
+    seen = await board.view("z")
+    assert seen.others == {"http://p0": (2, 500)} and seen.replicas == 1
+    assert (await board.view("a")).others == {}  # z left nothing to count
+    assert (await board.report("b", _report(instances={}))).replicas == 2
+
+
+async def test_load_board_reports_lapse_after_their_ttl(
+    backend: Backend, store_time: StoreTime
+) -> None:
+    board = backend.load_board
+    await board.report("a", _report(SHORT_TTL_S, instances={"http://p0": [2, 500]}))
+    await board.report("b", _report(instances={"http://p0": [1, 100]}))
+    assert (await board.view("c")).others == {"http://p0": (3, 600)}
+    await store_time.lapse(LAPSE_S)
+    view = await board.view("c")
+    assert view.others == {"http://p0": (1, 100)} and view.replicas == 1
+    assert (await board.report("a", _report(instances={}))).replicas == 2  # back, anew

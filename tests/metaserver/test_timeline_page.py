@@ -24,7 +24,7 @@ from playwright.async_api import Browser, ConsoleMessage, Page, async_playwright
 
 from metaserver.errors import StoreUnavailable
 from metaserver.store import MemoryStore
-from metaserver.store.base import StoredInstance
+from metaserver.store.records import StoredInstance
 from pdwire.models import BindingState
 from tests.fakes import FakeVLLM
 from tests.metaserver.conftest import at, binding_spec, decode_instance

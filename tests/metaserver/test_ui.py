@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from metaserver.routes import ui
+from metaserver.ops import page as ui
 from tests.metaserver.test_api import AUTH, TOKEN
 
 ROOT = Path(__file__).resolve().parents[2]

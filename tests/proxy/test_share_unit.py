@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from metaserver.loadboard import MemoryLoadBoard
+from metaserver.load import MemoryLoadBoard
 from pdwire.models import LoadReport, LoadView
 from proxy.instances import Instance, Registry, Role
 from proxy.instances.share import WAIT_S, LoadShare

@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 
 from metaserver import MetaserverSettings, create_app
-from metaserver.advisor import refresh_once
+from metaserver.backend import memory_backend
+from metaserver.capacity.advisor import refresh_once
 from metaserver.context import Context
 from metaserver.store import MemoryStore
 from tests.metaserver.conftest import at, decode_instance
@@ -30,7 +31,9 @@ def _gauges(metrics: str) -> dict[str, float]:
 async def test_a_breakdown_with_a_target_leaves_the_autoscaling_gauges_alone() -> None:
     clock = Clock()
     store = MemoryStore(binding_ttl_s=3600, retain_s=3600)
-    app = create_app(MetaserverSettings(token=TOKEN), store=store, clock=clock)  # no target
+    app = create_app(
+        MetaserverSettings(token=TOKEN), backend=memory_backend(store), clock=clock
+    )  # no target
     transport = httpx.ASGITransport(app)
     async with httpx.AsyncClient(transport=transport, base_url="http://ms", headers=AUTH) as c:
         for role in ("decode", "prefill"):
@@ -72,7 +75,7 @@ async def test_metrics_scans_the_bindings_at_most_every_interval() -> None:
     per call (security_review_2 M3): a scrape loop was a free store scan. Now one scan per
     ``--metrics-scan-interval`` (5 s), however often it is read."""
     store = CountingStore()
-    app = create_app(MetaserverSettings(token=TOKEN), store=store)
+    app = create_app(MetaserverSettings(token=TOKEN), backend=memory_backend(store))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ms") as c:
         for _ in range(50):
             assert (await c.get("/metrics")).status_code == 200

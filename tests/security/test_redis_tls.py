@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from metaserver import MetaserverSettings, create_app
+from metaserver import MetaserverSettings, create_app, create_store
+from metaserver.backend import create_backend
 from metaserver.errors import StoreUnavailable
-from metaserver.store import create_store
 from tests.metaserver.conftest import binding_spec, decode_instance
 from tests.support.certs import Cert, self_signed
 from tests.support.procs import Process, free_port, wait_port
@@ -44,10 +44,10 @@ async def test_metaserver_store_over_tls_trusts_only_its_ca(
 ) -> None:
     port, cert = tls_redis
     url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert.cert}"
-    store = create_store(url, namespace="tls", binding_ttl_s=60, retain_s=60)
-    await store.start()
+    backend = create_backend(url, namespace="tls", binding_ttl_s=60, retain_s=60)
+    await backend.start()
     try:
-        app = create_app(MetaserverSettings(store=url), store=store)
+        app = create_app(MetaserverSettings(store=url), backend=backend)
         transport = httpx.ASGITransport(app)
         async with httpx.AsyncClient(transport=transport, base_url="http://ms") as c:
             assert (await c.get("/ready")).status_code == 200
@@ -57,7 +57,7 @@ async def test_metaserver_store_over_tls_trusts_only_its_ca(
             assert r.status_code == 201, r.text
             assert (await c.get("/v1/bindings/t1")).json()["state"] == "bound"
     finally:
-        await store.close()
+        await backend.close()
 
     (tmp_path / "other").mkdir()
     other = self_signed(tmp_path / "other")  # a CA that did not sign the server's certificate

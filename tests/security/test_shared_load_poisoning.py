@@ -11,6 +11,7 @@ import httpx
 from pydantic import ValidationError
 
 from metaserver import MetaserverSettings, create_app
+from metaserver.backend import memory_backend
 from metaserver.store import MemoryStore
 from pdwire.models import LoadReport
 from tests.proxy.test_share_unit import Board, P, by_url, replica
@@ -38,7 +39,9 @@ async def test_load_figures_are_bounded() -> None:
         except ValidationError:
             continue
         raise AssertionError(f"{figures} accepted")
-    app = create_app(MetaserverSettings(), store=MemoryStore(binding_ttl_s=60, retain_s=60))
+    app = create_app(
+        MetaserverSettings(), backend=memory_backend(MemoryStore(binding_ttl_s=60, retain_s=60))
+    )
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ms") as c:
         huge = {"instances": {P[0]: [10**12, 10**18]}}
         assert (await c.put("/v1/load/r", json=huge)).status_code == 422

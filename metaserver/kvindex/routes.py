@@ -1,4 +1,5 @@
-"""The KV-event index: ``POST /v1/kv/match`` (proxies) and ``GET /v1/kv`` (operators)."""
+"""The KV-event index's HTTP edge: ``POST /v1/kv/match`` and ``/v1/kv/placed`` (proxies) and
+``GET /v1/kv`` (operators)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from metaserver.context import Reader, Writer, ctx
-from metaserver.kvindex import Placement
-from metaserver.routes._openapi import json_body
+from metaserver.access.callers import KVAsker, LoadSharer, Reader
+from metaserver.context import Ctx
+from metaserver.kvindex.index import Placement
+from metaserver.openapi import json_body
 from metaserver.validation import parse_body
 from pdwire.models import KV_MATCH_PATH, KV_PLACED_PATH, KVMatchIn, KVMatchOut, KVPlacedIn
 
@@ -22,14 +24,12 @@ router = APIRouter(tags=["kv index"])
     openapi_extra=json_body(KVMatchIn, write=False),
     summary="Per instance: how many of a prompt's first blocks its prefix cache holds",
 )
-async def match(request: Request, who: Reader) -> dict[str, Any]:
-    c = ctx(request)
-    who.may_match()
+async def match(request: Request, c: Ctx, _who: KVAsker) -> dict[str, Any]:
     body = parse_body(KVMatchIn, await request.body())
     streams = await c.kv_streams.ids()
     asked = list(dict.fromkeys(body.instances))
     known = [i for i in asked if i in streams]  # the others: 0, without a lookup
-    found = await c.store.kv_index().match(body.keys, known, placed=body.placed) if known else {}
+    found = await c.kv_index.match(body.keys, known, placed=body.placed) if known else {}
     return {"matched": {i: found.get(i, 0) for i in asked}}
 
 
@@ -40,21 +40,18 @@ async def match(request: Request, who: Reader) -> dict[str, Any]:
     openapi_extra=json_body(KVPlacedIn),
     summary="Prompts a proxy just sent: their blocks count as held there for a few seconds",
 )
-async def placed(request: Request, who: Writer) -> Response:
-    c = ctx(request)
-    who.may_share_load()
+async def placed(request: Request, c: Ctx, _who: LoadSharer) -> Response:
     body = parse_body(KVPlacedIn, await request.body())
     streams = await c.kv_streams.ids()  # placements elsewhere would only be kept, never asked
     kept = [Placement(p.instance, p.keys) for p in body.placed if p.instance in streams]
     if kept:
-        await c.store.kv_index().place(kept)
+        await c.kv_index.place(kept)
     return Response(status_code=204)
 
 
 @router.get("/v1/kv", summary="The KV-event index: blocks per instance, each stream's state")
-async def state(request: Request, _who: Reader) -> dict[str, Any]:
-    c = ctx(request)
-    index = c.store.kv_index()
+async def state(c: Ctx, _who: Reader) -> dict[str, Any]:
+    index = c.kv_index
     sizes = await index.sizes()
     manager = c.kv_events
     streams: dict[str, Any] = {}

@@ -27,14 +27,14 @@ ended otherwise than ``ok``, or with fewer than two tokens, have none.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from metaserver.store.base import StoredBinding
+from metaserver.capacity.quantile import quantile
+from metaserver.store.records import StoredBinding
 from pdwire import push_summary
 
 STAGES = ("binding", "prefill_queue", "prefill_compute", "push_exposed", "decode_first_token")
@@ -129,11 +129,6 @@ def _itl(first: _Moment | None, end: _Moment | None) -> float | None:
         return None
     gaps = (end.detail.chunks or 0) - 2  # the first token's chunk and [DONE]'s
     return (end.at - first.at) / gaps if gaps > 0 and end.at >= first.at else None
-
-
-def quantile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank quantile of a non-empty sorted list."""
-    return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))]
 
 
 @dataclass

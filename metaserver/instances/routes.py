@@ -1,4 +1,6 @@
-"""``/v1/instances``: vLLM servers that registered (and heartbeat) so bindings may name them."""
+"""``/v1/instances``: vLLM servers that registered (and heartbeat) so bindings may name them. The
+registry's records are the store's (``store.records``); what a caller may register, drain or
+deregister is checked here against the instance (``Principal.may_*``)."""
 
 from __future__ import annotations
 
@@ -6,11 +8,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Request, Response
 
-from metaserver.context import Reader, Writer, ctx
+from metaserver.access.callers import Reader, Writer
+from metaserver.context import Ctx
 from metaserver.errors import NotFound, Unprocessable
+from metaserver.openapi import WRITE, json_body
 from metaserver.responses import json_bytes, json_list
-from metaserver.routes._openapi import WRITE, json_body
-from metaserver.store.base import InstancePut, PutOutcome
+from metaserver.store.records import InstancePut, PutOutcome
 from metaserver.validation import parse_body
 from pdwire.ids import INSTANCE_ID_PATTERN
 from pdwire.models import LATER_FIELDS, Instance, InstanceRole, InstanceSpec
@@ -31,8 +34,7 @@ InstanceId = Annotated[str, Path(pattern=INSTANCE_ID_PATTERN)]
     openapi_extra=json_body(InstanceSpec),
     summary="Register an instance, or heartbeat it (same call); expires after its TTL",
 )
-async def put_instance(request: Request, who: Writer, instance_id: InstanceId) -> Response:
-    c = ctx(request)
+async def put_instance(request: Request, c: Ctx, who: Writer, instance_id: InstanceId) -> Response:
     spec = parse_body(InstanceSpec, await request.body())
     who.may_register(instance_id, spec)
     ttl = spec.ttl_s if spec.ttl_s is not None else c.settings.instance_ttl_s
@@ -50,8 +52,7 @@ async def put_instance(request: Request, who: Writer, instance_id: InstanceId) -
 
 
 @router.get("/{instance_id}", responses={200: {"model": Instance}, 404: {}})
-async def get_instance(request: Request, _who: Reader, instance_id: InstanceId) -> Response:
-    c = ctx(request)
+async def get_instance(c: Ctx, _who: Reader, instance_id: InstanceId) -> Response:
     record = await c.store.get_instance(instance_id)
     if record is None:
         raise NotFound(f"instance {instance_id} not registered")
@@ -59,10 +60,7 @@ async def get_instance(request: Request, _who: Reader, instance_id: InstanceId) 
 
 
 @router.get("", summary="Live instances (TTL not lapsed)")
-async def list_instances(
-    request: Request, _who: Reader, role: InstanceRole | None = None
-) -> Response:
-    c = ctx(request)
+async def list_instances(c: Ctx, _who: Reader, role: InstanceRole | None = None) -> Response:
     records = await c.store.list_instances(None if role is None else role.value)
     return json_list("instances", (r.to_json() for r in records))
 
@@ -73,18 +71,14 @@ async def list_instances(
     responses={404: {}},
     openapi_extra=WRITE,
 )
-async def delete_instance(request: Request, who: Writer, instance_id: InstanceId) -> Response:
-    c = ctx(request)
+async def delete_instance(c: Ctx, who: Writer, instance_id: InstanceId) -> Response:
     who.may_manage(instance_id)
     if not await c.store.delete_instance(instance_id):
         raise NotFound(f"instance {instance_id} not registered")
     return Response(status_code=204)
 
 
-async def _set_draining(
-    request: Request, who: Writer, instance_id: str, draining: bool
-) -> Response:
-    c = ctx(request)
+async def _set_draining(c: Ctx, who: Writer, instance_id: str, draining: bool) -> Response:
     who.may_drain(instance_id)
     record = await c.store.set_draining(instance_id, draining)
     if record is None:
@@ -99,8 +93,8 @@ async def _set_draining(
     summary="Drain a registered instance: proxies send it no new requests (kept across "
     "heartbeats, forgotten with the registration)",
 )
-async def drain_instance(request: Request, who: Writer, instance_id: InstanceId) -> Response:
-    return await _set_draining(request, who, instance_id, True)
+async def drain_instance(c: Ctx, who: Writer, instance_id: InstanceId) -> Response:
+    return await _set_draining(c, who, instance_id, True)
 
 
 @router.delete(
@@ -109,5 +103,5 @@ async def drain_instance(request: Request, who: Writer, instance_id: InstanceId)
     openapi_extra=WRITE,
     summary="Undrain an instance: proxies select it again",
 )
-async def undrain_instance(request: Request, who: Writer, instance_id: InstanceId) -> Response:
-    return await _set_draining(request, who, instance_id, False)
+async def undrain_instance(c: Ctx, who: Writer, instance_id: InstanceId) -> Response:
+    return await _set_draining(c, who, instance_id, False)

@@ -7,8 +7,8 @@ import asyncio
 import logging
 from typing import Any
 
-from metaserver.advice import FLOOR_LOOKBACK_S, Model, Pools, recommend
-from metaserver.breakdown import Breakdown, Timeline, timeline_of
+from metaserver.capacity.advice import FLOOR_LOOKBACK_S, Model, Pools, recommend
+from metaserver.capacity.breakdown import Breakdown, Timeline, timeline_of
 from metaserver.context import Context
 from pdwire.models import BindingState
 

@@ -1,13 +1,16 @@
-"""Operations: ``/health``, ``/ready``, ``/metrics``, ``/v1/stats``."""
+"""Operations: ``/health``, ``/ready``, ``/metrics`` (open to probes and scrapers) and
+``/v1/stats``."""
 
 from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from metaserver.context import Reader, ctx
+from metaserver.access.callers import Reader
+from metaserver.capacity.quantile import quantile
+from metaserver.context import Ctx
 from metaserver.errors import StoreUnavailable
 from pdwire.models import BindingState, Stats
 
@@ -20,15 +23,13 @@ async def health() -> dict[str, str]:
 
 
 @router.get("/ready", summary="The store answers; 503 otherwise", responses={503: {}})
-async def ready(request: Request) -> dict[str, str]:
-    c = ctx(request)
+async def ready(c: Ctx) -> dict[str, str]:
     await c.store.ping()
     return {"status": "ready", "store": c.store.description}
 
 
 @router.get("/metrics", summary="Prometheus metrics")
-async def metrics(request: Request) -> Response:
-    c = ctx(request)
+async def metrics(c: Ctx) -> Response:
     now = time.monotonic()
     # /metrics answers anyone (scrapers carry no token): its scan of the newest bindings for the
     # in-flight gauges runs at most every --metrics-scan-interval, however often it is asked
@@ -43,24 +44,13 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(c.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def percentile(sorted_values: list[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    k = (len(sorted_values) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
-
-
 @router.get("/v1/stats", response_model=Stats, summary="Bindings by state, bound→done latency")
-async def stats(request: Request, _who: Reader) -> Stats:
-    c = ctx(request)
+async def stats(c: Ctx, _who: Reader) -> Stats:
     raw = await c.store.stats(c.settings.stats_scan_limit)
     lat = sorted(x * 1000 for x in raw.done_latencies_s)
     pct: dict[str, float | None] = {}
     for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
-        value = percentile(lat, q)
-        pct[name] = None if value is None else round(value, 3)
+        pct[name] = round(quantile(lat, q), 3) if lat else None
     return Stats(
         bindings_by_state={s.value: raw.by_state.get(s.value, 0) for s in BindingState},
         bindings_scanned=raw.scanned,

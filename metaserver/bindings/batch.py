@@ -1,6 +1,6 @@
 """``POST /v1/batch``: several binding writes in one request.
 
-Each call is served by the very function its own request would reach (``metaserver.service``)
+Each call is served by the very function its own request would reach (``bindings.service``)
 and answered with the status and body that request would have had, so a batch changes the cost
 of the writes, not their meaning. Calls about one transfer run one after another, in their
 order; calls about different transfers run side by side (with Redis, the store pipelines them).
@@ -14,8 +14,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from metaserver import service
-from metaserver.access import Principal
+from metaserver.access.principal import Principal
+from metaserver.bindings import service
 from metaserver.context import Context
 from metaserver.errors import MetaserverError
 from metaserver.problems import render_problem

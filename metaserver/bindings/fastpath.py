@@ -3,7 +3,7 @@
 ``PUT /v1/bindings/{id}``, ``GET /v1/bindings/{id}`` (plain reads and long-polls),
 ``POST /v1/bindings/{id}/events``, ``POST /v1/bindings/{id}/marks`` and ``POST /v1/batch`` (several
 of those writes at once) are served here, in
-front of FastAPI, calling the very same ``metaserver.service`` functions as the documented
+front of FastAPI, calling the very same ``bindings.service`` functions as the documented
 routes — only the framework's per-request machinery (routing table, dependency solving,
 middleware stack) is skipped. Everything else, including any unusual query string, falls
 through to FastAPI.
@@ -16,8 +16,9 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 
-from metaserver import ascend, batch, service
-from metaserver.access import Principal
+from metaserver.access.principal import Principal
+from metaserver.ascend import compat as ascend
+from metaserver.bindings import batch, service
 from metaserver.context import Context
 from metaserver.errors import MetaserverError, PayloadTooLarge
 from metaserver.problems import render_problem

@@ -22,7 +22,8 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
 from metaserver.metrics import Metrics
-from metaserver.store.base import Store, StoredBinding
+from metaserver.store.base import Store
+from metaserver.store.records import StoredBinding
 from pdwire.feed import KEEPALIVE_LINE, LIVE_LINE, LOST_LINE
 
 log = logging.getLogger("pdgate.metaserver")

@@ -1,4 +1,4 @@
-"""A P:D recommendation from a breakdown (``metaserver.breakdown``) and a TTFT target.
+"""A P:D recommendation from a breakdown (``capacity.breakdown``) and a TTFT target.
 
 The model, per pool, from the window's own numbers:
 
@@ -18,7 +18,7 @@ The model, per pool, from the window's own numbers:
   holds no unloaded moment, so its own 10th percentile is a loaded D and would hide most of
   what more D gain.
 
-- **inter-token latency** (ITL, ``metaserver.breakdown``): D's alone, a floor (its 10th
+- **inter-token latency** (ITL, ``capacity.breakdown``): D's alone, a floor (its 10th
   percentile, or the median of streams served alone, as for D's stages) plus a part that grows
   with the streams each D carries, (c_now / c) of today's with c D.
 
@@ -38,7 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from metaserver.breakdown import DECODE_STAGES, Breakdown, Timeline, quantile
+from metaserver.capacity.breakdown import DECODE_STAGES, Breakdown, Timeline
+from metaserver.capacity.quantile import quantile
 
 BUSY_CAP = 0.8  # a P busier than this queues steeply: never advise shrinking into it
 SEARCH = 8  # counts tried: today's − 2 … today's + SEARCH

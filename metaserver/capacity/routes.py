@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 
-from metaserver.advisor import advise
-from metaserver.context import Reader, ctx
+from metaserver.access.callers import Reader
+from metaserver.capacity.advisor import advise
+from metaserver.context import Ctx
 
 router = APIRouter(tags=["operations"])
 
@@ -17,7 +18,7 @@ router = APIRouter(tags=["operations"])
     summary="TTFT split into stages over a recent window, per instance, with P:D advice",
 )
 async def breakdown(
-    request: Request,
+    c: Ctx,
     _who: Reader,
     window: Annotated[float | None, Query(gt=0, le=86_400, description="seconds back")] = None,
     ttft_p90: Annotated[
@@ -28,7 +29,6 @@ async def breakdown(
         Query(gt=0, le=60, description="p90 inter-token latency target in seconds"),
     ] = None,
 ) -> dict[str, Any]:
-    c = ctx(request)
     s = c.settings
     target = ttft_p90 if ttft_p90 is not None else s.ttft_target_p90_s
     itl = itl_p90 if itl_p90 is not None else s.itl_target_p90_s

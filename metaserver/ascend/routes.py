@@ -1,17 +1,29 @@
 """``POST /v1/ascend/metaserver``: where unchanged vllm-ascend decode engines post their blocks
-(served by ``metaserver.fastpath``; this route documents it and serves the unusual cases)."""
+(served by ``bindings.fastpath``; this route documents it and serves the unusual cases). Its
+caller is a ``Grant`` (``compat.authorize``: a capability in the query, or an admin's header),
+resolved as a dependency."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from typing import Annotated
 
-from metaserver import ascend
-from metaserver.context import ctx
+from fastapi import APIRouter, Depends, Request, Response
+
+from metaserver.ascend import compat
+from metaserver.context import Ctx, ctx
+from metaserver.openapi import json_body
 from metaserver.responses import json_bytes
-from metaserver.routes._openapi import json_body
 from pdwire.ascend import COMPAT_PATH, AscendBinding
 
 router = APIRouter(tags=["vllm-ascend"])
+
+
+async def _granted(request: Request) -> compat.Grant:
+    header = request.headers.get("authorization", "").encode() or None
+    return await compat.authorize(ctx(request), header, request.scope.get("query_string", b""))
+
+
+Granted = Annotated[compat.Grant, Depends(_granted)]
 
 
 @router.post(
@@ -39,9 +51,6 @@ router = APIRouter(tags=["vllm-ascend"])
     },
     summary="Record a vllm-ascend decode engine's blocks (MooncakeLayerwiseConnector)",
 )
-async def post_ascend_binding(request: Request) -> Response:
-    c = ctx(request)
-    grant = await ascend.authorize(c, request.headers.get("authorization", "").encode() or None,
-                                   request.scope.get("query_string", b""))  # fmt: skip
-    reply = await ascend.post_binding(c, grant, await request.body())
+async def post_ascend_binding(request: Request, c: Ctx, grant: Granted) -> Response:
+    reply = await compat.post_binding(c, grant, await request.body())
     return json_bytes(reply.body, reply.status)

@@ -1,15 +1,16 @@
-"""Binding operations, independent of the web framework: the FastAPI routes and the ASGI fast
-path (``metaserver.fastpath``) both call these, so behaviour cannot drift between them."""
+"""Binding operations, independent of the web framework: the FastAPI routes, the ASGI fast path
+(``bindings.fastpath``) and ``POST /v1/batch`` (``bindings.batch``) all call these, so behaviour
+cannot drift between them."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
 
-from metaserver.access import Principal
+from metaserver.access.principal import Principal
 from metaserver.context import Context
 from metaserver.errors import NotFound, StoreUnavailable
-from metaserver.store.base import (
+from metaserver.store.records import (
     BindingPut,
     EventPut,
     PutOutcome,

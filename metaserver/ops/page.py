@@ -1,4 +1,5 @@
-"""``/ui/``: the transfers timeline page (static HTML, JS and CSS shipped in the package).
+"""``/ui/``: the transfers timeline page (static HTML, JS and CSS shipped in the package, under
+``metaserver/ui/``).
 
 The page holds no data: it reads ``GET /v1/bindings``, ``GET /v1/instances`` and
 ``GET /v1/breakdown`` from the browser, so those calls keep their own authorization
