@@ -1,6 +1,8 @@
 """Worker half of the connector (one per TP rank).
 
-* ``ConnectorWorker`` (half.py) — the API vLLM calls on each rank.
+* ``ConnectorWorker`` (half.py) — the API vLLM calls on each rank; P's save path is
+  ``PushSide`` (pushes.py), D's load path ``LoadSide`` (loads.py), D's handshake answer
+  ``Welcomer`` (welcome.py).
 * ``Sender`` (sender.py) — P: event-synchronised, coalesced, batched writes + done signals;
   its thread is loop.py, over batch.py (pieces → writes), writer.py (retried write),
   record.py (bytes, spans, signals), signing.py (digests), ledger.py / transfer.py (state).
