@@ -251,8 +251,8 @@ class ConnectorWorker:
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         sending = set() if self._pushes is None else self._pushes.settled(finished_req_ids)
         self._loads.aborted(finished_req_ids)
-        recving, failed = self._loads.results(self.recompute)
-        return sending, recving, failed
+        ended = self._loads.results(self.recompute)
+        return sending, ended.finished, ended.failed
 
     def silent_loads(self) -> frozenset[str]:
         """Loads failed (this step) because P went silent (see ``RecvTracker.take_silent``)."""

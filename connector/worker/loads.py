@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from connector import wire
 from connector.compat import features
@@ -26,6 +27,13 @@ from connector.worker import digest
 from connector.worker.memory import KVMemory
 from connector.worker.receiver import RecvTracker
 from connector.worker.traces import LoadTraces
+
+
+class Ended(NamedTuple):
+    """The loads a poll ended: the failed ones are in ``finished`` too, as vLLM expects."""
+
+    finished: set[str]
+    failed: set[str]
 
 
 class LoadSide:
@@ -90,8 +98,8 @@ class LoadSide:
     def aborted(self, req_ids: set[str]) -> None:
         self.tracker.aborted(req_ids)
 
-    def results(self, recompute: bool) -> tuple[set[str], set[str]]:
-        """(finished, failed) loads since the last call; ``recompute``: vLLM recomputes a failed
+    def results(self, recompute: bool) -> Ended:
+        """The loads that ended since the last call; ``recompute``: vLLM recomputes a failed
         load (else fails its request)."""
         recving, failed = self.tracker.poll()
         if self._traces is not None:
@@ -105,7 +113,7 @@ class LoadSide:
                 self._stats.add("blocks_pushed", blocks, label=source.prefill)
             elif recompute:
                 self._stats.add("blocks_recomputed", blocks, label=source.prefill)
-        return recving, failed
+        return Ended(recving, failed)
 
     def blocks_of(self, req_ids: set[str]) -> set[int]:
         """The blocks the loads of ``req_ids`` were to fill, for loads the last ``results``
