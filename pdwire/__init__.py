@@ -5,7 +5,10 @@ FastAPI, vLLM, torch or Mooncake.
 
 * ``pdwire.version`` — ``PROTOCOL_VERSION``, carried by bindings and by the P–D handshake;
 * ``pdwire.ids`` — the transfer/instance id pattern (written once) and ``IdMaker``;
-* ``pdwire.models`` — bindings, instances, events and marks: the metaserver's HTTP bodies;
+* ``pdwire.models`` — the metaserver's HTTP bodies under one name, each defined by its module:
+  ``pdwire.bindings`` (bindings, their events and marks), ``pdwire.instances`` (registration),
+  ``pdwire.kvindex`` (KV-event index lookups), ``pdwire.loadboard`` (the proxies' shared load),
+  ``pdwire.batch`` (several writes in one request), over ``pdwire.fields`` (shared field types);
 * ``pdwire.params`` — ``kv_transfer_params`` of each leg and P's push report, one builder and
   one parser per message;
 * ``pdwire.trace`` — the W3C ``traceparent`` the proxy forwards to both legs (parser,

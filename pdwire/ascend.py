@@ -29,8 +29,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdwire.fields import MAX_BLOCKS_PER_GROUP, MAX_KV_GROUPS, MAX_TP_SIZE, BlockId, Host, Port
 from pdwire.ids import ID_PATTERN
-from pdwire.models import MAX_BLOCKS_PER_GROUP, MAX_KV_GROUPS, MAX_TP_SIZE, BlockId, Host, Port
 
 BATCH_KEY = "batch_kv_transfer_params"  # vllm_ascend ... sfa_pd_rd2h/protocol.py
 MAX_BATCH = 256  # prompts of one completions request (the proxy refuses more, in every flow)

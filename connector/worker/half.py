@@ -1,4 +1,16 @@
-"""The worker half: P ranks push (``Sender``), D ranks receive (``RecvTracker``)."""
+"""The worker half: the API vLLM calls on each TP rank, over P's and D's paths.
+
+``ConnectorWorker`` reads the rank's identity and builds what both paths share (transport,
+device, side-channel sealing, stats, tracer, the metaserver writer). Once vLLM registers the KV
+caches: on D, the side-channel server, answering P's handshakes with this rank's KV memory map
+(welcome.py); on P, the sender. Each hook takes in the step's metadata once, whichever sees it
+first: P's chunks and leases go to ``PushSide`` (pushes.py), D's loads to ``LoadSide``
+(loads.py); ``transfer_results`` asks both which requests ended. What P's pushes did goes to
+the metaserver as binding events (``pushing``, ``done``, ``failed``).
+
+vLLM's forward thread runs it, but for the push reports (``_report_pushing``,
+``_report_end``): the sender thread calls them back.
+"""
 
 from __future__ import annotations
 
@@ -9,35 +21,29 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from connector import wire
-from connector.compat import features
 from connector.config import ConnectorSettings
 from connector.device import Device, make_device
-from connector.errors import ConfigError
-from connector.metadata import ABANDONED, Abandoned, PdgateMetadata, SendChunk
-from connector.seal import OVERHEAD, channel_of
+from connector.metadata import PdgateMetadata
+from connector.seal import channel_of
 from connector.stats import StatsCollector
-from connector.tracing import ConnectorTracer, Value, build_tracer, sampled
+from connector.tracing import ConnectorTracer, Value, build_tracer
 from connector.transport import Transport, make_transport
-from connector.untrusted import shown
-from connector.worker import digest
+from connector.worker.loads import LoadSide
 from connector.worker.memory import KVMemory
-from connector.worker.receiver import RecvTracker
+from connector.worker.pushes import PushSide, digests_on
 from connector.worker.sender import Sender, SenderCallbacks, SenderOptions, Transfer
 from connector.worker.side_channel import SideChannelServer
 from connector.worker.tamper import TamperingTransport
-from connector.worker.traces import LoadTraces, PushTrace
 from connector.worker.transfer import overlap_of
+from connector.worker.welcome import Welcomer
 from pdwire.client import BackgroundWriter, MetaserverClient
 from pdwire.models import BindingState, EventDetail
-from pdwire.version import PROTOCOL_VERSION, mismatch
+from pdwire.version import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 log = logging.getLogger("pdgate.connector.worker")
-
-PREEMPT_WAIT_S = 30.0
 
 
 class ConnectorWorker:
@@ -109,19 +115,7 @@ class ConnectorWorker:
                 MetaserverClient(settings.metaserver_url, token=settings.token)
             )
         self.memory: KVMemory | None = None
-        self.sender: Sender | None = None
-        self.tamper: TamperingTransport | None = None  # TEST ONLY: ``test_corrupt_push``
         self.server: SideChannelServer | None = None
-        self.tracker = RecvTracker(
-            settings.kv_load_timeout_s,
-            clock,
-            landing_wait_s=settings.landing_wait_s,
-            # the scheduler quarantines what a silent P may still write only where vLLM hands
-            # the connector its KV cache manager
-            silence_s=settings.silence_s if features().bind_manager else 0.0,
-            stats=self.stats,
-        )
-        self.tracker.on_landed = self._count_landed
         if tracer is None:
             resource: dict[str, Value] = {
                 "pdgate.instance_id": self.actor,
@@ -130,14 +124,10 @@ class ConnectorWorker:
             }
             tracer = build_tracer(settings.otlp_traces_endpoint, resource)
         self.tracer = tracer
-        self._loads = LoadTraces(tracer) if tracer is not None else None
+        self._loads = LoadSide(settings, self.stats, tracer, clock)  # D's path
+        self.tracker = self._loads.tracker
+        self._pushes: PushSide | None = None  # P's path, once the KV caches are registered
         self._absorbed: PdgateMetadata | None = None
-        self._sends: set[str] = set()  # req ids this rank knows as sending
-        self._last_queued: set[str] = set()  # req ids whose end (done/failed) is queued
-        self._finished: set[str] = set()  # finished on P, waiting for pushes to settle
-        self._abandoned: set[str] = set()  # ledger keys of leases closed for dropped requests
-        self._recv_blocks: dict[str, list[int]] = {}  # D: the blocks each expected load fills
-        self._ended_blocks: dict[str, list[int]] = {}  # ... of the loads the last poll ended
 
     @property
     def transport(self) -> Transport:
@@ -152,12 +142,21 @@ class ConnectorWorker:
             )
         return self._transport
 
+    @property
+    def sender(self) -> Sender | None:
+        return None if self._pushes is None else self._pushes.sender
+
+    @property
+    def tamper(self) -> TamperingTransport | None:
+        """TEST ONLY: ``test_corrupt_push``."""
+        return None if self._pushes is None else self._pushes.tamper
+
     # ---- setup ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         self._kv_caches = dict(kv_caches)  # registered memory must outlive us, whoever owns it
         self.memory = KVMemory.of(kv_caches, self.block_size)
         self.memory.register(self.transport)
-        verify = self._digests_on()
+        verify = digests_on(self.settings, self.transport, self.device, self.rank)
         log.info(
             "rank %d registered %d KV layers (%s) with %s",
             self.rank,
@@ -165,26 +164,34 @@ class ConnectorWorker:
             self.memory.summary(),
             self.transport.session,
         )
+        self._loads.attach(self.memory)
         if self.role in ("kv_consumer", "kv_both"):
-            self._check_welcome_fits()
+            welcomer = Welcomer(
+                self.engine_id,
+                self.epoch,
+                self.rank,
+                self.tp_size,
+                self.protocol,
+                self.memory,
+                self.transport,
+            )
+            welcomer.check_fits()
             if self.device.name != "npu":  # check whatever digests P ranks send
-                memory, checksums = self.memory, self.device.checksums
-                self.tracker.verify = lambda sig: digest.check(memory, sig.digests, checksums)
-                self.tracker.require_digests = self.settings.verify_kv
+                self._loads.check_landed(self.device.checksums, self.settings.verify_kv)
             port = self.settings.side_channel_port + self.rank
             self.server = SideChannelServer(
                 self.settings.side_channel_host or "0.0.0.0",
                 port,
-                self._welcome,
-                self.tracker.on_signal if self._loads is None else self._on_signal,
+                welcomer.answer,
+                self._loads.on_signal,
                 self.tracker.on_alive,
                 self.channel,
                 self.tracker.on_digests,
             )
         if self.role in ("kv_producer", "kv_both"):
-            self.sender = self._make_sender(self.memory, verify)
+            self._pushes = self._push_side(self.memory, verify)
 
-    def _make_sender(self, memory: KVMemory, verify: bool) -> Sender:
+    def _push_side(self, memory: KVMemory, verify: bool) -> PushSide:
         s = self.settings
         options = SenderOptions(
             engine_id=self.engine_id,
@@ -199,89 +206,16 @@ class ConnectorWorker:
             keepalive_s=s.keepalive_s,
             instance_id=self.actor,
         )
-        transport: Transport = self.transport
-        checksums: digest.Checksums = self.device.checksums
-        if s.test_corrupt_push:  # TEST ONLY: D gets garbage for a block; see worker/tamper.py
-            self.tamper = TamperingTransport(transport, memory.block_bytes, options.me)
-            transport = self.tamper
-            if verify and not s.verify_kv:  # arrival digests describe the bytes sent
-                checksums = self.tamper.sent_checksums(checksums)
-        callbacks = SenderCallbacks(on_end=self._report_end, on_first_write=self._report_pushing)
-        return Sender(
-            transport,
+        return PushSide(
+            s,
+            self.transport,
             memory,
             options,
-            callbacks,
-            checksums=checksums,
+            SenderCallbacks(on_end=self._report_end, on_first_write=self._report_pushing),
+            checksums=self.device.checksums,
             stats=self.stats,
             channel=self.channel,
-        )
-
-    def _digests_on(self) -> bool:
-        """P signs its pieces with ``verify_kv``, and always when the transport's writes finish
-        before they land (the digests then double as D's proof of arrival). NPU memory cannot
-        be read for digests: ``verify_kv`` is refused there."""
-        s = self.settings
-        lands = self.transport.lands_on_completion
-        if self.device.name == "npu":
-            if s.verify_kv:
-                raise ConfigError(
-                    "verify_kv reads the pushed KV back for checksums, which pdgate cannot do "
-                    "on npu memory: turn verify_kv off (Mooncake ascend writes land on "
-                    "completion)"
-                )
-            if not lands:
-                log.warning(
-                    "rank %d: %s writes finish before the bytes land and npu memory cannot be "
-                    "checked: D may decode from KV still in flight; use ascend",
-                    self.rank,
-                    s.mooncake_protocol,
-                )
-            return False
-        if s.verify_kv:
-            log.info(
-                "rank %d: verify_kv on (crc32 of every pushed piece, checked on D; %s memory)",
-                self.rank,
-                self.device.name,
-            )
-        elif not lands:
-            log.info(
-                "rank %d: %s writes finish before they land; P signs each piece so that D "
-                "waits for its bytes (crc32, checked on D)",
-                self.rank,
-                s.mooncake_protocol,
-            )
-        return s.verify_kv or not lands
-
-    def _check_welcome_fits(self) -> None:
-        """D's handshake answer describes every layer: refuse to start rather than serve an
-        answer no P would read (``wire.MAX_FRAME_BYTES``)."""
-        size = len(wire.encode(self._welcome(wire.Hello(self.engine_id, self.protocol)))) + OVERHEAD
-        if size > wire.MAX_FRAME_BYTES:
-            raise ConfigError(
-                f"this engine's side-channel Welcome (its KV memory map: "
-                f"{len(self.memory.layer_names) if self.memory else 0} layers) takes {size} "
-                f"bytes, more than the {wire.MAX_FRAME_BYTES} a side-channel frame may"
-            )
-
-    def _welcome(self, hello: wire.Hello) -> wire.Welcome | wire.Refused:
-        if self.memory is None:
-            return wire.Refused("KV caches not registered yet", self.protocol)
-        why = mismatch(hello.protocol, f"P engine {shown(hello.p_engine_id)}", self.protocol)
-        if why is not None:
-            log.warning("rank %d refuses a handshake: %s", self.rank, why)
-            return wire.Refused(why, self.protocol)
-        return wire.Welcome(
-            engine_id=self.engine_id,
-            epoch=self.epoch,
-            tp_rank=self.rank,
-            tp_size=self.tp_size,
-            session=self.transport.session,
-            layer_names=self.memory.layer_names,
-            layer_bases=self.memory.bases,
-            layouts=self.memory.layouts,
-            layer_layouts=self.memory.layer_layout,
-            protocol=self.protocol,
+            tracer=self.tracer,
         )
 
     # ---- per step -------------------------------------------------------------------------
@@ -290,110 +224,35 @@ class ConnectorWorker:
         if meta is self._absorbed:
             return
         self._absorbed = meta
-        for recv in meta.recvs:
-            self.tracker.expect(recv.req_id, recv.transfer_id)
-            self._recv_blocks[recv.req_id] = recv.block_ids[recv.load_from :]
-            if self._loads is not None and (parent := sampled(recv.traceparent)) is not None:
-                blocks = len(recv.block_ids) - recv.load_from
-                self._loads.open(parent, recv.req_id, recv.transfer_id, blocks)
-        for req_id in meta.failed_recvs:
-            self.tracker.fail(req_id)
-        if meta.released_recvs:
-            self.tracker.release(meta.released_recvs)
-        if self.sender is not None:
-            for chunk in meta.sends:
-                log.debug(
-                    "step: %s pushes %d blocks (last=%s)",
-                    chunk.transfer_id,
-                    len(chunk.pairs),
-                    chunk.last,
-                )
-                self._sends.add(chunk.req_id)
-                self.sender.prefetch(chunk)
-                if self.tracer is not None and chunk.traceparent:
-                    self._trace_push(chunk.req_id, chunk.traceparent)
-            for lease in meta.abandoned:
-                self._close_lease(lease)
-
-    def _close_lease(self, lease: Abandoned) -> None:
-        """A lease whose request vLLM dropped before any chunk came here: D gets a failed end.
-        Keyed apart from vLLM's request ids; reported to no one, forgotten once sent."""
-        assert self.sender is not None
-        key = f"lease:{lease.transfer_id}"
-        chunk = SendChunk(
-            key, lease.transfer_id, lease.dest, [], True, ABANDONED, lease.traceparent
-        )
-        self.sender.prefetch(chunk)
-        self.sender.end(key, ABANDONED)
-        self._abandoned.add(key)
+        self._loads.absorb(meta)
+        if self._pushes is not None:
+            self._pushes.absorb(meta)
 
     def handle_preemptions(self, meta: PdgateMetadata) -> None:
         """Before the forward may reuse a preempted request's blocks, let its pushes drain."""
         self._absorb(meta)
-        if self.sender is None:
-            return
-        for chunk in meta.sends:
-            if chunk.fail and not self.sender.wait_quiet(chunk.req_id, PREEMPT_WAIT_S):
-                log.error(
-                    "pushes of preempted %s still running after %ss", chunk.req_id, PREEMPT_WAIT_S
-                )
+        if self._pushes is not None:
+            self._pushes.handle_preemptions(meta)
 
     def start_step(self, meta: PdgateMetadata) -> None:
         self._absorb(meta)
 
     def save_layer(self, meta: PdgateMetadata, layer_name: str) -> None:
         self._absorb(meta)
-        if self.sender is None or not meta.sends or self.memory is None:
-            return
-        layer = self.memory.index().get(layer_name)
-        if layer is None:
-            return
-        event = self.device.record_event()
-        for chunk in meta.sends:
-            self.sender.push_layer(chunk, layer, event)
+        if self._pushes is not None:
+            self._pushes.save_layer(meta, layer_name, self.device)
 
     def end_step(self, meta: PdgateMetadata) -> None:
         """After the step's last layer: queue the end of transfers whose prefill ended."""
         self._absorb(meta)
-        if self.sender is None:
-            return
-        for chunk in meta.sends:
-            if chunk.last and chunk.req_id not in self._last_queued:
-                self._last_queued.add(chunk.req_id)
-                self.sender.end(chunk.req_id, chunk.fail)
+        if self._pushes is not None:
+            self._pushes.end_step(meta)
 
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        sending: set[str] = set()
-        if self.sender is not None:
-            ended = finished_req_ids & self._sends
-            for req_id in ended - self._last_queued:  # aborted before its prefill completed
-                self._last_queued.add(req_id)
-                self.sender.end(req_id, "prefill request ended before its last chunk")
-            self._finished |= ended
-            for key in [k for k in self._abandoned if self.sender.settled(k)]:
-                self._abandoned.discard(key)
-                self.sender.forget(key)
-            for req_id in list(self._finished):
-                if self.sender.settled(req_id):
-                    sending.add(req_id)
-                    self._finished.discard(req_id)
-                    self._sends.discard(req_id)
-                    self._last_queued.discard(req_id)
-                    self.sender.forget(req_id)
-        self.tracker.aborted(finished_req_ids)
-        recving, failed = self.tracker.poll()
-        if self._loads is not None:
-            self._loads.ended(recving, failed)
-        if failed and self.recompute:
-            self.stats.add("recomputes", len(failed))
-        self._ended_blocks = {r: self._recv_blocks.pop(r, []) for r in recving}
-        for req_id, source in self.tracker.take_sources().items():
-            blocks = len(self._ended_blocks.get(req_id, ()))
-            if source.intact:
-                self.stats.add("blocks_pushed", blocks, label=source.prefill)
-            elif self.recompute:
-                self.stats.add("blocks_recomputed", blocks, label=source.prefill)
-        return sending, recving, failed
+        sending = set() if self._pushes is None else self._pushes.settled(finished_req_ids)
+        self._loads.aborted(finished_req_ids)
+        ended = self._loads.results(self.recompute)
+        return sending, ended.finished, ended.failed
 
     def silent_loads(self) -> frozenset[str]:
         """Loads failed (this step) because P went silent (see ``RecvTracker.take_silent``)."""
@@ -403,36 +262,17 @@ class ConnectorWorker:
         """Loads that ended intact since the last call, with when their KV was all there."""
         return self.tracker.take_ready()
 
-    def _count_landed(self, req_id: str) -> None:
-        """A load ended intact: its blocks hold P's KV now."""
-        blocks = len(self._recv_blocks.get(req_id, ()))
-        if blocks and self.memory is not None:
-            self.stats.add("recv_blocks", blocks)
-            self.stats.add("recv_bytes", blocks * self.memory.bytes_per_block)
-
     def blocks_of(self, req_ids: set[str]) -> set[int]:
         """The blocks the loads of ``req_ids`` were to fill, for loads the last
         ``transfer_results`` ended (vLLM before 0.32 learns of failed loads by block)."""
-        return {b for r in req_ids for b in self._ended_blocks.get(r, ())}
+        return self._loads.blocks_of(req_ids)
 
+    # ---- what P's pushes did, to the metaserver (the sender thread) ------------------------
     def _report_pushing(self, tr: Transfer) -> None:
         """A leg's first write landed: "pushing" once per request (its first leg to land)."""
         if self._events is not None and not any(leg.announced for leg in tr.legs if leg is not tr):
             detail = EventDetail(bytes_pushed=tr.bytes)
             self._events.post_event(tr.transfer_id, BindingState.PUSHING, self.actor, detail)
-
-    def _on_signal(self, sig: wire.Signal) -> None:
-        self.tracker.on_signal(sig)
-        assert self._loads is not None
-        self._loads.signal(sig)
-
-    def _trace_push(self, req_id: str, traceparent: str) -> None:
-        """Trace each leg of a sampled push (a span per D rank written)."""
-        assert self.sender is not None
-        parent = sampled(traceparent)
-        for tr in self.sender.transfers.get(req_id, ()):
-            if tr.trace is None and parent is not None:
-                tr.trace = PushTrace(parent, time.time())
 
     def _report_end(self, tr: Transfer) -> None:
         """A leg's signal went out; once every leg's has, the request's outcome goes to the

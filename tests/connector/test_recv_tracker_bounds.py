@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from connector import wire
-from connector.worker import receiver
+from connector.worker import arrivals
 from connector.worker.receiver import RecvTracker
 
 MAX_EARLY = 4096  # transfers D holds early signals or keep-alives for
@@ -69,7 +69,7 @@ def test_early_entries_are_capped_oldest_first_counted_and_logged_once(
     for tid in _tids(10, "sig"):
         tracker.on_signal(wire.Signal(tid, "evil/0", True, 1))
     assert getattr(tracker, "early_dropped", None) == 1000 + 10
-    assert receiver.MAX_EARLY == MAX_EARLY and tracker.early_held() == MAX_EARLY
+    assert arrivals.MAX_EARLY == MAX_EARLY and tracker.early_held() == MAX_EARLY
     dropped = [r for r in caplog.records if "dropped" in r.getMessage()]
     assert len(dropped) == 1
     # the newest are the ones kept: a request that shows up now finds its early signal
@@ -110,6 +110,6 @@ def test_poll_work_does_not_grow_with_the_early_entries_held() -> None:
 def test_digests_ahead_of_signals_are_kept_for_so_many_senders_only() -> None:
     tracker = RecvTracker(120.0, Clock())
     tracker.expect("req", "mine")
-    for i in range(3 * receiver.MAX_SENDERS):
+    for i in range(3 * arrivals.MAX_SENDERS):
         tracker.on_digests(wire.Digests("mine", f"evil/{i}", [(0, 4096, 64, 7)]))
-    assert tracker.digest_senders("mine") == receiver.MAX_SENDERS
+    assert tracker.digest_senders("mine") == arrivals.MAX_SENDERS
