@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from connector import tp
 from connector.device import Event
@@ -21,7 +21,7 @@ from connector.worker.overlap import overlap
 from pdwire.push_summary import PushOverlap
 
 if TYPE_CHECKING:
-    from connector.worker.traces import PushTrace
+    from connector.tracing import ConnectorTracer
 
 LayoutKey = tuple[int, int]  # (P layout index, D layout index)
 
@@ -31,6 +31,17 @@ class Span(NamedTuple):
 
     start: float
     end: float
+
+
+class TransferTrace(Protocol):
+    """A traced transfer's record (``connector.worker.traces.PushTrace``): told each write
+    (sender thread), its error, and emitted when the transfer ends."""
+
+    error: str
+
+    def wrote(self, pairs: list[tuple[int, int]], layer: int, nbytes: int, span: Span) -> None: ...
+
+    def emit(self, tracer: ConnectorTracer, tr: Transfer, sender: str) -> None: ...
 
 
 @dataclass
@@ -65,7 +76,7 @@ class Transfer:
     compute_end: float = 0.0
     ended_at: float = 0.0
     settle_s: float = 0.0  # a write failed: its pieces may land this long after (see Signal)
-    trace: PushTrace | None = None  # tracing on and the proxy's context sampled
+    trace: TransferTrace | None = None  # tracing on and the proxy's context sampled
 
     @property
     def d_port(self) -> int:
