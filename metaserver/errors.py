@@ -1,4 +1,4 @@
-"""The metaserver's exception tree; ``app.install_error_handlers`` maps it to HTTP status once.
+"""The metaserver's exception tree; ``app._install_error_handlers`` maps it to HTTP status once.
 
 MetaserverError
 ├── NotFound              404

@@ -49,7 +49,7 @@ RECONNECT_S = 0.5
 
 @dataclass(frozen=True, slots=True)
 class Source:
-    """Where an instance publishes (``pdwire.models.KVEventsEndpoint``, host resolved)."""
+    """Where an instance publishes (``pdwire.models.KVEvents``, host resolved)."""
 
     endpoint: str
     replay_endpoint: str | None
