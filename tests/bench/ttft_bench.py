@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
 
+from launch.credentials import ADMIN_TOKEN  # noqa: E402
 from launch.options import Child  # noqa: E402
 from launch.plan import build_plan  # noqa: E402
 from launch.smollm2 import make_smollm2  # noqa: E402
@@ -177,6 +178,7 @@ class Bench:
             extra_proxy_args=(*base.extra_proxy_args, *self.args.proxy_arg),
         )
         plan = build_plan(opts)
+        admin = (Path(opts.credentials_dir) / ADMIN_TOKEN).read_text().strip()
         children = pin_plan(plan.children) if self.args.pinned else plan.children
         d_metrics = plan.decode_urls[0] + "/metrics"  # one D: its wait is the flow's
         sup = self._supervisor(children, "pd")
@@ -191,7 +193,7 @@ class Bench:
                 self.measure(plan.proxy_url, flow, flow, cells, d_metrics)
                 time.sleep(0.5)  # the done events are posted in the background
                 flow_cells = [cells[(flow, s)] for s in self.args.sizes if (flow, s) in cells]
-                n = attach_bindings(plan.metaserver_url, flow_cells)
+                n = attach_bindings(plan.metaserver_url, flow_cells, admin)
                 say(f"{flow}: push statistics found for {n} requests")
         finally:
             say("stopping the 1P1D deployment")

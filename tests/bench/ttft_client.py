@@ -130,11 +130,13 @@ def ttft(
 PHASES = ("to D's binding", "to P's start", "P compute", "P end to 1st token")
 
 
-def attach_bindings(metaserver: str, cells: list[Cell]) -> int:
+def attach_bindings(metaserver: str, cells: list[Cell], token: str | None = None) -> int:
     """Match the metaserver's bindings to the cells' samples (prompt length, creation time in
     the request's wall-clock window); keep each ``done`` event's push statistics and the
-    request's timeline. Returns how many samples found their binding."""
-    with httpx.Client(timeout=10) as http:
+    request's timeline. Returns how many samples found their binding. ``token``: a credential
+    the metaserver's reads take (pd-launch's admin token)."""
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    with httpx.Client(timeout=10, headers=headers) as http:
         r = http.get(metaserver + "/v1/bindings", params={"limit": 1000})
         r.raise_for_status()
         bindings: list[dict[str, Any]] = r.json().get("bindings", [])
