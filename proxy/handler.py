@@ -252,12 +252,16 @@ class CompletionsHandler:
         started = complete = False
         outcome, status = "ok", 200
         tape = self._migrator.tape(req)
-        stream_headers = [(b"content-type", EVENT_STREAM), *extra, (b"cache-control", b"no-cache")]
-        early = (
-            EarlyFirst.of(req, tape, flow, send, stream_headers, rt.metrics)
-            if self._early
-            else None
-        )
+        stream_headers: list[tuple[bytes, bytes]] = []
+        early = None
+        if req.stream:  # a non-streamed request builds neither
+            stream_headers = [
+                (b"content-type", EVENT_STREAM),
+                *extra,
+                (b"cache-control", b"no-cache"),
+            ]
+            if self._early:
+                early = EarlyFirst.of(req, tape, flow, send, stream_headers, rt.metrics)
         try:
             first, at.d, used = await rt.dispatcher.open(
                 req, scope["path"], flow, span, early=early
